@@ -1,0 +1,358 @@
+"""Run config: one YAML file per run, parsed strictly into these Structs.
+
+Unknown keys and bad values are errors that name the key, the value and what is allowed
+(:class:`ConfigError`). Command-line overrides ``section.key=value`` are applied to the raw
+mapping before validation, so they are checked exactly like the file.
+
+This module does no I/O: callers read the file and pass its text.
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config problem, with a one-line message that names the key."""
+
+
+class Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of config sections: strict (unknown keys are errors)."""
+
+
+# --------------------------------------------------------------------------- infrastructure
+
+
+class KafkaSettings(Section):
+    """How to reach Kafka. Security settings pass straight through to aiokafka."""
+
+    bootstrap: str = ""
+    """``host:port[,host:port]``; empty = the local broker started by ``rollstream stack up``
+    (or ``$ROLLSTREAM_BOOTSTRAP``)."""
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    """Kafka ``security.protocol``."""
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "GSSAPI", "OAUTHBEARER"] = "PLAIN"
+    """SASL mechanism when the protocol is ``SASL_*``."""
+    sasl_username: str = ""
+    """SASL user (PLAIN / SCRAM)."""
+    sasl_password: str = ""
+    """SASL password (PLAIN / SCRAM); prefer ``$ROLLSTREAM_SASL_PASSWORD`` over the file."""
+    ssl_cafile: str = ""
+    """CA bundle (PEM) to verify the brokers, for ``SSL`` / ``SASL_SSL``."""
+    ssl_certfile: str = ""
+    """Client certificate (PEM) for mutual TLS."""
+    ssl_keyfile: str = ""
+    """Client private key (PEM) for mutual TLS."""
+    client_id: str = "rollstream"
+    """Prefix of the Kafka client id of every producer/consumer."""
+    request_timeout_s: float = 30.0
+    """Kafka request timeout, seconds."""
+    connect_timeout_s: float = 10.0
+    """How long to wait for the first connection before failing with a clear error, seconds."""
+
+
+class StoreSettings(Section):
+    """Where the record of runs goes (ClickHouse through clickhouse-connect)."""
+
+    dsn: str = ""
+    """``chdb:///path`` (embedded engine, on disk) or ``http(s)://user:pass@host:8123/db``.
+    Empty = ``chdb:///<runs_dir>/<run_id>/store``."""
+
+
+# --------------------------------------------------------------------------- the run
+
+
+class RunSection(Section):
+    """Identity and bookkeeping of the run."""
+
+    name: str = "run"
+    """Prefix of generated run ids (``<name>-<timestamp>``)."""
+    runs_dir: str = "runs"
+    """Directory holding one folder per run (weights, checkpoints, logs, store, summary)."""
+    seed: int = 0
+    """Seed of every random generator of the run."""
+    max_wall_s: float = 3600.0
+    """Stop the run (status ``stopped``) when it has run this long, seconds."""
+
+
+class TinyModelSpec(Section):
+    """Shape of the tiny model ``init-model`` creates (a standard Llama-architecture LM)."""
+
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    num_layers: int = 4
+    """Transformer blocks."""
+    num_heads: int = 4
+    """Attention heads."""
+    intermediate_size: int = 384
+    """MLP width."""
+    max_position_embeddings: int = 256
+    """Longest sequence, tokens."""
+
+
+class ModelConfig(Section):
+    """The policy model (Hugging Face format, local directory)."""
+
+    path: str = ""
+    """Local HF model directory; empty = create a tiny model in the run directory."""
+    init: TinyModelSpec = msgspec.field(default_factory=TinyModelSpec)
+    """Used only when ``path`` is empty or does not exist yet."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype for rollout and training."""
+
+
+class DomainConfig(Section):
+    """One task domain: a generator of prompts and the verifier that scores them."""
+
+    name: str
+    """Domain tag carried by every task of this domain."""
+    source: str = "arith"
+    """Registered task source (procedural generator or shipped dataset)."""
+    verifier: str = ""
+    """Registered verifier; empty = the source's default."""
+    ratio: float = 1.0
+    """Relative share of prompts from this domain (normalised over domains)."""
+    kwargs: dict[str, str | int | float | bool] = msgspec.field(default_factory=dict)
+    """Arguments of the task source."""
+
+
+class DataConfig(Section):
+    """Where prompts come from."""
+
+    domains: list[DomainConfig] = msgspec.field(default_factory=lambda: [DomainConfig(name="arith")])
+    """Domains mixed by ``ratio``."""
+    heldout_size: int = 128
+    """Fixed held-out prompts per domain for greedy evaluation (never trained on)."""
+
+
+class RolloutConfig(Section):
+    """Generation."""
+
+    engine: Literal["torch", "vllm"] = "torch"
+    """Engine behind ``rollout.Engine``: ``torch`` (transformers, CPU or GPU) or ``vllm``."""
+    workers: int = 1
+    """Rollout worker processes (one consumer group on ``tasks``)."""
+    group_size: int = 8
+    """``n``: independent samples per prompt (a group)."""
+    async_ratio: float = 1.0
+    """Feeder keeps at most ``train.batch_size × (1 + async_ratio)`` samples outstanding;
+    0 = synchronous on-policy."""
+    max_new_tokens: int = 32
+    """Cap on generated tokens per sample."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, ``(0, 1]``."""
+    max_batch: int = 64
+    """Concurrent sequences per worker (continuous batching slots)."""
+
+
+class TrainConfig(Section):
+    """The trainer."""
+
+    strategy: Literal["torch", "fsdp2", "megatron"] = "torch"
+    """Training strategy behind ``trainer.Strategy``."""
+    steps: int = 40
+    """Optimizer steps of the run."""
+    batch_size: int = 64
+    """Samples per optimizer step (a multiple of ``rollout.group_size``: whole groups)."""
+    lr: float = 1e-5
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 = off)."""
+    micro_batch_size: int = 16
+    """Samples per forward/backward pass (gradient accumulation over the batch)."""
+    max_staleness: int = 1
+    """Accept a sample only if ``trainer_version − policy_version ≤ max_staleness``."""
+    checkpoint_every: int = 10
+    """Save a resumable checkpoint every K steps (0 = only at the end)."""
+    eval_every: int = 5
+    """Greedy evaluation on the held-out set every K steps (0 = only start and end)."""
+    warmup_sft_steps: int = 0
+    """Supervised warm-up steps on generated solutions before RL (0 = none)."""
+    warmup_lr: float = 1e-3
+    """Learning rate of the supervised warm-up."""
+    warmup_batch_size: int = 32
+    """Examples per supervised warm-up step."""
+
+
+class AlgorithmConfig(Section):
+    """RL algorithm knobs (names follow ROLL / verl)."""
+
+    adv_estimator: Literal["grpo"] = "grpo"
+    """Advantage estimator."""
+    pg_clip: float = 0.2
+    """PPO ratio clip ε."""
+    norm_std: bool = True
+    """Divide group-centred rewards by the group std (GRPO); False = Dr.GRPO-style."""
+
+
+class RunConfig(Section):
+    """A whole run."""
+
+    run: RunSection = msgspec.field(default_factory=RunSection)
+    kafka: KafkaSettings = msgspec.field(default_factory=KafkaSettings)
+    store: StoreSettings = msgspec.field(default_factory=StoreSettings)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    train: TrainConfig = msgspec.field(default_factory=TrainConfig)
+    algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
+
+    def __post_init__(self) -> None:
+        if self.train.batch_size % self.rollout.group_size:
+            raise ValueError(
+                f"train.batch_size={self.train.batch_size} must be a multiple of "
+                f"rollout.group_size={self.rollout.group_size} (batches hold whole groups)"
+            )
+        if self.rollout.async_ratio < 0:
+            raise ValueError(f"rollout.async_ratio={self.rollout.async_ratio} must be >= 0")
+        if self.rollout.temperature <= 0:
+            raise ValueError(f"rollout.temperature={self.rollout.temperature} must be > 0")
+        if not 0 < self.rollout.top_p <= 1:
+            raise ValueError(f"rollout.top_p={self.rollout.top_p} must be in (0, 1]")
+        if self.train.max_staleness < 0:
+            raise ValueError(f"train.max_staleness={self.train.max_staleness} must be >= 0")
+
+    @property
+    def max_inflight(self) -> int:
+        """Samples the feeder keeps outstanding: ``batch_size × (1 + async_ratio)``."""
+        return int(self.train.batch_size * (1 + self.rollout.async_ratio))
+
+
+# --------------------------------------------------------------------------- parsing
+
+_PATH_RE = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+
+
+def _walk(obj: Any, path: list[str]) -> Any:
+    for part in path:
+        if isinstance(obj, dict) and part in obj:
+            obj = obj[part]
+        elif isinstance(obj, list) and part.isdigit() and int(part) < len(obj):
+            obj = obj[int(part)]
+        else:
+            return None
+    return obj
+
+
+def _split_path(path: str) -> list[str]:
+    # msgspec paths look like ".train.lr" or ".data.domains[0].name"
+    return [p for p in re.split(r"[.\[\]]", path) if p]
+
+
+def _field_type(root: type, path: list[str]) -> Any:
+    """The annotated type at ``path`` below Struct ``root`` (``None`` if not found)."""
+    tp: Any = root
+    for part in path:
+        if part.isdigit():
+            args = typing.get_args(tp)
+            tp = args[0] if args else None
+            continue
+        if not (isinstance(tp, type) and issubclass(tp, msgspec.Struct)):
+            return None
+        hints = typing.get_type_hints(tp)
+        if part not in hints:
+            return None
+        tp = hints[part]
+    return tp
+
+
+def _allowed(tp: Any) -> str:
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        return "keys: " + ", ".join(tp.__struct_fields__)
+    if typing.get_origin(tp) is Literal:
+        return "one of: " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if tp is not None:
+        return "type: " + getattr(tp, "__name__", str(tp))
+    return ""
+
+
+def format_validation_error(err: Exception, raw: dict[str, Any], root: type = RunConfig) -> str:
+    """Turn a msgspec error into ``config: <key>: <problem> (value ...; allowed ...)``."""
+    msg = str(err)
+    m = _PATH_RE.search(msg)
+    path = _split_path(m.group("path")) if m else []
+    problem = _PATH_RE.sub("", msg)
+    unknown = re.match(r"Object contains unknown field `(?P<f>[^`]+)`", problem)
+    if unknown:
+        key = ".".join([*path, unknown.group("f")])
+        return f"config: unknown key '{key}' ({_allowed(_field_type(root, path))})"
+    if not path:
+        return f"config: {problem}"
+    key = ".".join(path)
+    value = _walk(raw, path)
+    extra = _allowed(_field_type(root, path))
+    parts = [f"config: {key}: {problem}"]
+    if value is not None:
+        parts.append(f"got {value!r}")
+    if extra:
+        parts.append(f"allowed {extra}")
+    return parts[0] + (" (" + "; ".join(parts[1:]) + ")" if len(parts) > 1 else "")
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Apply ``a.b.c=value`` (value parsed as YAML) to the raw mapping in place."""
+    key, sep, text = assignment.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. train.lr=1e-5")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {key}: value {text!r} is not valid YAML ({e.__class__.__name__})") from None
+    node: Any = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+            continue
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: '{part}' is not a section")
+        node = node.setdefault(part, {})
+    last = parts[-1]
+    if isinstance(node, list) and last.isdigit() and int(last) < len(node):
+        node[int(last)] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise ConfigError(f"--set {key}: parent is not a section")
+
+
+def parse_raw(raw: Any, overrides: list[str] | tuple[str, ...] = (), root: type = RunConfig) -> Any:
+    """Validate a raw mapping (plus overrides) into ``root`` or raise :class:`ConfigError`."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: the top level must be a mapping of sections, got {type(raw).__name__}")
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    try:
+        return msgspec.convert(raw, root, strict=False)
+    except msgspec.ValidationError as e:
+        raise ConfigError(format_validation_error(e, raw, root)) from None
+    except ValueError as e:  # __post_init__ cross-field checks
+        raise ConfigError(f"config: {e}") from None
+
+
+def parse_config(text: str, overrides: list[str] | tuple[str, ...] = (), source: str = "<config>") -> RunConfig:
+    """Parse YAML text into a :class:`RunConfig` or raise :class:`ConfigError`."""
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{source}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    return typing.cast(RunConfig, parse_raw(raw, overrides))
+
+
+def to_dict(cfg: msgspec.Struct) -> dict[str, Any]:
+    """The config as plain builtins (for JSON / YAML output)."""
+    return typing.cast(dict[str, Any], msgspec.to_builtins(cfg))

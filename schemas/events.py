@@ -1,0 +1,321 @@
+"""Every event of a run, as msgspec Structs encoded as msgpack.
+
+Rules (DESIGN.md, "Events and topics"):
+
+* Events are facts: frozen Structs, never mutated; a change is a new event.
+* Every event carries ``run_id``, a unique ``event_id`` and ``ts`` (unix seconds, float);
+  events produced under a policy carry ``policy_version``.
+* Each topic's events form a tagged union (tag field ``kind``, tag = class name), so one
+  decoder per topic turns bytes into the right type.
+* Evolution: a new field gets a default and goes last; a field never changes type; a tag is
+  never reused. Structs are encoded as maps (not arrays), so old payloads decode in newer
+  versions and newer payloads decode in older ones (unknown fields are ignored on decode).
+  ``tests/schemas/fixtures`` keeps encoded events of every released version.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+import msgspec
+
+
+def new_event_id() -> str:
+    """A random 128-bit id as 32 hex characters."""
+    return uuid.uuid4().hex
+
+
+def now_s() -> float:
+    """Wall-clock time in unix seconds."""
+    return time.time()
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag=True):
+    """Fields every event has."""
+
+    run_id: str
+    """The run this event belongs to."""
+    event_id: str = msgspec.field(default_factory=new_event_id)
+    """Unique id of this event; consumers dedupe on it."""
+    ts: float = msgspec.field(default_factory=now_s)
+    """When the event was created, unix seconds."""
+
+
+# --------------------------------------------------------------------------- env spec
+
+
+class EnvSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Which environment (or single-step verifier) judges a sample, and its arguments."""
+
+    name: str
+    """Registered environment / verifier name, e.g. ``arith`` or ``math``."""
+    kwargs: dict[str, str | int | float | bool] = msgspec.field(default_factory=dict)
+    """Environment arguments (JSON-like scalars only)."""
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+class RolloutTask(Event, frozen=True, kw_only=True):
+    """One sample to generate: a prompt replicated ``group_size`` times shares ``group_id``."""
+
+    sample_id: str
+    """Unique id of this sample (``<group_id>/<index>``)."""
+    group_id: str
+    """The prompt's group: all replicas of one prompt share it."""
+    index: int
+    """Replica index within the group, ``0 .. group_size - 1``."""
+    group_size: int
+    """How many replicas of this prompt the group needs (``n``)."""
+    prompt_id: str
+    """Stable id of the prompt in its task source (the same across groups and runs)."""
+    domain: str
+    """Domain tag used for routing to a verifier and for mixing ratios."""
+    prompt: str
+    """Prompt text, already formatted with the chat/template of the run."""
+    reference: str = ""
+    """Ground truth for the verifier (an answer, test cases as JSON, ...)."""
+    env: EnvSpec | None = None
+    """Environment or verifier spec; ``None`` means the domain's configured default."""
+    policy_version: int = 0
+    """Latest weights version the feeder had seen when it issued the task."""
+    max_new_tokens: int | None = None
+    """Per-task cap on generated tokens; ``None`` uses the rollout config."""
+
+
+# --------------------------------------------------------------------------- environments
+
+
+class EnvReset(Event, frozen=True, kw_only=True):
+    """Start an episode of ``env`` for a sample."""
+
+    episode_id: str
+    sample_id: str
+    env: EnvSpec
+    seed: int = 0
+
+
+class EnvStep(Event, frozen=True, kw_only=True):
+    """The agent's action in an episode."""
+
+    episode_id: str
+    step: int
+    action: str
+    policy_version: int = 0
+
+
+class EnvObservation(Event, frozen=True, kw_only=True):
+    """The environment's answer to a reset or a step."""
+
+    episode_id: str
+    step: int
+    observation: str
+    reward: float = 0.0
+    terminated: bool = False
+    truncated: bool = False
+    info: dict[str, str | int | float | bool] = msgspec.field(default_factory=dict)
+    error: str = ""
+    """Non-empty when the environment crashed or timed out on this step."""
+
+
+# --------------------------------------------------------------------------- generations
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class Generation(Event, frozen=True, kw_only=True):
+    """A finished rollout of one sample: everything the reward router and trainer need."""
+
+    task: RolloutTask
+    """The task this generation answers (carried whole, so downstream needs nothing else)."""
+    prompt_ids: list[int]
+    """Prompt token ids as the engine saw them."""
+    response_ids: list[int]
+    """Generated token ids (for multi-turn: agent and environment tokens interleaved)."""
+    response_text: str
+    """Decoded response."""
+    logprobs: list[float]
+    """Behaviour-policy log-probability of each response token, ``len == len(response_ids)``."""
+    loss_mask: list[int]
+    """1 for tokens the policy generated (trained on), 0 for environment tokens."""
+    finish_reason: FinishReason
+    """Why generation stopped: eos/stop string, token limit, aborted, engine error."""
+    policy_version: int
+    """Weights version the generation started with (at dispatch)."""
+    policy_version_end: int
+    """Weights version at completion (differs when weights were swapped mid-generation)."""
+    worker_id: str = ""
+    """Which rollout worker produced it."""
+    queued_s: float = 0.0
+    """Seconds between the task event and the start of generation."""
+    gen_s: float = 0.0
+    """Seconds spent generating."""
+    env_s: float = 0.0
+    """Seconds spent waiting on environments (multi-turn)."""
+    num_turns: int = 1
+    """Agent turns in the episode (1 for single-turn tasks)."""
+
+
+# --------------------------------------------------------------------------- scored
+
+
+class ScoredSample(Event, frozen=True, kw_only=True):
+    """A generation with its reward(s): self-contained input of the trainer."""
+
+    generation: Generation
+    reward: float
+    """The scalar reward the trainer uses."""
+    rewards: dict[str, float] = msgspec.field(default_factory=dict)
+    """Named reward components (e.g. ``correct``, ``format``)."""
+    verifier: str = ""
+    """Which verifier scored it."""
+    details: str = ""
+    """Verifier's explanation (extracted answer, failing test...), free text."""
+    reward_s: float = 0.0
+    """Seconds spent verifying."""
+    policy_version: int = 0
+    """Copied from the generation (dispatch version), for filtering without decoding deeper."""
+
+
+# --------------------------------------------------------------------------- weights
+
+
+class WeightsPublished(Event, frozen=True, kw_only=True):
+    """A new policy version exists; the event points at the weights, it never carries them."""
+
+    policy_version: int
+    """The new version; increases by one per optimizer step (0 = initial model)."""
+    step: int
+    """Trainer step that produced it."""
+    uri: str
+    """Where the weights are: a directory path, or a ``ray://`` / ``nccl://`` reference."""
+    format: Literal["safetensors-dir", "hf-dir", "ray", "nccl"] = "safetensors-dir"
+    checksum: str = ""
+    """sha256 over the weight files, hex."""
+    num_bytes: int = 0
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+class TrainStep(Event, frozen=True, kw_only=True):
+    """One optimizer step of the trainer. ``metrics`` keys are stable column names."""
+
+    step: int
+    policy_version: int
+    """Version the step trained (weights before the update)."""
+    metrics: dict[str, float]
+    """E.g. ``loss/policy``, ``loss/clipfrac``, ``rollout/reward_mean``, ``perf/step_s``."""
+    sample_ids: list[str] = msgspec.field(default_factory=list)
+    """The samples of this step's batch, in batch order."""
+    staleness_hist: dict[int, int] = msgspec.field(default_factory=dict)
+    """version gap -> number of samples in this batch."""
+
+
+SampleStatus = Literal["trained", "dropped_stale", "filtered", "dead_letter"]
+
+
+class SampleOutcome(Event, frozen=True, kw_only=True):
+    """What became of a sample at the trainer (every issued sample ends in exactly one)."""
+
+    sample_id: str
+    group_id: str
+    status: SampleStatus
+    reason: str = ""
+    """Why it was dropped or filtered (``stale: gap 3 > 2``, ``all-equal rewards``...)."""
+    policy_version: int = 0
+    """Version the sample was generated with."""
+    trained_version: int = -1
+    """Trainer version when it decided (the step's version if trained)."""
+    step: int = -1
+    """Trainer step that consumed it, ``-1`` if none."""
+
+
+class EvalResult(Event, frozen=True, kw_only=True):
+    """Greedy evaluation on the fixed held-out set."""
+
+    step: int
+    policy_version: int
+    split: str
+    metrics: dict[str, float]
+    """E.g. ``eval/accuracy``, ``eval/response_len``."""
+
+
+# --------------------------------------------------------------------------- control
+
+
+class RunStarted(Event, frozen=True, kw_only=True):
+    config_json: str
+    """The full resolved run config, JSON."""
+    host: str = ""
+
+
+class RunFinished(Event, frozen=True, kw_only=True):
+    status: Literal["completed", "stopped", "failed"]
+    summary_json: str = "{}"
+    error: str = ""
+
+
+class Pause(Event, frozen=True, kw_only=True):
+    reason: str = ""
+
+
+class Resume(Event, frozen=True, kw_only=True):
+    pass
+
+
+class Drain(Event, frozen=True, kw_only=True):
+    """Finish in-flight work, take no new tasks, then stop."""
+
+    reason: str = ""
+
+
+# --------------------------------------------------------------------------- dead letters
+
+
+class DeadLetter(Event, frozen=True, kw_only=True):
+    """A message a consumer could not decode or handle; raw bytes are kept for replay."""
+
+    source_topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    error: str
+    """One line: what was wrong."""
+    service: str = ""
+    """Which service (consumer group) gave up on it."""
+    stage: Literal["decode", "handle"] = "handle"
+
+
+# Per-topic unions (one decoder each). A topic's union only grows.
+TaskEvent = RolloutTask
+EnvRequestEvent = EnvReset | EnvStep
+EnvResponseEvent = EnvObservation
+GenerationEvent = Generation
+ScoredEvent = ScoredSample
+WeightsEvent = WeightsPublished
+MetricsEvent = TrainStep | SampleOutcome | EvalResult
+ControlEvent = RunStarted | RunFinished | Pause | Resume | Drain
+DlqEvent = DeadLetter
+
+ALL_EVENT_TYPES: tuple[type[Event], ...] = (
+    RolloutTask,
+    EnvReset,
+    EnvStep,
+    EnvObservation,
+    Generation,
+    ScoredSample,
+    WeightsPublished,
+    TrainStep,
+    SampleOutcome,
+    EvalResult,
+    RunStarted,
+    RunFinished,
+    Pause,
+    Resume,
+    Drain,
+    DeadLetter,
+)
