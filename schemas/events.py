@@ -288,6 +288,8 @@ class DeadLetter(Event, frozen=True, kw_only=True):
     service: str = ""
     """Which service (consumer group) gave up on it."""
     stage: Literal["decode", "handle"] = "handle"
+    sample_id: str = ""
+    """The sample the message was about, when it could be decoded far enough to tell."""
 
 
 # Per-topic unions (one decoder each). A topic's union only grows.

@@ -1,0 +1,48 @@
+# rollstream — `make demo` runs the main example, `make test` runs the tests.
+# Both set up what is missing first (.venv, Python packages, Kafka jars) and are fast when set up.
+
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TEST_HOME := .rollstream/test-stack
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test lint unit bench clean-venv
+
+$(STAMP): pyproject.toml requirements.lock
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r requirements.lock
+	$(BIN)/python -m pip install -q --no-deps -e .
+	@touch $(STAMP)
+
+setup: $(STAMP)
+	@$(BIN)/python -c "from services.stack import ensure_kafka_jars; ensure_kafka_jars(progress=print)"
+
+demo: setup
+	$(BIN)/rollstream run examples/main.yaml
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+# Starts a dedicated local broker for the tests, runs lint + pytest, stops the broker.
+test: setup lint
+	@set -euo pipefail; \
+	$(BIN)/rollstream --home $(TEST_HOME) stack up; \
+	trap '$(BIN)/rollstream --home $(TEST_HOME) stack down' EXIT; \
+	export ROLLSTREAM_BOOTSTRAP=$$($(BIN)/python -c "from pathlib import Path; from services.stack import local_kafka; print(local_kafka(Path('$(TEST_HOME)')).bootstrap)"); \
+	echo "tests use Kafka at $$ROLLSTREAM_BOOTSTRAP"; \
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+# Unit tests only (no broker started; integration tests start their own).
+unit: setup
+	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/python bench/bus.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,305 @@
+"""The ``rollstream`` command line (typer). It parses, sets up logging and calls library code.
+
+User errors (bad config, unreachable broker, bad DSN, missing files) print one line
+``error: ...`` and exit with status 1 — never a traceback. ``--debug`` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from schemas.config import ConfigError
+from schemas.topics import BadRunId
+
+app = typer.Typer(
+    name="rollstream",
+    help="Event-sourced streaming RL post-training over Kafka, recorded in ClickHouse.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+stack_app = typer.Typer(help="The local stack: a Kafka broker (KRaft) and the embedded store.", no_args_is_help=True)
+topics_app = typer.Typer(help="Inspect a run's Kafka topics.", no_args_is_help=True)
+app.add_typer(stack_app, name="stack")
+app.add_typer(topics_app, name="topics")
+
+console = Console(stderr=True, highlight=False)
+out = Console(highlight=False, soft_wrap=True)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class UserError(RuntimeError):
+    """A mistake the user can fix; printed as one line."""
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    from services.store import StoreError
+
+    types: list[type[BaseException]] = [UserError, ConfigError, StoreError, FileNotFoundError, BadRunId]
+    try:
+        from services.stack import StackError
+
+        types.append(StackError)
+    except ImportError:
+        pass
+    try:
+        from services.bus import BusError
+
+        types.append(BusError)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+def friendly(fn: F) -> F:
+    """Turn user errors into one ``error:`` line and exit status 1 (``--debug`` re-raises)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except KeyboardInterrupt:
+            console.print("[yellow]interrupted[/yellow]")
+            raise typer.Exit(130) from None
+        except _user_error_types() as e:
+            if _state.get("debug"):
+                raise
+            msg = str(e) if not isinstance(e, FileNotFoundError) else f"file not found: {e.filename or e}"
+            console.print(f"[red]error:[/red] {msg}", soft_wrap=True)
+            raise typer.Exit(1) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+_state: dict[str, Any] = {}
+
+
+@app.callback()
+def main_options(
+    bootstrap: str = typer.Option(
+        "", "--bootstrap", envvar="ROLLSTREAM_BOOTSTRAP", help="Kafka bootstrap host:port (default: the local broker)."
+    ),
+    store: str = typer.Option(
+        "", "--store", envvar="ROLLSTREAM_STORE", help="Store DSN: chdb:///path or http(s)://host:8123."
+    ),
+    home: str = typer.Option(
+        "", "--home", envvar="ROLLSTREAM_HOME", help="State directory of the local stack (default ./.rollstream)."
+    ),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks and debug logs."),
+) -> None:
+    """Global options (also from ROLLSTREAM_BOOTSTRAP / ROLLSTREAM_STORE / ROLLSTREAM_HOME)."""
+    _state.update(bootstrap=bootstrap or None, store=store or None, home=home or None, debug=debug)
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _home() -> Path:
+    from services.stack import home_dir
+
+    return home_dir(_state.get("home"))
+
+
+# --------------------------------------------------------------------------- version
+
+
+@app.command()
+def version() -> None:
+    """Print the versions of rollstream and the pieces it runs on."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as pkg_version
+
+    def v(name: str) -> str:
+        try:
+            return pkg_version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    from services.stack import KAFKA_VERSION
+
+    out.print(f"rollstream {v('rollstream')}")
+    out.print(f"kafka (local broker) {KAFKA_VERSION}")
+    for name in ("aiokafka", "msgspec", "clickhouse-connect", "chdb", "torch", "transformers"):
+        out.print(f"{name} {v(name)}")
+
+
+# --------------------------------------------------------------------------- stack
+
+
+def _store_check(dsn: str | None) -> tuple[bool, str]:
+    """Open the store (or an embedded probe store), apply DDL, ping. Returns (ok, description)."""
+    from services import store as st
+
+    if dsn:
+        client = st.connect(dsn)
+        st.apply_ddl(client)
+        return st.ping(client), dsn
+    probe = _home() / "store-probe"
+    client = st.connect(f"chdb://{probe}")
+    st.apply_ddl(client)
+    ver = client.query("SELECT version()").result_rows[0][0]
+    return st.ping(client), f"embedded chDB (ClickHouse {ver}); each run records to runs/<run_id>/store"
+
+
+@stack_app.command("up")
+@friendly
+def stack_up(
+    port: int = typer.Option(0, "--port", help="Broker port for a local Kafka (0 = a free port)."),
+) -> None:
+    """Start the local Kafka broker (unless --bootstrap points at a reachable one) and prepare the store."""
+    from services import stack
+
+    explicit = _state.get("bootstrap")
+    if explicit:
+        if not stack.kafka_reachable(explicit, timeout_s=10):
+            raise UserError(f"no Kafka broker answers at {explicit} (from --bootstrap / ROLLSTREAM_BOOTSTRAP)")
+        out.print(f"kafka: using {explicit}")
+    else:
+        with console.status("resolving Kafka jars from Maven Central...") as status:
+            stack.ensure_kafka_jars(progress=lambda m: status.update(m))
+            status.update("starting the local Kafka broker...")
+            proc, started = stack.start_local_kafka(_home(), port=port or None, progress=lambda m: status.update(m))
+        word = "started" if started else "already running"
+        out.print(f"kafka: {word} at {proc.bootstrap} (pid {proc.pid}, log {proc.log_path})")
+    ok, desc = _store_check(_state.get("store"))
+    out.print(f"store: {desc}")
+    if not ok:
+        raise UserError("the store does not answer SELECT 1")
+
+
+@stack_app.command("down")
+@friendly
+def stack_down() -> None:
+    """Stop the local Kafka broker started by `stack up` (data and logs are kept)."""
+    from services import stack
+
+    stopped = stack.stop_local_kafka(_home())
+    out.print("kafka: stopped" if stopped else "kafka: no local broker was running")
+
+
+@stack_app.command("status")
+@friendly
+def stack_status() -> None:
+    """Print the bootstrap address and store DSN; exit 0 only when both answer."""
+    from services import stack
+
+    bootstrap = stack.resolve_bootstrap(_state.get("bootstrap"), _home())
+    kafka_ok = bool(bootstrap) and stack.kafka_reachable(bootstrap or "", timeout_s=5)
+    out.print(f"kafka: {bootstrap or 'none (run `rollstream stack up`)'} — {'up' if kafka_ok else 'DOWN'}")
+    try:
+        store_ok, desc = _store_check(_state.get("store"))
+    except Exception as e:
+        store_ok, desc = False, str(e)
+    out.print(f"store: {desc} — {'up' if store_ok else 'DOWN'}")
+    if not (kafka_ok and store_ok):
+        raise typer.Exit(1)
+
+
+# --------------------------------------------------------------------------- topics
+
+
+def _kafka_settings() -> Any:
+    from schemas.config import KafkaSettings
+
+    return KafkaSettings()
+
+
+def _bootstrap_or_fail() -> str:
+    from services import stack
+
+    bootstrap = stack.resolve_bootstrap(_state.get("bootstrap"), _home())
+    if not bootstrap:
+        raise UserError("no Kafka broker: run `rollstream stack up` or pass --bootstrap HOST:PORT")
+    return bootstrap
+
+
+async def _topics_list(bootstrap: str, run: str | None) -> list[tuple[str, list[str]]]:
+    from services.bus import TopicAdmin
+
+    async with TopicAdmin(_kafka_settings(), bootstrap) as admin:
+        runs = [run] if run else await admin.list_runs()
+        return [(r, await admin.run_topics(r)) for r in runs]
+
+
+async def _topics_describe(bootstrap: str, run: str) -> list[tuple[str, str, int, str, int]]:
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from services.bus import TopicAdmin, kafka_kwargs
+
+    settings = _kafka_settings()
+    async with TopicAdmin(settings, bootstrap) as admin:
+        infos = await admin.describe(run)
+    if not infos:
+        raise UserError(f"run {run!r} has no topics on {bootstrap} (see `rollstream topics list`)")
+    consumer = AIOKafkaConsumer(**kafka_kwargs(settings, bootstrap, client_suffix="cli"))
+    await consumer.start()
+    try:
+        tps = [TopicPartition(i.topic, p) for i in infos.values() for p in range(i.partitions)]
+        begin = await consumer.beginning_offsets(tps)
+        end = await consumer.end_offsets(tps)
+    finally:
+        await consumer.stop()
+    rows = []
+    for name, info in infos.items():
+        n = sum(end[tp] - begin[tp] for tp in tps if tp.topic == info.topic)
+        rows.append((name, info.topic, info.partitions, info.configs.get("cleanup.policy", "delete"), n))
+    return rows
+
+
+@topics_app.command("list")
+@friendly
+def topics_list(run: str = typer.Argument(None, help="Only this run.")) -> None:
+    """List runs that have topics on the broker, with their topics."""
+    import asyncio
+
+    from schemas.topics import check_run_id
+
+    if run:
+        check_run_id(run)
+    found = asyncio.run(_topics_list(_bootstrap_or_fail(), run))
+    if not found:
+        out.print("no runs on this broker")
+    for r, topics in found:
+        out.print(f"{r}: {len(topics)} topics")
+        for t in topics:
+            out.print(f"  {t}")
+
+
+@topics_app.command("describe")
+@friendly
+def topics_describe(run: str = typer.Argument(..., help="Run id.")) -> None:
+    """Partitions, cleanup policy and message counts of a run's topics."""
+    import asyncio
+
+    from rich.table import Table
+
+    from schemas.topics import check_run_id
+
+    check_run_id(run)
+    rows = asyncio.run(_topics_describe(_bootstrap_or_fail(), run))
+    table = Table(title=f"topics of run {run}")
+    for col in ("name", "topic", "partitions", "cleanup", "messages"):
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*(str(c) for c in row))
+    out.print(table)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    if os.environ.get("ROLLSTREAM_DEBUG"):
+        _state["debug"] = True
+    app(prog_name="rollstream")
+    sys.exit(0)

@@ -1,0 +1,86 @@
+"""Pure mapping from recorded Kafka messages to rows of the store's tables.
+
+``events`` gets every message (the raw record: payload as JSON); the typed tables
+(``sample_tasks``, ``sample_generations``, ``sample_rewards``, ``sample_outcomes``,
+``train_steps``, ``evals``, ``weights``, ``dlq``) get one row per fact they describe.
+Column lists here match ``infra/clickhouse/*.sql``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+
+from schemas import events as ev
+
+COLUMNS: dict[str, list[str]] = {
+    "events": ["topic", "partition", "offset", "run_id", "name", "kind", "key", "event_id", "ts",
+               "policy_version", "payload"],
+    "sample_tasks": ["run_id", "sample_id", "group_id", "prompt_id", "domain", "issued_version", "issued_ts"],
+    "sample_generations": ["run_id", "sample_id", "policy_version", "policy_version_end", "response_len",
+                           "finish_reason", "worker_id", "queued_s", "gen_s", "env_s", "generated_ts"],
+    "sample_rewards": ["run_id", "sample_id", "reward", "rewards", "verifier", "details", "reward_s", "scored_ts"],
+    "sample_outcomes": ["run_id", "sample_id", "group_id", "status", "reason", "policy_version",
+                        "trained_version", "step", "decided_ts"],
+    "train_steps": ["run_id", "step", "policy_version", "ts", "metrics", "staleness_hist", "num_samples"],
+    "evals": ["run_id", "step", "policy_version", "split", "ts", "metrics"],
+    "weights": ["run_id", "policy_version", "step", "uri", "format", "checksum", "num_bytes", "ts"],
+    "dlq": ["run_id", "source_topic", "partition", "offset", "sample_id", "service", "stage", "error", "ts"],
+}
+
+_json = msgspec.json.Encoder()
+
+
+def dt(ts: float) -> datetime:
+    """Unix seconds -> aware UTC datetime (what clickhouse-connect wants for DateTime64)."""
+    return datetime.fromtimestamp(ts, UTC)
+
+
+def event_row(topic: str, partition: int, offset: int, run_id: str, name: str, key: bytes | None,
+              event: ev.Event | None, raw: bytes | None, ts: float) -> list[Any]:
+    """The ``events`` row of one message (an undecodable one is kept with kind ``undecodable``)."""
+    if event is None:
+        payload = _json.encode({"undecodable_msgpack_b64": raw or b""}).decode()
+        return [topic, partition, offset, run_id, name, "undecodable", _key(key), "", dt(ts), -1, payload]
+    version = getattr(event, "policy_version", -1)
+    return [topic, partition, offset, run_id, name, type(event).__name__, _key(key), event.event_id,
+            dt(event.ts), int(version), _json.encode(event).decode()]
+
+
+def typed_rows(event: ev.Event) -> dict[str, list[list[Any]]]:
+    """Rows for the typed tables that ``event`` contributes to (may be empty)."""
+    out: dict[str, list[list[Any]]] = defaultdict(list)
+    r = event.run_id
+    if isinstance(event, ev.RolloutTask):
+        out["sample_tasks"].append([r, event.sample_id, event.group_id, event.prompt_id, event.domain,
+                                    event.policy_version, dt(event.ts)])
+    elif isinstance(event, ev.Generation):
+        out["sample_generations"].append([
+            r, event.task.sample_id, event.policy_version, event.policy_version_end, len(event.response_ids),
+            event.finish_reason, event.worker_id, event.queued_s, event.gen_s, event.env_s, dt(event.ts)])
+    elif isinstance(event, ev.ScoredSample):
+        out["sample_rewards"].append([r, event.generation.task.sample_id, event.reward, dict(event.rewards),
+                                      event.verifier, event.details[:2000], event.reward_s, dt(event.ts)])
+    elif isinstance(event, ev.SampleOutcome):
+        out["sample_outcomes"].append([r, event.sample_id, event.group_id, event.status, event.reason,
+                                       event.policy_version, event.trained_version, event.step, dt(event.ts)])
+    elif isinstance(event, ev.TrainStep):
+        out["train_steps"].append([r, event.step, event.policy_version, dt(event.ts), dict(event.metrics),
+                                   {int(k): int(v) for k, v in event.staleness_hist.items()},
+                                   len(event.sample_ids)])
+    elif isinstance(event, ev.EvalResult):
+        out["evals"].append([r, event.step, event.policy_version, event.split, dt(event.ts), dict(event.metrics)])
+    elif isinstance(event, ev.WeightsPublished):
+        out["weights"].append([r, event.policy_version, event.step, event.uri, event.format, event.checksum,
+                               event.num_bytes, dt(event.ts)])
+    elif isinstance(event, ev.DeadLetter):
+        out["dlq"].append([r, event.source_topic, event.partition, event.offset, event.sample_id, event.service,
+                           event.stage, event.error, dt(event.ts)])
+    return out
+
+
+def _key(key: bytes | None) -> str:
+    return key.decode("utf-8", "replace") if key else ""

@@ -1,0 +1,159 @@
+"""The record store: ClickHouse reached only through clickhouse-connect.
+
+``chdb:///path`` opens the embedded ClickHouse engine (chDB) on disk, in this process;
+``http(s)://[user:pass@]host:port[/db]`` talks to a ClickHouse server. The SQL is the same.
+
+chDB constraints that shape the rest of the system: one process may hold a store directory at a
+time (others get :class:`StoreError` "in use"), and one process may open only one chDB directory.
+So each run has its own store (``runs/<run_id>/store``) and one process (the recorder) writes it.
+
+DDL lives in ``infra/clickhouse/NNN_name.sql``; :func:`apply_ddl` applies every file in order,
+idempotently (``CREATE ... IF NOT EXISTS``), and records the applied versions in
+``schema_migrations``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+_OPENED_HERE: set[str] = set()  # chDB directories this process holds (its own lock is not "in use")
+DDL_DIR = Path(__file__).resolve().parents[1] / "infra" / "clickhouse"
+
+
+class StoreError(RuntimeError):
+    """A store problem, as one line for the user."""
+
+
+def default_dsn(runs_dir: str | Path, run_id: str) -> str:
+    """The embedded store of one run: ``chdb:///<runs_dir>/<run_id>/store`` (absolute path)."""
+    return f"chdb://{(Path(runs_dir) / run_id / 'store').resolve()}"
+
+
+def check_dsn(dsn: str) -> str:
+    """Return the DSN's scheme (``chdb``, ``http``, ``https``) or raise :class:`StoreError`."""
+    scheme = urlparse(dsn).scheme
+    if scheme == "chdb":
+        if not chdb_path(dsn):
+            raise StoreError(f"bad store DSN {dsn!r}: chdb DSNs need a path, e.g. chdb:///tmp/store")
+        return scheme
+    if scheme in ("http", "https"):
+        if not urlparse(dsn).hostname:
+            raise StoreError(f"bad store DSN {dsn!r}: expected http(s)://host:8123")
+        return scheme
+    raise StoreError(f"bad store DSN {dsn!r}: use chdb:///path (embedded) or http(s)://host:8123 (server)")
+
+
+def chdb_path(dsn: str) -> str:
+    """Filesystem path of a ``chdb://`` DSN."""
+    u = urlparse(dsn)
+    return (u.netloc + u.path) if u.netloc else u.path
+
+
+def connect(dsn: str, *, connect_timeout_s: float = 10.0) -> Any:
+    """A clickhouse-connect client for ``dsn``, or :class:`StoreError` with one clear line."""
+    import clickhouse_connect  # heavy import, kept out of module import time
+
+    scheme = check_dsn(dsn)
+    if scheme == "chdb":
+        path = Path(chdb_path(dsn))
+        path.mkdir(parents=True, exist_ok=True)
+        if str(path) not in _OPENED_HERE and _locked_by_other_process(path):
+            raise StoreError(
+                f"store {path} is in use by another process (a running recorder?); "
+                "chDB lets one process open a store at a time"
+            )
+        try:
+            client = clickhouse_connect.get_client(dsn=f"chdb://{path}")
+            _OPENED_HERE.add(str(path))
+            return client
+        except Exception as e:  # chdb raises ProgrammingError / RuntimeError with long texts
+            text = str(e)
+            if "Cannot lock file" in text or "already running" in text:
+                raise StoreError(
+                    f"store {path} is in use by another process (a running recorder?); "
+                    "chDB lets one process open a store at a time"
+                ) from None
+            if "already initialized with path" in text:
+                raise StoreError(
+                    f"this process already opened another embedded store; cannot open {path} too"
+                ) from None
+            raise StoreError(f"cannot open embedded store {path}: {_first_line(text)}") from None
+    try:
+        return clickhouse_connect.get_client(
+            dsn=dsn, connect_timeout=connect_timeout_s, send_receive_timeout=max(30.0, connect_timeout_s)
+        )
+    except Exception as e:
+        raise StoreError(f"cannot reach ClickHouse at {_redact(dsn)}: {_first_line(str(e))}") from None
+
+
+def _locked_by_other_process(path: Path) -> bool:
+    """True if another process holds ClickHouse's lock on ``<path>/status``."""
+    import fcntl
+
+    status = path / "status"
+    if not status.exists():
+        return False
+    with open(status, "rb") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.flock(fh, fcntl.LOCK_UN)
+    return False
+
+
+def ddl_files(ddl_dir: Path = DDL_DIR) -> list[tuple[int, Path]]:
+    """``(version, path)`` of every ``NNN_name.sql`` in order."""
+    out = []
+    for p in sorted(ddl_dir.glob("*.sql")):
+        m = re.match(r"^(\d+)_", p.name)
+        if m:
+            out.append((int(m.group(1)), p))
+    return out
+
+
+def split_statements(sql: str) -> list[str]:
+    """Split a DDL file on ``;`` at line ends, dropping ``--`` comment lines."""
+    lines = [ln for ln in sql.splitlines() if not ln.strip().startswith("--")]
+    return [s.strip() for s in re.split(r";\s*(?:\n|$)", "\n".join(lines)) if s.strip()]
+
+
+def apply_ddl(client: Any, ddl_dir: Path = DDL_DIR) -> list[int]:
+    """Apply every DDL file (idempotent). Returns the versions newly recorded as applied."""
+    client.command(
+        "CREATE TABLE IF NOT EXISTS schema_migrations "
+        "(version UInt32, name String, applied_at DateTime64(6) DEFAULT now64(6)) "
+        "ENGINE = ReplacingMergeTree ORDER BY version"
+    )
+    done = {int(r[0]) for r in client.query("SELECT version FROM schema_migrations FINAL").result_rows}
+    new = []
+    for version, path in ddl_files(ddl_dir):
+        for stmt in split_statements(path.read_text()):
+            client.command(stmt)  # every statement is IF NOT EXISTS: re-running is harmless
+        if version not in done:
+            client.insert("schema_migrations", [[version, path.name]], column_names=["version", "name"])
+            new.append(version)
+    return new
+
+
+def ping(client: Any) -> bool:
+    """True when the store answers ``SELECT 1``."""
+    try:
+        return bool(client.query("SELECT 1").result_rows[0][0] == 1)
+    except Exception:
+        return False
+
+
+def _first_line(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else "unknown error"
+    return line[:300]
+
+
+def _redact(dsn: str) -> str:
+    u = urlparse(dsn)
+    if u.password:
+        return dsn.replace(f":{u.password}@", ":***@")
+    return dsn

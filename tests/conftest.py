@@ -1,0 +1,55 @@
+"""Shared fixtures: a real Kafka broker and a real ClickHouse engine (chDB).
+
+``bootstrap``: ``$ROLLSTREAM_BOOTSTRAP`` when set (``make test`` starts the local broker and
+sets it); otherwise this session starts its own local broker in a temporary home and stops it
+at the end. A broker that cannot be reached or started is a test FAILURE, never a skip.
+
+``store_dsn``: one embedded store for the whole test process (chDB lets a process open only one
+store directory); tests isolate themselves by ``run_id``.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from services import stack
+
+    explicit = os.environ.get("ROLLSTREAM_BOOTSTRAP")
+    if explicit:
+        if not stack.kafka_reachable(explicit, timeout_s=15):
+            pytest.fail(f"ROLLSTREAM_BOOTSTRAP={explicit} does not answer (is the broker up?)")
+        yield explicit
+        return
+    home = tmp_path_factory.mktemp("kafka-home")
+    try:
+        stack.ensure_kafka_jars()
+        proc, _ = stack.start_local_kafka(home)
+    except stack.StackError as e:
+        pytest.fail(f"could not start a local Kafka broker for the tests: {e}")
+    try:
+        yield proc.bootstrap
+    finally:
+        stack.stop_local_kafka(home)
+
+
+@pytest.fixture(scope="session")
+def store_dsn(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return f"chdb://{tmp_path_factory.mktemp('store') / 'chdb'}"
+
+
+@pytest.fixture
+def run_id() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[1]

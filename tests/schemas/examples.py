@@ -1,0 +1,47 @@
+"""One valid, deterministic instance of every event type (used by tests and fixtures)."""
+
+from __future__ import annotations
+
+from schemas import events as ev
+
+RUN = "fixture-run"
+
+
+def example_events() -> list[ev.Event]:
+    task = ev.RolloutTask(
+        run_id=RUN, event_id="e-task", ts=1700000000.0, sample_id="g1/0", group_id="g1", index=0,
+        group_size=4, prompt_id="arith-17", domain="arith", prompt="12+7=", reference="19",
+        env=ev.EnvSpec(name="arith", kwargs={"digits": 2}), policy_version=3, max_new_tokens=8,
+    )
+    gen = ev.Generation(
+        run_id=RUN, event_id="e-gen", ts=1700000001.0, task=task, prompt_ids=[1, 5, 6, 7], response_ids=[9, 10, 2],
+        response_text="19", logprobs=[-0.5, -0.25, -0.125], loss_mask=[1, 1, 1], finish_reason="stop",
+        policy_version=3, policy_version_end=4, worker_id="w0", queued_s=0.01, gen_s=0.2,
+    )
+    return [
+        task,
+        ev.EnvReset(run_id=RUN, event_id="e-reset", ts=1.0, episode_id="ep1", sample_id="g1/0",
+                    env=ev.EnvSpec(name="countdown"), seed=7),
+        ev.EnvStep(run_id=RUN, event_id="e-step", ts=2.0, episode_id="ep1", step=1, action="3+4", policy_version=2),
+        ev.EnvObservation(run_id=RUN, event_id="e-obs", ts=3.0, episode_id="ep1", step=1, observation="7",
+                          reward=1.0, terminated=True, info={"ok": True}),
+        gen,
+        ev.ScoredSample(run_id=RUN, event_id="e-scored", ts=4.0, generation=gen, reward=1.0,
+                        rewards={"correct": 1.0}, verifier="exact", details="19 == 19", policy_version=3),
+        ev.WeightsPublished(run_id=RUN, event_id="e-w", ts=5.0, policy_version=4, step=4, uri="/tmp/w/v4",
+                            checksum="ab" * 32, num_bytes=1024),
+        ev.TrainStep(run_id=RUN, event_id="e-ts", ts=6.0, step=4, policy_version=3,
+                     metrics={"loss/policy": 0.1, "rollout/reward_mean": 0.5}, sample_ids=["g1/0"],
+                     staleness_hist={0: 3, 1: 1}),
+        ev.SampleOutcome(run_id=RUN, event_id="e-out", ts=7.0, sample_id="g1/0", group_id="g1", status="trained",
+                         policy_version=3, trained_version=4, step=4),
+        ev.EvalResult(run_id=RUN, event_id="e-eval", ts=8.0, step=4, policy_version=4, split="heldout",
+                      metrics={"eval/accuracy": 0.5}),
+        ev.RunStarted(run_id=RUN, event_id="e-rs", ts=9.0, config_json="{}", host="h"),
+        ev.RunFinished(run_id=RUN, event_id="e-rf", ts=10.0, status="completed", summary_json="{}"),
+        ev.Pause(run_id=RUN, event_id="e-p", ts=11.0, reason="debug"),
+        ev.Resume(run_id=RUN, event_id="e-r", ts=12.0),
+        ev.Drain(run_id=RUN, event_id="e-d", ts=13.0, reason="end"),
+        ev.DeadLetter(run_id=RUN, event_id="e-dl", ts=14.0, source_topic="rs.x.tasks", partition=0, offset=5,
+                      key=b"k", value=b"\xff\x00", error="decode: bad bytes", service="rollout", stage="decode"),
+    ]
