@@ -297,6 +297,220 @@ def topics_describe(run: str = typer.Argument(..., help="Run id.")) -> None:
     out.print(table)
 
 
+# --------------------------------------------------------------------------- runs
+
+
+def _read_config(path: Path, overrides: list[str]) -> Any:
+    from schemas.config import parse_config
+
+    if not path.exists():
+        raise UserError(f"config file not found: {path}")
+    return parse_config(path.read_text(), overrides, source=str(path))
+
+
+def _bootstrap_for_run(cfg: Any) -> str:
+    """--bootstrap / kafka.bootstrap / $ROLLSTREAM_BOOTSTRAP / the local broker (started if missing)."""
+    from services import stack
+
+    explicit = _state.get("bootstrap") or cfg.kafka.bootstrap
+    if explicit:
+        if cfg.kafka.security_protocol == "PLAINTEXT" and not stack.kafka_reachable(explicit, timeout_s=10):
+            raise UserError(f"no Kafka broker answers at {explicit}")
+        return str(explicit)
+    local = stack.local_kafka(_home())
+    if local is not None and stack.kafka_reachable(local.bootstrap, timeout_s=5):
+        return local.bootstrap
+    with console.status("starting the local Kafka broker...") as status:
+        stack.ensure_kafka_jars(progress=lambda m: status.update(m))
+        proc, _ = stack.start_local_kafka(_home(), progress=lambda m: status.update(m))
+    console.print(f"kafka: started at {proc.bootstrap} (stop it with `rollstream stack down`)")
+    return proc.bootstrap
+
+
+@app.command("run")
+@friendly
+def run_cmd(
+    config: Path = typer.Argument(..., help="Run config (YAML)."),
+    set_: list[str] = typer.Option([], "--set", help="Override a config key: section.key=value (repeatable)."),
+    run_id: str = typer.Option("", "--run-id", help="Run id (default: <run.name>-<timestamp>)."),
+) -> None:
+    """Run a whole training run: broker, topics, model, every service; live progress; summary.json."""
+    import asyncio
+    import json
+
+    from schemas.topics import check_run_id
+    from services import supervisor
+
+    cfg = _read_config(config, set_)
+    rid = check_run_id(run_id) if run_id else supervisor.new_run_id(cfg)
+    if _state.get("store"):
+        import msgspec
+
+        cfg = msgspec.structs.replace(cfg, store=msgspec.structs.replace(cfg.store, dsn=_state["store"]))
+    bootstrap = _bootstrap_for_run(cfg)
+    try:
+        summary = asyncio.run(supervisor.run_supervised(cfg, rid, bootstrap, console))
+    except supervisor.RunError as e:
+        raise UserError(str(e)) from None
+    ev_ = summary["eval"]
+    out.print(json.dumps({k: summary[k] for k in ("run_id", "steps", "wall_s", "samples", "throughput")}))
+    out.print(f"held-out accuracy: init {ev_['init']['accuracy']}, start {ev_['start']['accuracy']}, "
+              f"final {ev_['final']['accuracy']}")
+    out.print(f"summary: {supervisor.run_dir_of(cfg, rid) / 'summary.json'}")
+
+
+SERVICES = ("feeder", "rollout", "reward", "trainer", "recorder")
+
+
+@app.command("service")
+@friendly
+def service_cmd(
+    name: str = typer.Argument(..., help="One of: " + ", ".join(SERVICES)),
+    run: str = typer.Option(..., "--run", help="Run id (its config is read from <runs-dir>/<run>/config.yaml)."),
+    runs_dir: str = typer.Option("runs", "--runs-dir", help="Directory of run folders."),
+    set_: list[str] = typer.Option([], "--set", help="Override a config key: section.key=value (repeatable)."),
+    log_level: str = typer.Option("INFO", "--log-level", help="Python logging level."),
+) -> None:
+    """Start one service of a run in this process (`rollstream run` starts them all)."""
+    import asyncio
+
+    from schemas.topics import check_run_id
+    from services import supervisor
+
+    if name not in SERVICES:
+        raise UserError(f"unknown service {name!r}; one of: {', '.join(SERVICES)}")
+    check_run_id(run)
+    logging.getLogger().setLevel(log_level.upper())
+    logging.getLogger("rollstream").setLevel(log_level.upper())
+    try:
+        cfg = supervisor.load_run_config(runs_dir, run, set_)
+    except supervisor.RunError as e:
+        raise UserError(str(e)) from None
+    run_dir = Path(runs_dir).resolve() / run
+    model_dir = str(Path(cfg.model.path) if cfg.model.path else run_dir / "model")
+    asyncio.run(_run_service(name, cfg, run, run_dir, model_dir))
+
+
+async def _run_service(name: str, cfg: Any, run: str, run_dir: Path, model_dir: str) -> None:
+    import asyncio
+    import signal
+
+    from services import supervisor
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if name == "feeder":
+        from services import feeder
+
+        n = await feeder.run(feeder.FeederSettings(run_id=run, config=cfg), stop)
+        logging.getLogger("rollstream").info("feeder: issued %d tasks", n)
+    elif name == "rollout":
+        from services import rollout_service
+
+        await rollout_service.run(rollout_service.RolloutSettings(run_id=run, config=cfg, model_dir=model_dir), stop)
+    elif name == "reward":
+        from services import reward
+
+        await reward.run(reward.RewardSettings(run_id=run, config=cfg), stop)
+    elif name == "trainer":
+        from services import trainer_service
+
+        await trainer_service.run(trainer_service.TrainerSettings(
+            run_id=run, config=cfg, model_dir=model_dir, run_dir=str(run_dir)), stop)
+    elif name == "recorder":
+        from services import recorder
+
+        await recorder.run(recorder.RecorderSettings(
+            run_id=run, dsn=supervisor.store_dsn_of(cfg, run), kafka=cfg.kafka, stop_when_finished=True), stop)
+
+
+@app.command("init-model")
+@friendly
+def init_model(
+    out_dir: Path = typer.Argument(..., help="Directory to create (Hugging Face format)."),
+    set_: list[str] = typer.Option([], "--set", help="Model shape: hidden_size=, num_layers=, ... (repeatable)."),
+    seed: int = typer.Option(0, "--seed", help="Initialisation seed."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing model directory."),
+) -> None:
+    """Create a tiny causal LM (Llama architecture, own tokenizer, safetensors). Nothing is downloaded."""
+    from schemas.config import TinyModelSpec, parse_raw
+
+    if (out_dir / "config.json").exists() and not force:
+        raise UserError(f"{out_dir} already holds a model (use --force to overwrite)")
+    spec = parse_raw({}, set_, root=TinyModelSpec)
+    from rollout.model_init import count_parameters, init_tiny_model, load_model
+
+    path = init_tiny_model(out_dir, spec, seed=seed)
+    n = count_parameters(load_model(path))
+    out.print(f"created {path} ({n / 1e6:.2f}M parameters)")
+
+
+def _latest_run(runs_dir: Path) -> str:
+    runs = sorted((p for p in runs_dir.glob("*/config.yaml")), key=lambda p: p.stat().st_mtime)
+    if not runs:
+        raise UserError(f"no runs in {runs_dir}")
+    return runs[-1].parent.name
+
+
+@app.command("sql")
+@friendly
+def sql_cmd(
+    query: str = typer.Argument(..., help="SQL (ClickHouse dialect); {name:Type} placeholders take --param."),
+    run: str = typer.Option("", "--run", help="Run whose embedded store to query (default: the latest run)."),
+    runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Directory of run folders."),
+    fmt: str = typer.Option("table", "--format", help="table, csv or json."),
+    param: list[str] = typer.Option([], "--param", help="Query parameter name=value (repeatable)."),
+    write: bool = typer.Option(False, "--write", help="Allow statements that change data."),
+) -> None:
+    """Query the record of a run (tables: events, samples, train_steps, evals, weights, dlq, ...)."""
+    import csv
+    import json
+    import re
+
+    from rich.table import Table
+
+    from services import store as st
+
+    if fmt not in ("table", "csv", "json"):
+        raise UserError(f"--format {fmt!r}: one of table, csv, json")
+    if not write and not re.match(r"^\s*(SELECT|WITH|SHOW|DESCRIBE|DESC|EXPLAIN|EXISTS)\b", query, re.I):
+        raise UserError("only read-only queries (SELECT, WITH, SHOW, DESCRIBE, EXPLAIN) without --write")
+    params = {}
+    for p in param:
+        k, sep, v = p.partition("=")
+        if not sep:
+            raise UserError(f"--param {p!r}: expected name=value")
+        params[k] = v
+    dsn = _state.get("store")
+    if not dsn:
+        rid = run or _latest_run(runs_dir)
+        dsn = st.default_dsn(runs_dir, rid)
+        if not Path(st.chdb_path(dsn)).exists():
+            raise UserError(f"run {rid} has no store at {st.chdb_path(dsn)}")
+    client = st.connect(dsn)
+    settings = {} if write else {"readonly": 2}
+    try:
+        result = client.query(query, parameters=params or None, settings=settings)
+    except Exception as e:
+        raise UserError(f"query failed: {str(e).strip().splitlines()[0][:400]}") from None
+    cols, rows = list(result.column_names), result.result_rows
+    if fmt == "json":
+        out.print(json.dumps([dict(zip(cols, r, strict=True)) for r in rows], default=str))
+    elif fmt == "csv":
+        w = csv.writer(sys.stdout)
+        w.writerow(cols)
+        w.writerows(rows)
+    else:
+        table = Table()
+        for c in cols:
+            table.add_column(c)
+        for r in rows:
+            table.add_row(*(str(v) for v in r))
+        out.print(table)
+
+
 def main() -> None:
     """Console-script entry point."""
     if os.environ.get("ROLLSTREAM_DEBUG"):

@@ -1,0 +1,148 @@
+"""The rollout service: a consumer group on ``tasks`` feeding a generation engine.
+
+Every ``RolloutTask`` becomes one handler call that submits one request to the engine and
+awaits its completion; the runtime runs up to ``rollout.max_batch`` handler calls at once
+(``max_concurrency``), and the engine batches whatever is in flight (continuous batching: a
+finished sample frees its slot at once, a new task takes it before the next decode step).
+Offsets are committed only after the ``Generation`` is acknowledged by Kafka.
+
+Weights: a background consumer reads the run's compacted ``weights`` topic and hot-swaps every
+new ``WeightsPublished`` into the engine between decode steps. A task is not started before the
+engine holds a published version at least as new as the task's ``policy_version`` (and at least
+one published version: the trainer publishes version 0 after its warm-up), so with
+``async_ratio: 0`` generation is on-policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+import msgspec
+
+from rollout.engine import GenerationRequest, TorchEngine
+from rollout.sampling import SamplingParams
+from schemas import events as ev
+from schemas.config import RunConfig
+from schemas.topics import topic_name
+from services.bus import Consumer, Record
+from services.runtime import Context, Runner, Service, ServiceSettings, run_service
+
+log = logging.getLogger("rollstream.rollout")
+
+
+class RolloutSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Settings of one rollout worker."""
+
+    run_id: str
+    """The run whose ``tasks`` this worker generates."""
+    config: RunConfig
+    """The run config (rollout section, model dtype, Kafka)."""
+    model_dir: str
+    """The initial model (HF directory); published weights are swapped in on top."""
+    worker_id: str = ""
+    """Name in ``Generation.worker_id``; empty = ``<host>-<pid>``."""
+    device: str = "cpu"
+    """Torch device of the engine."""
+    weights_timeout_s: float = 600.0
+    """How long a task may wait for the weights version it needs before failing, seconds."""
+
+
+class RolloutWorker(Service):
+    name = "rollout"
+
+    def __init__(self, settings: RolloutSettings) -> None:
+        self.s = settings
+        cfg = settings.config
+        self.engine = TorchEngine(settings.model_dir, max_batch=cfg.rollout.max_batch, device=settings.device,
+                                  dtype=cfg.model.dtype, seed=cfg.run.seed + os.getpid(), policy_version=-1)
+        self.worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                                     top_p=cfg.rollout.top_p)
+        self.versions_used: set[int] = set()
+        self.loaded_event_id = ""
+        self._version_changed = asyncio.Condition()
+        self._watcher: asyncio.Task[None] | None = None
+
+    async def on_start(self, runner: Runner) -> None:
+        self._watcher = asyncio.create_task(self._watch_weights())
+
+    async def on_stop(self, runner: Runner) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
+
+    async def _watch_weights(self) -> None:
+        consumer = Consumer(self.s.config.kafka, group_id=None, topics=[topic_name(self.s.run_id, "weights")],
+                            auto_offset_reset="earliest", client_suffix="rollout-weights")
+        await consumer.start()
+        try:
+            while True:
+                latest: ev.WeightsPublished | None = None
+                for rec in await consumer.getmany(timeout_ms=500):
+                    if isinstance(rec.event, ev.WeightsPublished):
+                        latest = rec.event  # the newest message wins (a resumed trainer may go back)
+                if latest is not None and latest.event_id != self.loaded_event_id:
+                    self.loaded_event_id = latest.event_id
+                    await self.engine.load_weights(latest.uri, latest.policy_version)
+                    log.info("rollout %s: now at policy version %d", self.worker_id, latest.policy_version)
+                    async with self._version_changed:
+                        self._version_changed.notify_all()
+        finally:
+            await consumer.stop()
+
+    async def _wait_for_version(self, version: int) -> None:
+        need = max(0, version)
+        async with self._version_changed:
+            await asyncio.wait_for(
+                self._version_changed.wait_for(lambda: self.engine.policy_version >= need),
+                timeout=self.s.weights_timeout_s,
+            )
+
+    async def handle(self, rec: Record, ctx: Context) -> None:
+        task: ev.RolloutTask = rec.event
+        queued_from = task.ts
+        try:
+            await self._wait_for_version(task.policy_version)
+        except TimeoutError:
+            raise RuntimeError(
+                f"weights version {task.policy_version} not published within {self.s.weights_timeout_s:g}s"
+            ) from None
+        params = self.params
+        if task.max_new_tokens:
+            params = dataclasses.replace(params, max_new_tokens=task.max_new_tokens)
+        req = GenerationRequest(task.sample_id, self.engine.encode(task.prompt), params)
+        completion = None
+        async for c in self.engine.generate([req]):
+            completion = c
+        assert completion is not None
+        if completion.error:
+            raise RuntimeError(f"engine error: {completion.error}")
+        self.versions_used.add(completion.policy_version)
+        wait_s = max(0.0, time.time() - queued_from - completion.gen_s)
+        ctx.emit("generations", ev.Generation(
+            run_id=task.run_id, task=task, prompt_ids=completion.prompt_ids, response_ids=completion.token_ids,
+            response_text=completion.text, logprobs=completion.logprobs, loss_mask=[1] * len(completion.token_ids),
+            finish_reason=completion.finish_reason, policy_version=completion.policy_version,
+            policy_version_end=completion.policy_version_end, worker_id=self.worker_id,
+            queued_s=wait_s, gen_s=completion.gen_s,
+        ), key=task.sample_id)
+
+
+async def run(settings: RolloutSettings, stop: asyncio.Event | None = None) -> object:
+    """Generate until stopped (SIGTERM/SIGINT or ``stop``)."""
+    if not Path(settings.model_dir).is_dir():
+        raise FileNotFoundError(settings.model_dir)
+    worker = RolloutWorker(settings)
+    cfg = settings.config
+    service_settings = ServiceSettings(
+        group_id=f"rs-rollout-{settings.run_id}", run_id=settings.run_id, topics=["tasks"], kafka=cfg.kafka,
+        max_concurrency=cfg.rollout.max_batch, batch_max_records=cfg.rollout.max_batch,
+        shutdown_grace_s=30.0, max_poll_interval_s=900.0,
+    )
+    return await run_service(worker, service_settings, stop=stop)
