@@ -32,7 +32,7 @@ topics_app = typer.Typer(help="Inspect a run's Kafka topics.", no_args_is_help=T
 app.add_typer(stack_app, name="stack")
 app.add_typer(topics_app, name="topics")
 
-console = Console(stderr=True, highlight=False)
+console = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False, soft_wrap=True)
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -382,6 +382,7 @@ def service_cmd(
     check_run_id(run)
     logging.getLogger().setLevel(log_level.upper())
     logging.getLogger("rollstream").setLevel(log_level.upper())
+    logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         cfg = supervisor.load_run_config(runs_dir, run, set_)
     except supervisor.RunError as e:
@@ -513,7 +514,15 @@ def sql_cmd(
 
 def main() -> None:
     """Console-script entry point."""
+    # quiet third-party progress bars and info chatter (services log to files)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if os.environ.get("ROLLSTREAM_DEBUG"):
         _state["debug"] = True
     app(prog_name="rollstream")
     sys.exit(0)
+
+
+if __name__ == "__main__":  # `python -m services.cli` (how `rollstream run` starts services)
+    main()

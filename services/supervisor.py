@@ -166,9 +166,9 @@ class Supervisor:
             self.children.append(Child(label, proc, log_path))
 
     def failed_child(self) -> Child | None:
+        """A service that exited before the run finished (any exit code counts)."""
         for c in self.children:
-            code = c.proc.poll()
-            if code not in (None, 0):
+            if c.proc.poll() is not None:
                 return c
         return None
 
