@@ -79,6 +79,8 @@ class Recorder:
         """Table -> rows for the records not stored yet (updates the skip bookkeeping)."""
         tables: dict[str, list[list[Any]]] = defaultdict(list)
         for rec in records:
+            if isinstance(rec.event, ev.RunFinished):
+                self.finished_seen = True
             if rec.offset <= self._stored.get((rec.topic, rec.partition), -1):
                 self.skipped += 1
                 continue
@@ -91,8 +93,6 @@ class Recorder:
             if rec.event is not None:
                 for table, rows in typed_rows(rec.event).items():
                     tables[table].extend(rows)
-                if isinstance(rec.event, ev.RunFinished):
-                    self.finished_seen = True
         return tables
 
     def insert(self, tables: dict[str, list[list[Any]]]) -> None:

@@ -71,6 +71,44 @@ class TrainerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Concurrent sequences of the greedy evaluation engine."""
 
 
+def ready_groups(groups: OrderedDict[str, list[ev.ScoredSample]], batch_size: int) -> list[str] | None:
+    """The first complete groups (arrival order) holding at least ``batch_size`` samples, or
+    ``None`` while there are not enough. A group is complete when it has ``group_size`` members."""
+    chosen, count = [], 0
+    for gid, members in groups.items():
+        if len(members) >= members[0].generation.task.group_size:
+            chosen.append(gid)
+            count += len(members)
+            if count >= batch_size:
+                return chosen
+    return None
+
+
+def assemble(
+    groups: list[list[ev.ScoredSample]], version: int, max_staleness: int
+) -> tuple[list[ev.ScoredSample], list[tuple[ev.ScoredSample, ev.SampleStatus, str]]]:
+    """Apply the staleness rule to complete groups: ``(batch, rejected)``.
+
+    A sample is stale when ``version − policy_version > max_staleness`` (``dropped_stale``). A
+    group left with fewer than 2 members has no GRPO baseline: its survivors are ``filtered``.
+    """
+    batch: list[ev.ScoredSample] = []
+    rejected: list[tuple[ev.ScoredSample, ev.SampleStatus, str]] = []
+    for members in groups:
+        fresh = []
+        for smp in members:
+            gap = version - smp.generation.policy_version
+            if gap > max_staleness:
+                rejected.append((smp, "dropped_stale", f"stale: gap {gap} > {max_staleness}"))
+            else:
+                fresh.append(smp)
+        if len(fresh) < 2:
+            rejected += [(smp, "filtered", "group too small after the staleness filter") for smp in fresh]
+        else:
+            batch += fresh
+    return batch, rejected
+
+
 class _Ckpt(msgspec.Struct):
     step: int
     version: int
@@ -217,15 +255,7 @@ class Trainer:
 
     def ready_groups(self) -> list[str] | None:
         """Group ids of the next batch (complete groups, arrival order), or None if not enough."""
-        need = self.cfg.train.batch_size
-        chosen, count = [], 0
-        for gid, members in self.groups.items():
-            if len(members) >= members[0].generation.task.group_size:
-                chosen.append(gid)
-                count += len(members)
-                if count >= need:
-                    return chosen
-        return None
+        return ready_groups(self.groups, self.cfg.train.batch_size)
 
     def outcome(self, s: ev.ScoredSample, status: ev.SampleStatus, reason: str = "", step: int = -1) -> ev.SampleOutcome:
         self.decided.add(s.generation.task.sample_id)
@@ -238,22 +268,10 @@ class Trainer:
     async def train_once(self, group_ids: list[str], producer: Producer) -> dict[str, float]:
         cfg = self.cfg
         outcomes: list[ev.SampleOutcome] = []
-        batch: list[ev.ScoredSample] = []
-        hist: Counter[int] = Counter()
-        for gid in group_ids:
-            members = self.groups.pop(gid)
-            fresh = []
-            for s in members:
-                gap = self.version - s.generation.policy_version
-                if gap > cfg.train.max_staleness:
-                    outcomes.append(self.outcome(s, "dropped_stale", f"stale: gap {gap} > {cfg.train.max_staleness}"))
-                else:
-                    fresh.append(s)
-            if len(fresh) < 2:
-                outcomes += [self.outcome(s, "filtered", "group too small after the staleness filter") for s in fresh]
-                continue
-            batch += fresh
-            hist.update(self.version - s.generation.policy_version for s in fresh)
+        batch, rejected = assemble(
+            [self.groups.pop(gid) for gid in group_ids], self.version, cfg.train.max_staleness)
+        outcomes += [self.outcome(smp, status, reason) for smp, status, reason in rejected]
+        hist = Counter(self.version - smp.generation.policy_version for smp in batch)
         metrics: dict[str, float] = {}
         step = self.strategy.step
         if batch:
