@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TEST_HOME := .rollstream/test-stack
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint unit bench clean-venv
+.PHONY: setup demo test lint unit bench docs clean-venv
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ unit: setup
 
 bench: setup
 	$(BIN)/python bench/bus.py
+
+# Regenerate the command and config references (tests fail when they are stale).
+docs: setup
+	$(BIN)/typer services.cli utils docs --name rollstream --output docs/cli.md
+	$(BIN)/python -m schemas.docgen > docs/config.md
 
 clean-venv:
 	rm -rf $(VENV)

@@ -122,3 +122,12 @@ def test_sql_formats_on_a_store(tmp_path: Path, fmt: str) -> None:
     assert "001_events.sql" in res.stdout
     bad = cli("sql", "SELECT nope FROM events", "--run", "r1", "--runs-dir", str(tmp_path / "runs"))
     assert "query failed" in one_error_line(bad)
+
+
+def test_cli_reference_is_current(tmp_path: Path, repo_root: Path) -> None:
+    out = tmp_path / "cli.md"
+    res = subprocess.run([str(Path(sys.executable).parent / "typer"), "services.cli", "utils", "docs", "--name",
+                          "rollstream", "--output", str(out)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert out.read_text() == (repo_root / "docs" / "cli.md").read_text(), (
+        "docs/cli.md is stale: run `make docs`")

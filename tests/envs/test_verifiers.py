@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+import builtins
+import time
+from typing import Any
+
+import pytest
+
+from envs import VerifyResult, get_verifier, register_verifier, run_verifier
+from envs.verifiers import sympy_equivalent
+
+
+def crashing(response: str, reference: str, **kwargs: Any) -> VerifyResult:
+    raise ZeroDivisionError("boom")
+
+
+def hanging(response: str, reference: str, **kwargs: Any) -> VerifyResult:
+    while True:
+        time.sleep(0.01)
+
+
+def wrong_type(response: str, reference: str, **kwargs: Any) -> VerifyResult:
+    return 1.0  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    ("name", "response", "reference", "ok"),
+    [
+        ("exact", " 46\n", "46", True),
+        ("exact", "46.0", "46", False),
+        ("final_number", "6+8+0=14;3+4+1=8;84", "84", True),
+        ("final_number", "84;85", "84", False),
+        ("final_number", "no number", "84", False),
+        ("math", "46.0", "46", True),
+        ("math", "The answer is $\\frac{1}{2}$", "0.5", True),
+        ("math", "47", "46", False),
+        ("format", "-12", "", True),
+        ("format", "12 apples", "", False),
+    ],
+)
+def test_builtin_verifiers(name: str, response: str, reference: str, ok: bool) -> None:
+    res = run_verifier(name, response, reference)
+    assert (res.correct, res.reward, res.error) == (ok, float(ok), "")
+    assert res.details
+
+
+def test_format_pattern_kwarg() -> None:
+    assert run_verifier("format", "<a>3</a>", "", {"pattern": r"<a>\d+</a>"}).correct
+
+
+def test_math_falls_back_to_sympy_without_math_verify(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_import = builtins.__import__
+
+    def no_math_verify(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "math_verify":
+            raise ImportError("not installed")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_math_verify)
+    res = get_verifier("math")("so it is 1/2", "0.5")
+    assert res.correct and "sympy fallback" in res.details and "math-verify failed" in res.details
+    assert sympy_equivalent("x = 3", "4") == (False, "sympy fallback: got 3, want 4")
+
+
+@pytest.mark.parametrize("isolation", ["inline", "thread", "process"])
+def test_crash_is_an_error_result(isolation: str) -> None:
+    res = run_verifier(crashing, "1", "1", isolation=isolation)  # type: ignore[arg-type]
+    assert res.reward == 0.0 and not res.correct
+    assert res.error == "verifier raised ZeroDivisionError: boom"
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_hang_is_a_bounded_timeout(isolation: str) -> None:
+    t0 = time.perf_counter()
+    res = run_verifier(hanging, "1", "1", timeout_s=0.3, isolation=isolation)  # type: ignore[arg-type]
+    assert time.perf_counter() - t0 < 2.0
+    assert res.reward == 0.0 and res.error.startswith("timeout: verifier did not finish within 0.3s")
+
+
+def test_wrong_return_type_and_unknown_name_are_errors() -> None:
+    assert "returned float" in run_verifier(wrong_type, "1", "1").error  # type: ignore[arg-type]
+    res = run_verifier("no-such-verifier", "1", "1")
+    assert res.error.startswith("unknown verifier 'no-such-verifier'") and "exact" in res.error
+
+
+def test_process_isolation_returns_the_result() -> None:
+    assert run_verifier("exact", "7", "7", isolation="process").correct
+
+
+def test_registering_a_name_twice_is_an_error() -> None:
+    register_verifier("test-dup")(crashing)
+    register_verifier("test-dup")(crashing)  # same object: fine
+    with pytest.raises(ValueError, match="already registered"):
+        register_verifier("test-dup")(hanging)

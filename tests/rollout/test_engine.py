@@ -1,0 +1,144 @@
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout.engine import Completion, Engine, GenerationRequest, TorchEngine, generate_all
+from rollout.sampling import SamplingParams
+
+PROMPTS = ["12+34=", "7-3=", "99+1=", "5*6=", "123-45=", "8+8="]
+GREEDY = SamplingParams(max_new_tokens=12, greedy=True)
+
+
+def requests(
+    engine: TorchEngine, params: SamplingParams, prompts: list[str] = PROMPTS
+) -> list[GenerationRequest]:
+    return [GenerationRequest(f"r{i}", engine.encode(p), params) for i, p in enumerate(prompts)]
+
+
+def teacher_forced_logprobs(model: torch.nn.Module, c: Completion, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of the completion's tokens, one unpadded forward pass."""
+    ids = torch.tensor([c.prompt_ids + c.token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(c.prompt_ids) - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+
+
+async def test_is_an_engine(model_dir: Path) -> None:
+    assert isinstance(TorchEngine(model_dir), Engine)
+
+
+async def test_greedy_is_deterministic_and_batch_independent(model_dir: Path) -> None:
+    engine = TorchEngine(model_dir, max_batch=8)
+    first = await generate_all(engine, requests(engine, GREEDY))
+    second = await generate_all(engine, requests(engine, GREEDY))
+    assert [c.token_ids for c in first] == [c.token_ids for c in second]
+    alone = [(await generate_all(engine, [r]))[0] for r in requests(engine, GREEDY)]
+    assert [c.token_ids for c in alone] == [c.token_ids for c in first]
+    assert all(len(c.token_ids) == len(c.logprobs) > 0 for c in first)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_logprobs_match_teacher_forced_forward(model_dir: Path, temperature: float) -> None:
+    engine = TorchEngine(model_dir, max_batch=4, seed=3)  # 6 requests, 4 slots: rows join mid-flight
+    params = SamplingParams(max_new_tokens=16, temperature=temperature)
+    done = await generate_all(engine, requests(engine, params))
+    for c in done:
+        expected = teacher_forced_logprobs(engine.model, c, temperature)
+        assert torch.allclose(torch.tensor(c.logprobs), expected, atol=1e-4), c.request_id
+
+
+async def test_finished_slots_are_refilled_while_others_run(model_dir: Path) -> None:
+    engine = TorchEngine(model_dir, max_batch=2)
+    engine.eos_ids = set()  # never stop early: lengths are exactly max_new_tokens
+    long = GenerationRequest("long", engine.encode("1+1="), SamplingParams(max_new_tokens=30, greedy=True))
+    shorts = [
+        GenerationRequest(f"s{i}", engine.encode(p), SamplingParams(max_new_tokens=3, greedy=True))
+        for i, p in enumerate(["22+3=", "5-4=", "123*4="])
+    ]
+    order = [c.request_id async for c in engine.generate([long, *shorts])]
+    # 2 slots: a static batch would finish "long" before starting s1; here s1 and s2 take
+    # the slot s0 (then s1) freed while "long" is still decoding.
+    assert order == ["s0", "s1", "s2", "long"]
+    # rows that joined a running batch (different lengths, left-padded cache) decode exactly
+    # as they do alone
+    together = {c.request_id: c.token_ids for c in await generate_all(engine, [long, *shorts])}
+    for r in shorts:
+        assert (await generate_all(engine, [r]))[0].token_ids == together[r.request_id]
+
+
+async def test_stop_at_eos_and_length(model_dir: Path) -> None:
+    engine = TorchEngine(model_dir, max_batch=8)
+    done = await generate_all(engine, requests(engine, SamplingParams(max_new_tokens=5)))
+    for c in done:
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] in engine.eos_ids and len(c.token_ids) <= 5
+        else:
+            assert c.finish_reason == "length" and len(c.token_ids) == 5
+            assert not set(c.token_ids) & engine.eos_ids
+
+
+async def test_hot_swap_changes_outputs_and_records_version(model_dir: Path, other_model_dir: Path) -> None:
+    engine = TorchEngine(model_dir, max_batch=8)
+    before = await generate_all(engine, requests(engine, GREEDY))
+    await engine.load_weights(other_model_dir, version=7)
+    assert engine.policy_version == 7
+    after = await generate_all(engine, requests(engine, GREEDY))
+    assert [c.token_ids for c in after] != [c.token_ids for c in before]
+    assert {(c.policy_version, c.policy_version_end) for c in after} == {(7, 7)}
+    await engine.load_weights(model_dir)  # version defaults to +1
+    assert engine.policy_version == 8
+    again = await generate_all(engine, requests(engine, GREEDY))
+    assert [c.token_ids for c in again] == [c.token_ids for c in before]
+
+
+async def test_swap_mid_generation_records_both_versions(model_dir: Path, other_model_dir: Path) -> None:
+    engine = TorchEngine(model_dir, max_batch=2)
+    engine.eos_ids = set()
+    req = GenerationRequest("x", engine.encode("1+1="), SamplingParams(max_new_tokens=40, greedy=True))
+    stream = engine.generate([req])
+    task = asyncio.ensure_future(anext(stream))
+    for _ in range(10_000):  # until the request holds a slot
+        if engine.running:
+            break
+        await asyncio.sleep(0)
+    assert engine.running == 1
+    await engine.load_weights(other_model_dir, version=1)
+    c = await task
+    assert (c.policy_version, c.policy_version_end) == (0, 1)
+    assert len(c.token_ids) == 40
+
+
+async def test_async_request_stream(model_dir: Path) -> None:
+    engine = TorchEngine(model_dir, max_batch=2)
+    reqs = requests(engine, GREEDY)
+
+    async def feed() -> AsyncIterator[GenerationRequest]:
+        for r in reqs:
+            await asyncio.sleep(0.001)
+            yield r
+
+    got = {c.request_id async for c in engine.generate(feed())}
+    assert got == {r.request_id for r in reqs}
+
+
+async def test_bad_requests_are_rejected(model_dir: Path) -> None:
+    engine = TorchEngine(model_dir)
+    with pytest.raises(ValueError, match="empty prompt"):
+        await generate_all(engine, [GenerationRequest("e", [])])
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        await generate_all(engine, [GenerationRequest("l", [5] * 64)])
+
+
+async def test_weights_that_do_not_fit_are_an_error(model_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"nonsense.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    engine = TorchEngine(model_dir)
+    with pytest.raises(KeyError, match="lacks"):
+        await engine.load_weights(tmp_path)
+    assert engine.policy_version == 0

@@ -1,0 +1,131 @@
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from trainer.batch import TrainSample, collate
+from trainer.sft import SFTExample, sft_batch, sft_loss, sft_warmup
+from trainer.strategy import Strategy, TorchStrategy, token_logprobs, weights_sha256
+
+
+def make_samples(n: int = 6, seed: int = 0) -> list[TrainSample]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [1] + [rng.randrange(4, 60) for _ in range(rng.randrange(2, 6))]
+        resp = [rng.randrange(4, 60) for _ in range(rng.randrange(1, 7))] + [2]
+        out.append(
+            TrainSample(
+                prompt, resp, [-rng.random() * 3 for _ in resp], [1] * len(resp), rng.uniform(-1, 1), f"s{i}"
+            )
+        )
+    return out
+
+
+def params(strategy: TorchStrategy) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in strategy.model.named_parameters()}
+
+
+def test_collate_aligns_targets() -> None:
+    s = TrainSample([1, 10, 11], [20, 21, 2], [-0.1, -0.2, -0.3], [1, 0, 1], 0.5)
+    b = collate([s, TrainSample([1, 9], [30], [-1.0], [1], -1.0)], pad_id=0)
+    assert b.input_ids.tolist() == [[1, 10, 11, 20, 21, 2], [1, 9, 30, 0, 0, 0]]
+    assert b.attention_mask.tolist() == [[1] * 6, [1, 1, 1, 0, 0, 0]]
+    # column t predicts input_ids[:, t + 1]
+    assert b.loss_mask.tolist() == [[0, 0, 1, 0, 1], [0, 1, 0, 0, 0]]
+    assert b.old_logprobs[0, 2:].tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert b.old_logprobs[1, 1].item() == pytest.approx(-1.0)
+    assert b.num_tokens == 3
+    assert b.rows(1, 2).input_ids.tolist() == [[1, 9, 30]]
+
+
+def test_is_a_strategy(model_dir: Path) -> None:
+    assert isinstance(TorchStrategy(model_dir), Strategy)
+
+
+def test_logprobs_are_padding_independent(model_dir: Path) -> None:
+    strategy = TorchStrategy(model_dir, temperature=0.7, micro_batch_size=2)
+    samples = make_samples()
+    batch = collate(samples, strategy.pad_id)
+    lp = strategy.logprobs(batch)
+    for i, s in enumerate(samples):
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        with torch.no_grad():
+            alone = token_logprobs(strategy.model(ids).logits, ids, 0.7)[0]
+        n = ids.shape[1] - 1
+        m = batch.loss_mask[i, :n].bool()
+        assert torch.allclose(lp[i, :n][m], alone[m], atol=1e-5)
+
+
+def test_micro_batching_gives_the_same_step(model_dir: Path) -> None:
+    samples = make_samples(8)
+    a = TorchStrategy(model_dir, lr=1e-2, micro_batch_size=8)
+    b = TorchStrategy(model_dir, lr=1e-2, micro_batch_size=3)
+    ma, mb = a.train_step(samples), b.train_step(samples)
+    assert ma["actor/grad_norm"] == pytest.approx(mb["actor/grad_norm"], rel=1e-4)
+    assert ma["loss/policy"] == pytest.approx(mb["loss/policy"], rel=1e-4, abs=1e-6)
+    pa, pb = params(a), params(b)
+    assert all(torch.allclose(pa[k], pb[k], atol=1e-6) for k in pa)
+    assert a.step == b.step == 1
+
+
+def test_positive_advantage_raises_logprob(model_dir: Path) -> None:
+    strategy = TorchStrategy(model_dir, lr=1e-2)
+    s = make_samples(1)[0]
+    batch = collate([s], strategy.pad_id)
+    before = strategy.logprobs(batch)
+    old = [float(x) for x in before[0][batch.loss_mask[0].bool()]]
+    sample = TrainSample(s.prompt_ids, s.response_ids, old, s.loss_mask, advantage=1.0)
+    metrics = strategy.train_step([sample])
+    assert metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # on-policy
+    after = strategy.logprobs(batch)
+    m = batch.loss_mask.bool()
+    assert after[m].sum() > before[m].sum()
+
+
+def test_export_weights_loads_and_has_stable_checksum(model_dir: Path, tmp_path: Path) -> None:
+    strategy = TorchStrategy(model_dir)
+    path, sha = strategy.export_weights(tmp_path / "v1")
+    assert len(sha) == 64 and sha == weights_sha256(path)
+    again, sha2 = strategy.export_weights(tmp_path / "v1")  # overwrite in place
+    assert again == path and sha2 == sha
+    reloaded = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    ids = torch.tensor([[1, 5, 6, 7]])
+    with torch.no_grad():
+        assert torch.allclose(reloaded(ids).logits, strategy.model(ids).logits, atol=1e-6)
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_checkpoint_round_trip(model_dir: Path, tmp_path: Path) -> None:
+    samples = make_samples(6)
+    a = TorchStrategy(model_dir, lr=1e-2)
+    a.train_step(samples[:3])
+    a.save_checkpoint(tmp_path / "ckpt")
+    draw_after_save = torch.rand(3)
+    a.train_step(samples[3:])
+    want = params(a)
+
+    b = TorchStrategy(model_dir, lr=1e-2)
+    torch.manual_seed(999)
+    assert b.load_checkpoint(tmp_path / "ckpt") == 1
+    assert torch.equal(torch.rand(3), draw_after_save)  # RNG restored to the checkpoint's
+    b.train_step(samples[3:])  # same optimizer state (Adam moments) => same update
+    got = params(b)
+    assert b.step == 2
+    assert all(torch.allclose(want[k], got[k], atol=1e-6) for k in want)
+
+
+def test_sft_warmup_learns_a_fixed_set(model_dir: Path) -> None:
+    strategy = TorchStrategy(model_dir)
+    examples = [SFTExample([1, 5 + i], [20 + i, 2]) for i in range(4)]
+    batch = sft_batch(examples, strategy.pad_id)
+    assert batch.loss_mask.sum() == 8
+    with torch.no_grad():
+        start = sft_loss(strategy.model, batch).item()
+    losses = sft_warmup(strategy.model, [examples] * 60, lr=3e-3, pad_id=strategy.pad_id)
+    assert len(losses) == 60 and losses[0] == pytest.approx(start, rel=1e-4)
+    assert losses[-1] < 0.5 * start
