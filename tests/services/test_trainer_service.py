@@ -46,3 +46,37 @@ def test_on_policy_batch_keeps_everything() -> None:
     groups = [[scored("g", i, 7) for i in range(4)]]
     batch, rejected = assemble(groups, version=7, max_staleness=0)
     assert len(batch) == 4 and rejected == []
+
+
+def test_checkpoint_restores_model_buffer_and_positions(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from rollout.model_init import init_tiny_model
+    from schemas.config import TinyModelSpec, parse_config
+    from services.bus import TopicPartition
+    from services.trainer_service import Trainer, TrainerSettings
+
+    model = init_tiny_model(tmp_path / "m", TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2,
+                                                         intermediate_size=64, max_position_embeddings=32))
+    cfg = parse_config("rollout: {group_size: 4}\ntrain: {batch_size: 4}\ndata: {heldout_size: 2}")
+    settings = TrainerSettings(run_id="r", config=cfg, model_dir=str(model), run_dir=str(tmp_path / "run"))
+    a = Trainer(settings)
+    a.add(scored("g", 0, 0))
+    a.decided.add("old/0")
+    a.positions[TopicPartition("rs.r.scored", 2)] = 17
+    a.version = 3
+    with torch.no_grad():
+        next(a.strategy.model.parameters()).add_(1.0)
+    a.save_checkpoint()
+
+    b = Trainer(settings)
+    assert b.load_checkpoint()
+    assert b.version == 3 and b.decided == {"old/0"}
+    assert [s.generation.task.sample_id for s in b.groups["g"]] == ["g/0"]
+    assert b.positions == {TopicPartition("rs.r.scored", 2): 17}
+    for pa, pb in zip(a.strategy.model.parameters(), b.strategy.model.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    # a redelivered sample of a decided or buffered id is ignored
+    b.add(scored("g", 0, 0))
+    b.add(scored("old", 0, 0))
+    assert len(b.groups["g"]) == 1 and "old" not in b.groups
