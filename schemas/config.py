@@ -162,7 +162,9 @@ class TrainConfig(Section):
     batch_size: int = 64
     """Samples per optimizer step (a multiple of ``rollout.group_size``: whole groups)."""
     lr: float = 1e-5
-    """AdamW learning rate."""
+    """AdamW learning rate (peak; see ``min_lr_ratio``)."""
+    min_lr_ratio: float = 1.0
+    """Cosine decay of the learning rate over ``steps`` down to ``lr × min_lr_ratio`` (1 = constant)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
@@ -218,6 +220,8 @@ class RunConfig(Section):
             raise ValueError(f"rollout.temperature={self.rollout.temperature} must be > 0")
         if not 0 < self.rollout.top_p <= 1:
             raise ValueError(f"rollout.top_p={self.rollout.top_p} must be in (0, 1]")
+        if not 0 < self.train.min_lr_ratio <= 1:
+            raise ValueError(f"train.min_lr_ratio={self.train.min_lr_ratio} must be in (0, 1]")
         if self.train.max_staleness < 0:
             raise ValueError(f"train.max_staleness={self.train.max_staleness} must be >= 0")
 

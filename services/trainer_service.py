@@ -129,6 +129,7 @@ class Trainer:
             settings.model_dir, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip,
             micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature,
             clip_low=cfg.algorithm.pg_clip, clip_high=cfg.algorithm.pg_clip, dtype=cfg.model.dtype,
+            total_steps=cfg.train.steps, min_lr_ratio=cfg.train.min_lr_ratio,
             device=settings.device,
         )
         self.tokenizer = self.strategy.tokenizer
@@ -189,7 +190,8 @@ class Trainer:
                 for _ in range(cfg.train.warmup_batch_size):
                     src = self.sources[rng.choices(range(len(self.sources)), weights=weights)[0]]
                     p = src.sample(rng)
-                    target = [*tok(p.reference, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+                    demo = src.demonstration(p, rng)
+                    target = [*tok(demo, add_special_tokens=False)["input_ids"], tok.eos_token_id]
                     out.append(SFTExample(encode_prompt(tok, p.prompt), target))
                 yield out
 
