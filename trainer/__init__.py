@@ -1,1 +1,33 @@
-"""rollstream: trainer."""
+"""rollstream: trainer — algorithms as pure tensor functions, batch assembly, training strategies
+behind one ``Strategy`` protocol, checkpoints and weight export, the supervised warm-up.
+
+Names are imported lazily (``trainer.TorchStrategy`` loads torch/transformers on first use).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "grpo_advantages": "trainer.algos",
+    "ppo_clip_loss": "trainer.algos",
+    "masked_mean": "trainer.algos",
+    "TrainSample": "trainer.batch",
+    "TokenBatch": "trainer.batch",
+    "collate": "trainer.batch",
+    "samples_from_scored": "trainer.batch",
+    "split_stale": "trainer.batch",
+    "Strategy": "trainer.strategy",
+    "TorchStrategy": "trainer.strategy",
+    "SFTExample": "trainer.sft",
+    "sft_warmup": "trainer.sft",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'trainer' has no attribute {name!r}")

@@ -142,3 +142,33 @@ async def test_weights_that_do_not_fit_are_an_error(model_dir: Path, tmp_path: P
     with pytest.raises(KeyError, match="lacks"):
         await engine.load_weights(tmp_path)
     assert engine.policy_version == 0
+
+
+async def test_model_failure_completes_requests_with_error(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = TorchEngine(model_dir, max_batch=4)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.model, "forward", broken)
+    done = await generate_all(engine, requests(engine, GREEDY))
+    assert {(c.finish_reason, c.error) for c in done} == {("error", "RuntimeError: device lost")}
+    monkeypatch.undo()
+    ok = await generate_all(engine, requests(engine, GREEDY))  # still usable
+    assert {c.finish_reason for c in ok} <= {"stop", "length"}
+
+
+async def test_bad_request_in_a_stream_raises_after_earlier_ones(model_dir: Path) -> None:
+    engine = TorchEngine(model_dir)
+
+    async def feed() -> AsyncIterator[GenerationRequest]:
+        yield GenerationRequest("ok", engine.encode("1+1="), GREEDY)
+        yield GenerationRequest("bad", [])
+
+    got = []
+    with pytest.raises(ValueError, match="empty prompt"):
+        async for c in engine.generate(feed()):
+            got.append(c.request_id)
+    assert got == ["ok"]

@@ -129,3 +129,14 @@ def test_sft_warmup_learns_a_fixed_set(model_dir: Path) -> None:
     losses = sft_warmup(strategy.model, [examples] * 60, lr=3e-3, pad_id=strategy.pad_id)
     assert len(losses) == 60 and losses[0] == pytest.approx(start, rel=1e-4)
     assert losses[-1] < 0.5 * start
+
+
+def test_cosine_lr_schedule(model_dir: Path) -> None:
+    constant = TorchStrategy(model_dir, lr=1e-3)
+    assert constant.lr_at(0) == constant.lr_at(500) == 1e-3
+    cosine = TorchStrategy(model_dir, lr=1e-3, total_steps=11, min_lr_ratio=0.1)
+    assert cosine.lr_at(0) == pytest.approx(1e-3)
+    assert cosine.lr_at(5) == pytest.approx(0.55e-3)
+    assert cosine.lr_at(10) == cosine.lr_at(99) == pytest.approx(1e-4)
+    metrics = cosine.train_step(make_samples(2))
+    assert metrics["actor/lr"] == pytest.approx(1e-3)

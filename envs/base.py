@@ -1,0 +1,87 @@
+"""The environment interface (GEM-style), task sources, and the results verifiers return.
+
+An environment is driven by ``reset()`` then ``step(action)`` until ``terminated`` or
+``truncated`` (the Gymnasium / GEM convention, with text observations and actions). A
+single-turn verifier is an environment with exactly one step: ``reset`` returns the prompt,
+``step(response)`` returns the reward and terminates (:class:`envs.single_turn.SingleTurnEnv`).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+
+class StepResult(NamedTuple):
+    """What ``Env.step`` returns; unpacks like Gymnasium's 5-tuple."""
+
+    observation: str
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: dict[str, Any]
+
+
+@runtime_checkable
+class Env(Protocol):
+    """A text environment: ``reset() -> (observation, info)``, ``step(action) -> StepResult``."""
+
+    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]: ...
+
+    def step(self, action: str) -> StepResult: ...
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """A verifier's judgement of one response. ``error`` is non-empty when it crashed or timed out
+    (then ``reward`` is 0 and ``correct`` False)."""
+
+    reward: float
+    correct: bool
+    details: str = ""
+    error: str = ""
+    components: dict[str, float] = field(default_factory=dict)
+
+
+class Verifier(Protocol):
+    """``verifier(response, reference, **kwargs) -> VerifyResult`` (may raise; callers guard it)."""
+
+    def __call__(self, response: str, reference: str, **kwargs: Any) -> VerifyResult: ...
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt of a task source with its ground truth."""
+
+    prompt_id: str
+    """Stable id within the source (same across runs)."""
+    prompt: str
+    reference: str
+    """What the verifier compares against."""
+    verifier: str
+    """The source's default verifier name."""
+
+
+@runtime_checkable
+class TaskSource(Protocol):
+    """A generator of training prompts with a fixed, disjoint held-out split."""
+
+    name: str
+    default_verifier: str
+
+    def sample(self, rng: random.Random) -> Problem:
+        """A training problem (never a held-out one)."""
+        ...
+
+    def heldout(self, n: int) -> list[Problem]:
+        """The first ``n`` problems of the fixed held-out split (deterministic)."""
+        ...
+
+    def is_heldout(self, problem: Problem) -> bool:
+        """Whether ``problem`` belongs to the held-out split."""
+        ...
+
+    def demonstration(self, problem: Problem, rng: random.Random) -> str:
+        """A correct response to ``problem`` to imitate in the supervised warm-up."""
+        ...

@@ -1,0 +1,71 @@
+"""Registries of task sources, verifiers and multi-step environments, by name.
+
+``register_*`` are decorators; lookups raise ``KeyError`` naming what is registered.
+Built-ins (``arith``; ``exact``, ``math``, ``format``) register themselves when ``envs`` is
+imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from envs.base import Env, TaskSource, Verifier
+
+SourceFactory = Callable[..., TaskSource]
+EnvFactory = Callable[..., Env]
+
+SOURCES: dict[str, SourceFactory] = {}
+VERIFIERS: dict[str, Verifier] = {}
+ENVS: dict[str, EnvFactory] = {}
+
+F = TypeVar("F")
+
+
+def _register(table: dict[str, Any], kind: str, name: str) -> Callable[[F], F]:
+    def deco(obj: F) -> F:
+        if name in table and table[name] is not obj:
+            raise ValueError(f"{kind} {name!r} is already registered")
+        table[name] = obj
+        return obj
+
+    return deco
+
+
+def register_source(name: str) -> Callable[[F], F]:
+    """Register a task source factory ``factory(**kwargs) -> TaskSource``."""
+    return _register(SOURCES, "task source", name)
+
+
+def register_verifier(name: str) -> Callable[[F], F]:
+    """Register a verifier ``fn(response, reference, **kwargs) -> VerifyResult``."""
+    return _register(VERIFIERS, "verifier", name)
+
+
+def register_env(name: str) -> Callable[[F], F]:
+    """Register an environment factory ``factory(prompt=..., reference=..., **kwargs) -> Env``."""
+    return _register(ENVS, "environment", name)
+
+
+def _lookup(table: dict[str, Any], kind: str, name: str) -> Any:
+    if name not in table:
+        raise KeyError(f"unknown {kind} {name!r}; registered: {', '.join(sorted(table)) or 'none'}")
+    return table[name]
+
+
+def make_source(name: str, **kwargs: Any) -> TaskSource:
+    """Build the registered task source ``name`` with ``kwargs``."""
+    factory: SourceFactory = _lookup(SOURCES, "task source", name)
+    return factory(**kwargs)
+
+
+def get_verifier(name: str) -> Verifier:
+    """The registered verifier ``name``."""
+    verifier: Verifier = _lookup(VERIFIERS, "verifier", name)
+    return verifier
+
+
+def get_env_factory(name: str) -> EnvFactory:
+    """The registered environment factory ``name``."""
+    factory: EnvFactory = _lookup(ENVS, "environment", name)
+    return factory

@@ -1,0 +1,192 @@
+"""Single-turn verifiers (``exact``, ``math``, ``format``) and :func:`run_verifier`, which runs any
+verifier with a time bound and turns crashes and hangs into error results.
+
+Verifiers themselves may raise; callers go through :func:`run_verifier`, which never raises for
+a verifier's fault and never blocks longer than ``timeout_s`` (plus process start-up with
+``isolation="process"``).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import re
+import threading
+from fractions import Fraction
+from typing import Any, Literal
+
+from envs.base import Verifier, VerifyResult
+from envs.registry import get_verifier, register_verifier
+
+Isolation = Literal["inline", "thread", "process"]
+
+_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+
+
+def _judged(ok: bool, details: str, **components: float) -> VerifyResult:
+    return VerifyResult(reward=float(ok), correct=ok, details=details, components=components)
+
+
+@register_verifier("exact")
+def exact_match(response: str, reference: str, **kwargs: Any) -> VerifyResult:
+    """Reward 1 iff the response equals the reference after stripping surrounding whitespace."""
+    got, want = response.strip(), reference.strip()
+    return _judged(got == want, f"got {got[:80]!r}, want {want[:80]!r}", correct=float(got == want))
+
+
+@register_verifier("final_number")
+def final_number(response: str, reference: str, **kwargs: Any) -> VerifyResult:
+    """Reward 1 iff the last number (integer, decimal or ``p/q``) in the response equals the
+    reference's last number exactly (as fractions). Text around it is ignored, so worked
+    solutions that end in the answer are accepted."""
+    got, want = _NUMBER_RE.findall(response), _NUMBER_RE.findall(reference)
+    if not want:
+        raise ValueError(f"reference {reference[:80]!r} has no number")
+    ok = bool(got) and Fraction(got[-1]) == Fraction(want[-1])
+    return _judged(ok, f"got {got[-1] if got else None}, want {want[-1]}", correct=float(ok))
+
+
+@register_verifier("format")
+def format_check(response: str, reference: str = "", pattern: str = r"-?\d+", **kwargs: Any) -> VerifyResult:
+    """Reward 1 iff the stripped response fully matches the regex ``pattern`` (default: an integer).
+    The reference is ignored."""
+    ok = re.fullmatch(pattern, response.strip()) is not None
+    return _judged(ok, f"{'matches' if ok else 'does not match'} {pattern!r}", format=float(ok))
+
+
+def sympy_equivalent(response: str, reference: str) -> tuple[bool, str]:
+    """Compare the last number (integer, decimal or ``p/q``) of each text with sympy.
+
+    Only numbers are extracted (with a regex) before ``sympy.Rational`` sees them, so no model
+    text is ever evaluated. Returns ``(equal, details)``.
+    """
+    import sympy
+
+    got, want = _NUMBER_RE.findall(response), _NUMBER_RE.findall(reference)
+    if not want:
+        raise ValueError(f"reference {reference[:80]!r} has no number for the sympy fallback")
+    if not got:
+        return False, "sympy fallback: no number in the response"
+    ok = sympy.Rational(got[-1]) == sympy.Rational(want[-1])
+    return bool(ok), f"sympy fallback: got {got[-1]}, want {want[-1]}"
+
+
+@register_verifier("math")
+def math_equivalence(response: str, reference: str, **kwargs: Any) -> VerifyResult:
+    """Mathematical equivalence of the response's final answer and the reference.
+
+    Uses math-verify (``parse`` both, ``verify(gold, pred)``) with its signal-based timeouts
+    switched off (they only work in the main thread; :func:`run_verifier` bounds the time
+    instead). When math-verify is missing, raises, or extracts nothing from either side, falls
+    back to :func:`sympy_equivalent` (numbers only).
+    """
+    note = ""
+    try:
+        import math_verify
+
+        # We switched its timeouts off on purpose (run_verifier bounds the time); silence the
+        # one-time warning math-verify logs about that.
+        logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+        gold = math_verify.parse(reference, parsing_timeout=None)
+        pred = math_verify.parse(response, parsing_timeout=None)
+        if gold and pred:
+            ok = bool(math_verify.verify(gold, pred, timeout_seconds=None))
+            return _judged(ok, f"math-verify: got {pred[-1]!s:.80}, want {gold[-1]!s:.80}", correct=float(ok))
+        note = "math-verify extracted nothing; "
+    except Exception as e:
+        note = f"math-verify failed ({type(e).__name__}: {e}); "
+    ok, details = sympy_equivalent(response, reference)
+    return _judged(ok, note + details, correct=float(ok))
+
+
+# --------------------------------------------------------------------------- guarded execution
+
+
+def _error(message: str) -> VerifyResult:
+    return VerifyResult(reward=0.0, correct=False, error=message)
+
+
+def _call(fn: Verifier, response: str, reference: str, kwargs: dict[str, Any]) -> VerifyResult:
+    """Call ``fn``; exceptions and wrong return types become error results."""
+    try:
+        result = fn(response, reference, **kwargs)
+    except Exception as e:
+        return _error(f"verifier raised {type(e).__name__}: {e}")
+    if not isinstance(result, VerifyResult):
+        return _error(f"verifier returned {type(result).__name__}, not VerifyResult")
+    return result
+
+
+def _run_thread(
+    fn: Verifier, response: str, reference: str, kwargs: dict[str, Any], timeout_s: float
+) -> VerifyResult:
+    box: list[VerifyResult] = []
+    worker = threading.Thread(
+        target=lambda: box.append(_call(fn, response, reference, kwargs)), daemon=True, name="verifier"
+    )
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive() or not box:
+        return _error(f"timeout: verifier did not finish within {timeout_s:g}s (its thread was abandoned)")
+    return box[0]
+
+
+def _child(conn: Any, fn: Verifier, response: str, reference: str, kwargs: dict[str, Any]) -> None:
+    conn.send(_call(fn, response, reference, kwargs))
+    conn.close()
+
+
+def _run_process(
+    fn: Verifier, response: str, reference: str, kwargs: dict[str, Any], timeout_s: float
+) -> VerifyResult:
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(child, fn, response, reference, kwargs), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        if parent.poll(timeout_s):
+            try:
+                result: VerifyResult = parent.recv()
+                return result
+            except EOFError:
+                pass
+        else:
+            return _error(f"timeout: verifier did not finish within {timeout_s:g}s (its process was killed)")
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        parent.close()
+    return _error(f"verifier process died (exit code {proc.exitcode})")
+
+
+def run_verifier(
+    verifier: str | Verifier,
+    response: str,
+    reference: str,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    timeout_s: float = 5.0,
+    isolation: Isolation = "thread",
+) -> VerifyResult:
+    """Run a verifier (by registered name or as a callable) without letting it harm the caller.
+
+    ``isolation``: ``"inline"`` calls it directly (exceptions caught, no time bound);
+    ``"thread"`` (default) runs it in a daemon thread and gives up after ``timeout_s`` — a hung
+    verifier's thread is abandoned, not killed (Python cannot kill threads); ``"process"`` forks
+    a child per call and kills it on timeout (also survives segfaults; costs a fork per call).
+    An unknown verifier name, an exception, a wrong return type, a timeout or a dead child all
+    return a :class:`VerifyResult` with ``reward=0`` and a one-line ``error``.
+    """
+    try:
+        fn = get_verifier(verifier) if isinstance(verifier, str) else verifier
+    except KeyError as e:
+        return _error(str(e.args[0]))
+    args = dict(kwargs or {})
+    if isolation == "inline":
+        return _call(fn, response, reference, args)
+    if isolation == "thread":
+        return _run_thread(fn, response, reference, args, timeout_s)
+    return _run_process(fn, response, reference, args, timeout_s)

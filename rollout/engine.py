@@ -1,0 +1,506 @@
+"""Generation engines behind one :class:`Engine` protocol, and :class:`TorchEngine`.
+
+``TorchEngine`` is a compact continuous-batching loop over a transformers causal LM:
+
+* **Slots.** At most ``max_batch`` sequences run together in one padded batch with one KV cache
+  (a transformers ``DynamicCache`` whose per-layer ``(B, heads, L, head_dim)`` tensors we edit).
+  Rows are right-aligned: each row's tokens occupy the last columns of the cache, left padding is
+  masked out by the 2-D attention mask, and every row gets explicit ``position_ids`` (its own
+  token count), so a row computes exactly what it would compute alone.
+* **No batch barrier.** One engine step = admit waiting requests into free slots (one batched,
+  left-padded prefill; the prefill's KV rows are left-padded to the running cache's length and
+  concatenated in) + one decode step for every row. A row that finished (EOS or
+  ``max_new_tokens``) is evicted right after the step that finished it, so its slot is refilled
+  before the next decode step. Columns that are padding for every row are trimmed after
+  eviction, so the cache length stays at the longest live row.
+* **Logprobs.** Per generated token, ``log_softmax(logits / T)[token]`` of the request's
+  temperature ``T``, untruncated by ``top_p`` (see :mod:`rollout.sampling`); this equals the
+  trainer's teacher-forced logprob of the same weights at the same temperature up to float
+  round-off.
+* **Hot-swap.** ``load_weights(dir)`` copies a safetensors state dict into the live parameters
+  between two engine steps (never during one) and records the new ``policy_version``. Requests
+  in flight keep their KV cache from the old weights and continue with the new ones; each
+  :class:`Completion` reports the version it started with and the version it ended with.
+
+The blocking tensor work of a step runs in a worker thread (``asyncio.to_thread``), so the event
+loop (Kafka clients, other requests) stays responsive. Sampling is seeded per engine (``seed``);
+greedy decoding is deterministic and does not depend on the batch composition beyond float
+round-off.
+
+Why not transformers' own continuous batching (``generate_batch`` /
+``init_continuous_batching``)? It works on CPU and returns logprobs, but it runs its own thread
+and paged cache sized from device memory, its logprobs are of the processed scores without a
+documented tie to the trainer's distribution, and it has no weight hot-swap between decode
+steps; measured on the tiny model it was several times slower than this loop on 2 CPU cores
+(see ``bench/learn_offline.py --engine-bench``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import typing
+from collections import deque
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+from safetensors.torch import load_file
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from rollout.model_init import load_model, load_tokenizer
+from rollout.sampling import SamplingParams, sample_next
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+_FEED_DONE = object()  # end-of-stream marker on a generate() call's queue
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt to complete."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished request. ``token_ids`` includes the EOS token when ``finish_reason == "stop"``."""
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    """Behaviour logprob of each generated token, ``len == len(token_ids)``."""
+    text: str
+    """Decoded ``token_ids`` without special tokens."""
+    finish_reason: FinishReason
+    policy_version: int
+    """Weights version when the request got its slot."""
+    policy_version_end: int
+    """Weights version when it finished (differs if weights were swapped in between)."""
+    queued_s: float = 0.0
+    """Seconds from submission to getting a slot."""
+    gen_s: float = 0.0
+    """Seconds from getting a slot to finishing."""
+    error: str = ""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the rollout service needs from a generation engine."""
+
+    policy_version: int
+
+    def generate(
+        self, requests: Iterable[GenerationRequest] | AsyncIterable[GenerationRequest]
+    ) -> AsyncIterator[Completion]:
+        """Complete every request; yield completions in the order they finish."""
+        ...
+
+    async def load_weights(self, ref: str | Path, version: int | None = None) -> None:
+        """Swap in the weights at ``ref`` (a directory of safetensors) and record ``version``."""
+        ...
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def read_weights(ref: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of the ``*.safetensors`` files in directory ``ref`` (or of that one file)."""
+    path = Path(ref)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+@torch.no_grad()
+def copy_weights_(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy ``state`` into ``model``'s parameters in place (shapes must match).
+
+    Keys the model does not have are an error; parameters missing from ``state`` are allowed
+    only when they are tied to (the same tensor as) a parameter that ``state`` does have.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    unknown = sorted(set(state) - set(params))
+    if unknown:
+        raise KeyError(f"weights have keys the model lacks: {unknown[:5]}")
+    loaded = {id(params[k]) for k in state}
+    missing = [k for k, p in params.items() if k not in state and id(p) not in loaded]
+    if missing:
+        raise KeyError(f"weights lack parameters of the model: {missing[:5]}")
+    for key, value in state.items():
+        params[key].copy_(value.to(params[key].dtype))
+
+
+# --------------------------------------------------------------------------- KV batch
+
+
+def _pad_left(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    """Zero-pad ``x`` on the left along ``dim`` to ``length``."""
+    extra = length - x.shape[dim]
+    if extra <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
+def kv_layers(cache: DynamicCache) -> list[DynamicLayer]:
+    """The cache's layers, checked to be plain full-attention ``DynamicLayer``s.
+
+    Row editing (left padding, eviction, trimming) is only exact for full attention; models
+    with sliding-window or linear-attention layers are rejected with a clear error.
+    """
+    layers = list(cache.layers)
+    for layer in layers:
+        if type(layer) is not DynamicLayer:
+            raise TypeError(f"TorchEngine supports full-attention caches only, got {type(layer).__name__}")
+    return typing.cast(list[DynamicLayer], layers)
+
+
+def _kv(layer: DynamicLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    if layer.keys is None or layer.values is None:
+        raise RuntimeError("KV cache layer is empty (no prefill ran)")
+    return layer.keys, layer.values
+
+
+def merge_caches(a: DynamicCache, b: DynamicCache, length: int) -> None:
+    """Append ``b``'s rows to ``a`` in place, both left-padded to ``length`` columns."""
+    for la, lb in zip(kv_layers(a), kv_layers(b), strict=True):
+        (ka, va), (kb, vb) = _kv(la), _kv(lb)
+        la.keys = torch.cat([_pad_left(ka, length, 2), _pad_left(kb, length, 2)], dim=0)
+        la.values = torch.cat([_pad_left(va, length, 2), _pad_left(vb, length, 2)], dim=0)
+
+
+def select_cache(cache: DynamicCache, rows: torch.Tensor, first_col: int) -> None:
+    """Keep ``rows`` and the columns from ``first_col`` on, in place."""
+    for layer in kv_layers(cache):
+        keys, values = _kv(layer)
+        layer.keys, layer.values = keys[rows, :, first_col:], values[rows, :, first_col:]
+
+
+@dataclass
+class _Row:
+    """Book-keeping of one running request."""
+
+    request: GenerationRequest
+    out: asyncio.Queue[Completion | object]
+    submitted: float
+    started: float
+    version: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Pending:
+    request: GenerationRequest
+    out: asyncio.Queue[Completion | object]
+    submitted: float
+
+
+class _Slots:
+    """The running batch: rows, their KV cache, attention mask and next inputs."""
+
+    def __init__(self) -> None:
+        self.rows: list[_Row] = []
+        self.cache: DynamicCache | None = None
+        self.mask = torch.zeros(0, 0, dtype=torch.long)  # (B, L)
+        self.next_token = torch.zeros(0, dtype=torch.long)  # (B,) sampled, not yet in the cache
+        self.next_pos = torch.zeros(0, dtype=torch.long)  # (B,) position id of next_token
+        self.temperature = torch.zeros(0)  # (B,)
+        self.top_p = torch.zeros(0)  # (B,)
+        self.greedy = torch.zeros(0, dtype=torch.bool)  # (B,)
+
+    def add(self, rows: list[_Row], cache: DynamicCache, mask: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Append prefilled rows (``cache``/``mask`` left-padded, ``tokens`` their first sample)."""
+        params = [r.request.params for r in rows]
+        if self.cache is None or not self.rows:
+            self.cache, self.mask = cache, mask
+        else:
+            length = max(self.mask.shape[1], mask.shape[1])
+            merge_caches(self.cache, cache, length)
+            self.mask = torch.cat([_pad_left(self.mask, length, 1), _pad_left(mask, length, 1)], dim=0)
+        self.rows += rows
+        self.next_token = torch.cat([self.next_token, tokens])
+        self.next_pos = torch.cat([self.next_pos, mask.sum(dim=1)])
+        self.temperature = torch.cat([self.temperature, torch.tensor([p.temperature for p in params])])
+        self.top_p = torch.cat([self.top_p, torch.tensor([p.top_p for p in params])])
+        self.greedy = torch.cat([self.greedy, torch.tensor([p.greedy for p in params])])
+
+    def keep(self, keep: list[int]) -> None:
+        """Evict every row not in ``keep`` and trim columns that are padding for all kept rows."""
+        idx = torch.tensor(keep, dtype=torch.long)
+        self.rows = [self.rows[i] for i in keep]
+        mask = self.mask[idx]
+        first_col = int(mask.shape[1] - mask.sum(dim=1).max()) if keep else mask.shape[1]
+        self.mask = mask[:, first_col:]
+        if self.cache is not None:
+            select_cache(self.cache, idx, first_col)
+        self.next_token = self.next_token[idx]
+        self.next_pos = self.next_pos[idx]
+        self.temperature = self.temperature[idx]
+        self.top_p = self.top_p[idx]
+        self.greedy = self.greedy[idx]
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class TorchEngine:
+    """Continuous-batching generation with a transformers causal LM on CPU or one GPU."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        max_batch: int = 64,
+        device: str = "cpu",
+        dtype: str = "float32",
+        seed: int = 0,
+        policy_version: int = 0,
+    ) -> None:
+        self.model = load_model(model_dir, dtype=dtype, device=device)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.device = torch.device(device)
+        self.max_batch = max_batch
+        self.policy_version = policy_version
+        self.eos_ids = self._eos_ids()
+        self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.tokens_generated = 0
+        self._pending: deque[_Pending] = deque()
+        self._slots = _Slots()
+        self._admitting: list[_Row] = []  # popped from _pending, not yet in _slots
+        self._step_lock = threading.Lock()
+        self._driver: asyncio.Task[None] | None = None
+
+    def _eos_ids(self) -> set[int]:
+        ids = self.model.generation_config.eos_token_id
+        if ids is None:
+            ids = self.tokenizer.eos_token_id
+        return set(ids) if isinstance(ids, list) else {int(ids)}
+
+    # ----------------------------------------------------------------- public API
+
+    @property
+    def running(self) -> int:
+        """Requests holding a slot right now."""
+        return len(self._slots.rows)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._pending)
+
+    def encode(self, prompt: str) -> list[int]:
+        """Prompt token ids as this engine's tokenizer makes them (with its BOS, if any)."""
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+    async def generate(
+        self, requests: Iterable[GenerationRequest] | AsyncIterable[GenerationRequest]
+    ) -> AsyncIterator[Completion]:
+        """Submit ``requests`` (a list, or an async stream whose requests join while others run)
+        and yield their completions in the order they finish.
+
+        Invalid requests (empty, or too long for the model) raise ``ValueError``: for a list,
+        before anything is submitted; for a stream, after the completions of the requests
+        submitted before it. If the model itself fails during a step, the requests in that step
+        complete with ``finish_reason="error"`` and the error text; the engine stays usable.
+        """
+        out: asyncio.Queue[Completion | object] = asyncio.Queue()
+        if isinstance(requests, AsyncIterable):
+            async for c in self._generate_stream(requests, out):
+                yield c
+            return
+        batch = list(requests)
+        for req in batch:
+            self._validate(req)
+        for req in batch:
+            self._submit(req, out)
+        for _ in batch:
+            yield typing.cast(Completion, await out.get())
+
+    async def _generate_stream(
+        self, requests: AsyncIterable[GenerationRequest], out: asyncio.Queue[Completion | object]
+    ) -> AsyncIterator[Completion]:
+        submitted = 0
+
+        async def feed() -> None:
+            nonlocal submitted
+            try:
+                async for req in requests:
+                    self._validate(req)
+                    self._submit(req, out)
+                    submitted += 1
+            finally:
+                out.put_nowait(_FEED_DONE)
+
+        feeder = asyncio.ensure_future(feed())
+        delivered, feeding = 0, True
+        try:
+            while feeding or delivered < submitted:
+                item = await out.get()
+                if item is _FEED_DONE:
+                    feeding = False
+                else:
+                    delivered += 1
+                    yield typing.cast(Completion, item)
+            await feeder  # re-raises a bad request or a failing stream
+        finally:
+            feeder.cancel()
+
+    async def load_weights(self, ref: str | Path, version: int | None = None) -> None:
+        """Copy the safetensors weights in ``ref`` into the live model between two engine
+        steps; ``version`` defaults to the current version + 1."""
+        state = await asyncio.to_thread(read_weights, ref)
+        await asyncio.to_thread(self._swap, state, version)
+
+    def load_weights_sync(self, ref: str | Path, version: int | None = None) -> None:
+        """Blocking variant of :meth:`load_weights` (for synchronous callers)."""
+        self._swap(read_weights(ref), version)
+
+    def _swap(self, state: dict[str, torch.Tensor], version: int | None) -> None:
+        with self._step_lock:
+            copy_weights_(self.model, state)
+            self.policy_version = self.policy_version + 1 if version is None else version
+
+    # ----------------------------------------------------------------- scheduling
+
+    def _validate(self, req: GenerationRequest) -> None:
+        if not req.prompt_ids:
+            raise ValueError(f"request {req.request_id}: empty prompt")
+        if len(req.prompt_ids) >= self.max_positions:
+            raise ValueError(
+                f"request {req.request_id}: prompt of {len(req.prompt_ids)} tokens leaves no room "
+                f"(model max_position_embeddings={self.max_positions})"
+            )
+
+    def _submit(self, req: GenerationRequest, out: asyncio.Queue[Completion | object]) -> None:
+        self._pending.append(_Pending(req, out, time.perf_counter()))
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.get_running_loop().create_task(self._drive())
+
+    async def _drive(self) -> None:
+        """Run engine steps while there is work; deliver finished completions."""
+        while self._pending or self._slots.rows:
+            finished = await asyncio.to_thread(self._step)
+            for row, completion in finished:
+                row.out.put_nowait(completion)
+
+    def _step(self) -> list[tuple[_Row, Completion]]:
+        """Admit into free slots, run one decode step, evict finished rows."""
+        with self._step_lock:
+            try:
+                return self._step_locked()
+            except Exception as e:  # fail the rows of this step, keep the engine usable
+                rows, self._admitting = self._slots.rows + self._admitting, []
+                self._slots = _Slots()
+                return [(r, self._complete(r, "error", f"{type(e).__name__}: {e}")) for r in rows]
+
+    @torch.inference_mode()
+    def _step_locked(self) -> list[tuple[_Row, Completion]]:
+        self._admit()
+        finished = self._collect_finished()
+        if self._slots.rows:
+            self._decode()
+            finished += self._collect_finished()
+        return finished
+
+    def _admit(self) -> None:
+        free = self.max_batch - len(self._slots.rows)
+        batch = [self._pending.popleft() for _ in range(min(free, len(self._pending)))]
+        if not batch:
+            return
+        now = time.perf_counter()
+        rows = [_Row(p.request, p.out, p.submitted, now, self.policy_version) for p in batch]
+        self._admitting = rows
+        prompts = [r.request.prompt_ids for r in rows]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=self.device)  # (b, P)
+        mask = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device
+        )  # (b, P)
+        pos = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (b, P)
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
+        ).logits[:, -1]  # (b, V)
+        tokens = self._sample(logits, rows)
+        self._slots.add(rows, cache, mask, tokens)
+        self._admitting = []
+
+    def _decode(self) -> None:
+        s = self._slots
+        s.mask = torch.cat([s.mask, s.mask.new_ones(len(s.rows), 1)], dim=1)  # (B, L + 1)
+        logits = self.model(
+            input_ids=s.next_token.unsqueeze(1),
+            attention_mask=s.mask,
+            position_ids=s.next_pos.unsqueeze(1),
+            past_key_values=s.cache,
+            use_cache=True,
+        ).logits[:, -1]  # (B, V)
+        s.next_pos = s.next_pos + 1
+        s.next_token = self._sample(logits, s.rows)
+
+    def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        """Sample for ``rows`` (the last ``len(rows)`` slot params, or new rows) and record."""
+        params = [r.request.params for r in rows]
+        tokens, logprobs = sample_next(
+            logits,
+            torch.tensor([p.temperature for p in params], device=self.device),
+            torch.tensor([p.top_p for p in params], device=self.device),
+            torch.tensor([p.greedy for p in params], device=self.device),
+            self.generator,
+        )
+        for row, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
+            row.tokens.append(tok)
+            row.logprobs.append(lp)
+        self.tokens_generated += len(rows)
+        return tokens
+
+    def _finish_reason(self, row: _Row) -> FinishReason | None:
+        if row.tokens and row.tokens[-1] in self.eos_ids:
+            return "stop"
+        cap = min(row.request.params.max_new_tokens, self.max_positions - len(row.request.prompt_ids))
+        return "length" if len(row.tokens) >= cap else None
+
+    def _collect_finished(self) -> list[tuple[_Row, Completion]]:
+        reasons = [self._finish_reason(r) for r in self._slots.rows]
+        if not any(reasons):
+            return []
+        done = [(r, self._complete(r, why)) for r, why in zip(self._slots.rows, reasons, strict=True) if why]
+        self._slots.keep([i for i, why in enumerate(reasons) if why is None])
+        return done
+
+    def _complete(self, row: _Row, reason: FinishReason, error: str = "") -> Completion:
+        now = time.perf_counter()
+        return Completion(
+            request_id=row.request.request_id,
+            prompt_ids=list(row.request.prompt_ids),
+            token_ids=row.tokens,
+            logprobs=row.logprobs,
+            text=str(self.tokenizer.decode(row.tokens, skip_special_tokens=True)),
+            finish_reason=reason,
+            policy_version=row.version,
+            policy_version_end=self.policy_version,
+            queued_s=row.started - row.submitted,
+            gen_s=now - row.started,
+            error=error,
+        )
+
+
+async def generate_all(engine: Engine, requests: list[GenerationRequest]) -> list[Completion]:
+    """Run ``requests`` through ``engine``; return completions in request order."""
+    by_id = {c.request_id: c async for c in engine.generate(requests)}
+    return [by_id[r.request_id] for r in requests]
