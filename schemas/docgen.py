@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import itertools
 import typing
 from typing import Any
 
@@ -35,7 +36,7 @@ def field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body  # type: ignore[attr-defined]
     out: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:], strict=False):
+    for node, nxt in itertools.pairwise(body):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
                 and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
             out[node.target.id] = " ".join(nxt.value.value.split())

@@ -52,6 +52,7 @@ What :func:`run_service` guarantees:
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import hashlib
 import logging
@@ -276,7 +277,7 @@ class Context:
 # --------------------------------------------------------------------------- services
 
 
-class Service:
+class Service(abc.ABC):
     """Base of a rollstream service: set ``name``, implement :meth:`handle`.
 
     Optional hooks: :meth:`on_start` (after Kafka clients are up, before consuming — a source
@@ -286,8 +287,9 @@ class Service:
 
     name: str = "service"
 
+    @abc.abstractmethod
     async def handle(self, rec: Record, ctx: Context) -> None:
-        raise NotImplementedError
+        """Handle one decoded record; emit outputs with ``ctx.emit``. Raising dead-letters it."""
 
     async def on_start(self, runner: Runner) -> None:
         return None
