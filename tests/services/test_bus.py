@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 import typing
-from collections.abc import AsyncIterator
-from uuid import uuid4
 
 import pytest
 
@@ -48,24 +46,6 @@ from services.bus import (
 from services.runtime import derive_event_id
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def run_id() -> str:
-    return f"t{uuid4().hex[:10]}"
-
-
-@pytest.fixture
-def kafka(bootstrap: str) -> KafkaSettings:
-    return KafkaSettings(bootstrap=bootstrap, connect_timeout_s=10.0, request_timeout_s=15.0)
-
-
-@pytest.fixture
-async def topics(kafka: KafkaSettings, run_id: str) -> AsyncIterator[list[str]]:
-    async with TopicAdmin(kafka) as admin:
-        names = await admin.ensure_run_topics(run_id)
-        yield names
-        await admin.delete_run_topics(run_id)
 
 
 def topic_of(cls: type[Event]) -> str:

@@ -7,8 +7,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from uuid import uuid4
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -22,7 +21,6 @@ from services.bus import (
     Deduper,
     Producer,
     Record,
-    TopicAdmin,
     TopicPartition,
     next_offsets,
 )
@@ -39,24 +37,6 @@ from services.runtime import (
 )
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def run_id() -> str:
-    return f"t{uuid4().hex[:10]}"
-
-
-@pytest.fixture
-def kafka(bootstrap: str) -> KafkaSettings:
-    return KafkaSettings(bootstrap=bootstrap, connect_timeout_s=10.0, request_timeout_s=15.0)
-
-
-@pytest.fixture
-async def topics(kafka: KafkaSettings, run_id: str) -> AsyncIterator[list[str]]:
-    async with TopicAdmin(kafka) as admin:
-        names = await admin.ensure_run_topics(run_id)
-        yield names
-        await admin.delete_run_topics(run_id)
 
 
 def task(run_id: str, i: int) -> RolloutTask:
