@@ -12,6 +12,15 @@ config key with ``--set section.key=value`` (e.g. ``--set train.lr=3e-4``).
 
     .venv/bin/python bench/learn_offline.py                 # the tuned run
     .venv/bin/python bench/learn_offline.py --engine-bench  # engine tokens/s only
+
+The tuned task: 2-digit additions/subtractions (``arith``, operands 0..99, results >= 0). The
+warm-up imitates worked column solutions (``demo_scratchpad=1``: ``47+38=`` ->
+``7+8+0=15;4+3+1=8;85``) for only 300 steps: the model has the format but still gets many
+single-digit facts and carries wrong (held-out greedy 22-36%). GRPO with the ``final_number``
+verifier (0/1 reward) then fixes them. Measured on 2 shared CPU cores: seed 0 goes 22.3% ->
+77.7% in 159 s wall; seeds 0-3 (1 thread each, two runs side by side) ended 80-94%.
+Bare-answer demonstrations (``demo_scratchpad=0``) also improve under RL (16% -> ~55% in 400
+steps) but plateau below 70%.
 """
 
 from __future__ import annotations
@@ -70,6 +79,7 @@ TUNED: dict[str, Any] = {
         "steps": 200,
         "batch_size": 256,
         "lr": 2e-4,
+        "min_lr_ratio": 0.1,
         "micro_batch_size": 64,
         "grad_clip": 1.0,
         "eval_every": 20,
@@ -80,8 +90,6 @@ TUNED: dict[str, Any] = {
     "algorithm": {"pg_clip": 0.2, "norm_std": True},
 }
 """The tuned defaults (become the main example's config)."""
-MIN_LR_RATIO = 0.1
-"""Cosine decay of the RL learning rate down to ``lr * MIN_LR_RATIO`` (no RunConfig field yet)."""
 
 
 @dataclass
@@ -171,7 +179,7 @@ async def rollout_step(
     return samples, stats
 
 
-async def learn(cfg: RunConfig, work: Path, clip_high: float, min_lr_ratio: float) -> dict[str, Any]:
+async def learn(cfg: RunConfig, work: Path, clip_high: float) -> dict[str, Any]:
     t0 = time.perf_counter()
     rng = random.Random(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
@@ -191,7 +199,7 @@ async def learn(cfg: RunConfig, work: Path, clip_high: float, min_lr_ratio: floa
         clip_low=cfg.algorithm.pg_clip,
         clip_high=clip_high,
         total_steps=cfg.train.steps,
-        min_lr_ratio=min_lr_ratio,
+        min_lr_ratio=cfg.train.min_lr_ratio,
     )
     print(f"model: {count_parameters(strategy.model):,} parameters", flush=True)
     losses = warm_up(strategy, source, cfg, rng)
@@ -264,7 +272,9 @@ async def engine_bench(cfg: RunConfig, work: Path) -> None:
     )
     cb_cfg = ContinuousBatchingConfig(return_logprobs=True)
     kwargs: dict[str, Any] = {"generation_config": gen_cfg, "continuous_batching_config": cb_cfg}
-    engine.model.generate_batch(prompts, persistent_manager=True, **kwargs)  # warm-up; sizes and keeps the manager
+    engine.model.generate_batch(
+        prompts, persistent_manager=True, **kwargs
+    )  # warm-up; sizes and keeps the manager
     t = time.perf_counter()
     out = engine.model.generate_batch(prompts, persistent_manager=True, **kwargs)
     hf = sum(len(o.generated_tokens) for o in out.values()) / (time.perf_counter() - t)
@@ -279,9 +289,6 @@ def main() -> None:
     )
     ap.add_argument(
         "--clip-high", type=float, default=None, help="upper PPO clip (default: algorithm.pg_clip)"
-    )
-    ap.add_argument(
-        "--min-lr-ratio", type=float, default=MIN_LR_RATIO, help="cosine decay floor (1 = constant lr)"
     )
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     ap.add_argument("--out", type=Path, default=None, help="work dir (default: a temp dir, removed)")
@@ -298,7 +305,7 @@ def main() -> None:
             asyncio.run(engine_bench(cfg, work))
         else:
             clip_high = args.clip_high if args.clip_high is not None else cfg.algorithm.pg_clip
-            asyncio.run(learn(cfg, work, clip_high, args.min_lr_ratio))
+            asyncio.run(learn(cfg, work, clip_high))
     finally:
         if args.out is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -28,11 +28,12 @@ greedy decoding is deterministic and does not depend on the batch composition be
 round-off.
 
 Why not transformers' own continuous batching (``generate_batch`` /
-``init_continuous_batching``)? It works on CPU and returns logprobs, but it runs its own thread
-and paged cache sized from device memory, its logprobs are of the processed scores without a
-documented tie to the trainer's distribution, and it has no weight hot-swap between decode
-steps; measured on the tiny model it was several times slower than this loop on 2 CPU cores
-(see ``bench/learn_offline.py --engine-bench``).
+``init_continuous_batching``)? It works on CPU and returns logprobs, but those are the log of
+the *processed* distribution (after top-k/top-p truncation and renormalisation), which the
+trainer cannot recompute when ``top_p < 1``; it runs its own generation thread with a paged
+cache, and swapping weights needs pausing that thread from outside. On the tiny model on 2 CPU
+cores it was 2.9-3.8x slower than this loop (persistent, warmed-up manager; 512 sampled requests
+of 32 tokens; ``bench/learn_offline.py --engine-bench``).
 """
 
 from __future__ import annotations
