@@ -191,9 +191,21 @@ class AlgorithmConfig(Section):
     adv_estimator: Literal["grpo"] = "grpo"
     """Advantage estimator."""
     pg_clip: float = 0.2
-    """PPO ratio clip ε."""
+    """PPO ratio clip ε (the lower side, and the upper side unless ``pg_clip_high`` is set)."""
+    pg_clip_high: float | None = None
+    """Upper PPO clip ε_high (DAPO's clip-higher); ``None`` = ``pg_clip``."""
     norm_std: bool = True
     """Divide group-centred rewards by the group std (GRPO); False = Dr.GRPO-style."""
+
+
+class RewardConfig(Section):
+    """The reward router."""
+
+    timeout_s: float = 5.0
+    """A verifier call that takes longer is abandoned and scores 0 (error recorded), seconds."""
+    isolation: Literal["inline", "thread", "process"] = "thread"
+    """How verifiers run: ``inline`` (no bound), ``thread`` (bounded; a hung thread is abandoned)
+    or ``process`` (a forked child per call, killed on timeout)."""
 
 
 class RunConfig(Section):
@@ -207,6 +219,7 @@ class RunConfig(Section):
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
 
     def __post_init__(self) -> None:
         if self.train.batch_size % self.rollout.group_size:
@@ -222,6 +235,8 @@ class RunConfig(Section):
             raise ValueError(f"rollout.top_p={self.rollout.top_p} must be in (0, 1]")
         if not 0 < self.train.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio={self.train.min_lr_ratio} must be in (0, 1]")
+        if self.reward.timeout_s <= 0:
+            raise ValueError(f"reward.timeout_s={self.reward.timeout_s} must be > 0")
         if self.train.max_staleness < 0:
             raise ValueError(f"train.max_staleness={self.train.max_staleness} must be >= 0")
 

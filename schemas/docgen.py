@@ -28,6 +28,7 @@ SECTIONS: list[tuple[str, type[msgspec.Struct]]] = [
     ("rollout", cfg_mod.RolloutConfig),
     ("train", cfg_mod.TrainConfig),
     ("algorithm", cfg_mod.AlgorithmConfig),
+    ("reward", cfg_mod.RewardConfig),
 ]
 
 

@@ -28,11 +28,7 @@ class RewardSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     run_id: str
     """The run whose ``generations`` are scored."""
     config: RunConfig
-    """The run config (domains -> verifiers, Kafka settings)."""
-    verifier_timeout_s: float = 5.0
-    """A verifier call that takes longer is abandoned and scores 0, seconds."""
-    isolation: str = "thread"
-    """How verifiers run: ``inline``, ``thread`` (bounded) or ``process`` (killable)."""
+    """The run config (domains -> verifiers, ``reward`` section, Kafka settings)."""
     transactional_id: str = ""
     """Stable transactional id (fences a zombie instance after restart); empty = per-start id."""
 
@@ -68,7 +64,7 @@ class RewardRouter(Service):
         else:
             result = envs.run_verifier(
                 verifier, gen.response_text, task.reference, kwargs,
-                timeout_s=self.settings.verifier_timeout_s, isolation=self.settings.isolation,  # type: ignore[arg-type]
+                timeout_s=self.settings.config.reward.timeout_s, isolation=self.settings.config.reward.isolation,
             )
         details = f"error: {result.error}" if result.error else result.details
         ctx.emit("scored", ev.ScoredSample(

@@ -128,7 +128,9 @@ class Trainer:
         self.strategy = TorchStrategy(
             settings.model_dir, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip,
             micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature,
-            clip_low=cfg.algorithm.pg_clip, clip_high=cfg.algorithm.pg_clip, dtype=cfg.model.dtype,
+            clip_low=cfg.algorithm.pg_clip,
+            clip_high=cfg.algorithm.pg_clip if cfg.algorithm.pg_clip_high is None else cfg.algorithm.pg_clip_high,
+            dtype=cfg.model.dtype,
             total_steps=cfg.train.steps, min_lr_ratio=cfg.train.min_lr_ratio,
             device=settings.device,
         )
