@@ -17,6 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from schemas.config import TinyModelSpec
+
+TINY_SPEC = TinyModelSpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=64)
+"""The shape of the tiny test model (a few hundred kB)."""
+
 
 @pytest.fixture(scope="session")
 def bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
@@ -48,6 +53,20 @@ def store_dsn(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture
 def run_id() -> str:
     return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny HF model directory (Llama architecture, own tokenizer), created once per session."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from rollout.model_init import init_tiny_model
+
+    torch.set_num_threads(2)
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    return init_tiny_model(tmp_path_factory.mktemp("tiny") / "m", TINY_SPEC, seed=0)
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""A tiny model shared by the rollout tests (created once per session, a few hundred kB)."""
+"""A second tiny model for the rollout tests (``model_dir`` comes from tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -7,26 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.utils import logging as hf_logging
-
-from rollout.model_init import init_tiny_model
-from schemas.config import TinyModelSpec
-
-SPEC = TinyModelSpec(
-    hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=64
-)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _quiet() -> None:
-    torch.set_num_threads(2)
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_tiny_model(tmp_path_factory.mktemp("tiny") / "m", SPEC, seed=0)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from rollout.model_init import CHAR_VOCAB, SPECIAL_TOKENS, count_parameters, encode_prompt, init_tiny_model
-from tests.rollout.conftest import SPEC
+from tests.conftest import TINY_SPEC as SPEC
 
 
 def test_dir_loads_with_auto_classes(model_dir: Path) -> None:
