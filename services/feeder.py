@@ -116,6 +116,7 @@ class Feeder:
             not self.draining
             and not self.finished
             and self.version >= self.steps_seen
+            and self.steps_seen < self.cfg.train.steps  # the last step's samples are out already
             and self.outstanding + self.cfg.rollout.group_size <= self.cfg.max_inflight
         )
 
