@@ -13,6 +13,40 @@ _EXPORTS = {
     "grpo_advantages": "trainer.algos",
     "ppo_clip_loss": "trainer.algos",
     "masked_mean": "trainer.algos",
+    **{
+        name: "trainer.advantages"
+        for name in (
+            "dr_grpo_advantages",
+            "rloo_advantages",
+            "reinforce_plus_plus_advantages",
+            "gae_advantages",
+            "raft_mask",
+            "raft_advantages",
+            "step_reinforce_returns",
+            "gigpo_advantages",
+            "whiten",
+            "clip_rewards",
+            "scale_shift",
+            "normalize_rewards",
+        )
+    },
+    **{
+        name: "trainer.losses"
+        for name in (
+            "aggregate",
+            "ppo_loss",
+            "gspo_loss",
+            "topr_loss",
+            "cispo_loss",
+            "pg_loss",
+            "value_loss",
+            "entropy_loss",
+            "kl_penalty",
+            "kl_loss",
+            "tis_weights",
+            "masked_is",
+        )
+    },
     "TrainSample": "trainer.batch",
     "TokenBatch": "trainer.batch",
     "collate": "trainer.batch",

@@ -1,0 +1,193 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainer.algos import ppo_clip_loss
+from trainer.losses import (
+    aggregate,
+    cispo_loss,
+    entropy_loss,
+    gspo_loss,
+    kl_loss,
+    kl_penalty,
+    masked_is,
+    pg_loss,
+    ppo_loss,
+    tis_weights,
+    topr_loss,
+    value_loss,
+)
+
+LOSS = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 99.0, 99.0]])
+MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+
+
+def test_aggregate_hand_computed() -> None:
+    assert aggregate(LOSS, MASK, "token-mean").item() == pytest.approx((1 + 2 + 3 + 4 + 10 + 20) / 6)
+    assert aggregate(LOSS, MASK, "seq-mean-token-mean").item() == pytest.approx((2.5 + 15) / 2)
+    assert aggregate(LOSS, MASK, "seq-mean-token-sum").item() == pytest.approx((10 + 30) / 2)
+    assert aggregate(LOSS, MASK, "seq-mean-token-sum-norm").item() == pytest.approx((10 / 4 + 30 / 4) / 2)
+    assert aggregate(LOSS, MASK, "seq-mean-token-sum-norm", max_len=8).item() == pytest.approx(
+        (10 + 30) / 8 / 2
+    )
+    empty = torch.zeros_like(MASK)
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        assert aggregate(LOSS, empty, mode).item() == 0.0  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        aggregate(LOSS, MASK, "nope")  # type: ignore[arg-type]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]),
+    st.lists(st.lists(st.integers(0, 1), min_size=5, max_size=5), min_size=1, max_size=4),
+    st.integers(0, 10_000),
+)
+def test_aggregate_ignores_masked_positions(mode: str, m: list[list[int]], seed: int) -> None:
+    mt = torch.tensor(m)
+    x = torch.randn(mt.shape, generator=torch.Generator().manual_seed(seed))
+    junk = torch.where(mt > 0, x, torch.full_like(x, 1e9))
+    assert aggregate(x, mt, mode).item() == pytest.approx(aggregate(junk, mt, mode).item())  # type: ignore[arg-type]
+
+
+def test_ppo_ratio_one_is_minus_mean_advantage_and_matches_algos() -> None:
+    lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv = torch.tensor([2.0, -1.0])
+    loss, m = ppo_loss(lp, lp.clone(), adv, mask, dual_clip=True)
+    assert loss.item() == pytest.approx(-(2 + 2 + 2 - 1 - 1) / 5)
+    assert m["loss/clipfrac"] == 0.0 and m["loss/clipfrac_dual"] == 0.0 and m["actor/ratio_mean"] == 1.0
+    old = lp - torch.tensor([[0.3, -0.4, 0.1], [0.9, -0.2, 0.0]])
+    a, ma = ppo_loss(lp, old, adv, mask, 0.2, 0.28)
+    b, mb = ppo_clip_loss(lp, old, adv, mask, 0.2, 0.28)
+    assert a.item() == pytest.approx(b.item())
+    assert ma["loss/clipfrac"] == pytest.approx(mb["loss/clipfrac"])
+
+
+def test_ppo_dual_clip_bound_for_large_ratio_negative_advantage() -> None:
+    old = torch.zeros(1, 3)
+    lp = torch.tensor([[math.log(10.0), math.log(10.0), math.log(2.0)]])
+    adv = torch.tensor([[-1.0, 1.0, -1.0]])
+    loss, m = ppo_loss(lp, old, adv, torch.ones(1, 3), dual_clip=True, dual_clip_c=3.0)
+    # tok0: max(10, 1.2) = 10 -> min(10, 3) = 3 (dual bound) ; tok1: max(-10, -1.2) = -1.2 ; tok2: max(2, 1.2) = 2 < 3
+    assert loss.item() == pytest.approx((3 - 1.2 + 2) / 3)
+    assert m["loss/clipfrac_dual"] == pytest.approx(1 / 3)
+    plain, _ = ppo_loss(lp, old, adv, torch.ones(1, 3))
+    assert plain.item() == pytest.approx((10 - 1.2 + 2) / 3)
+    lp_g = lp.clone().requires_grad_(True)
+    ppo_loss(lp_g, old, adv, torch.ones(1, 3), dual_clip=True)[0].backward()
+    assert lp_g.grad is not None and lp_g.grad[0, 0].item() == 0.0  # bound is constant in the ratio
+
+
+def test_gspo_equals_ppo_when_token_ratios_equal() -> None:
+    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-0.2, -0.4, -0.6, -0.8]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    for r in (1.0, 1.0002, 1.01, 0.9):
+        lp = old + math.log(r)
+        adv = torch.tensor([1.5, -0.5])
+        g, mg = gspo_loss(lp, old, adv, mask, 3e-4, 4e-4)
+        p, mp = ppo_loss(lp, old, adv, mask, 3e-4, 4e-4, agg_mode="seq-mean-token-mean")
+        assert g.item() == pytest.approx(p.item(), rel=1e-5)
+        assert mg["loss/clipfrac"] == mp["loss/clipfrac"]
+
+
+def test_gspo_clips_whole_sequence_on_geometric_mean() -> None:
+    old = torch.zeros(1, 2)
+    lp = torch.tensor([[math.log(2.0), math.log(0.5)]])  # geometric mean 1: nothing clipped
+    lp_g = lp.clone().requires_grad_(True)
+    loss, m = gspo_loss(lp_g, old, torch.tensor([1.0]), torch.ones(1, 2), 0.1, 0.1)
+    assert loss.item() == pytest.approx(-1.0) and m["loss/clipfrac"] == 0.0
+    loss.backward()
+    assert lp_g.grad is not None and torch.allclose(lp_g.grad, torch.tensor([[-0.5, -0.5]]))
+
+
+def test_topr_hand_computed() -> None:
+    old = torch.zeros(2, 2)
+    lp = torch.tensor([[-1.0, -1.0], [-0.5, -0.5]])  # seq ratios e^-2, e^-1 (<1)
+    mask = torch.ones(2, 2)
+    adv = torch.tensor([1.0, -1.0])
+    loss, _ = topr_loss(lp, old, adv, mask)
+    # positive: -1*lp (no IS) ; negative: -(-1)*e^-1*lp
+    want = (1 + 1 + math.exp(-1) * -0.5 * 2) / 4
+    assert loss.item() == pytest.approx(want)
+    tok, _ = topr_loss(lp, old, adv, mask, level="token")
+    assert tok.item() == pytest.approx((1 + 1 + math.exp(-0.5) * -0.5 * 2) / 4)
+    # ratio > 1 on a negative sample is truncated at 1
+    hi, _ = topr_loss(
+        torch.full((1, 1), -0.1), torch.full((1, 1), -2.0), torch.tensor([-1.0]), torch.ones(1, 1)
+    )
+    assert hi.item() == pytest.approx(-0.1)
+
+
+def test_cispo_and_pg_hand_computed_gradients() -> None:
+    old = torch.zeros(1, 3)
+    lp = torch.tensor([[math.log(2.0), math.log(0.5), 0.0]]).requires_grad_(True)
+    adv = torch.tensor([[1.0, 1.0, -1.0]])
+    loss, m = cispo_loss(lp, old, adv, torch.ones(1, 3), clip_low=1.0, clip_high=0.28)
+    # weights clip(ρ, 0, 1.28) = [1.28, 0.5, 1]; loss = -(1.28*log2 + 0.5*log0.5 - 0) / 3
+    assert loss.item() == pytest.approx(-(1.28 * math.log(2) + 0.5 * math.log(0.5)) / 3)
+    assert m["loss/clipfrac"] == pytest.approx(1 / 3)
+    loss.backward()
+    assert lp.grad is not None and torch.allclose(lp.grad, torch.tensor([[-1.28, -0.5, 1.0]]) / 3)
+    p, _ = pg_loss(torch.tensor([[-1.0, -2.0]]), torch.tensor([2.0]), torch.tensor([[1, 0]]))
+    assert p.item() == pytest.approx(2.0)
+
+
+def test_value_loss_clip() -> None:
+    values, old, ret = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 0.0]]), torch.tensor([[0.0, 1.0]])
+    loss, _ = value_loss(values, old, ret, torch.ones(1, 2), value_clip=0.2)
+    # tok0: (1-0)^2=1 vs (0.2-0)^2=.04 -> 1 ; tok1: (0-1)^2=1 vs (0-1)^2=1 -> 1
+    assert loss.item() == pytest.approx(0.5 * 1.0)
+    values2 = torch.tensor([[0.5, 0.0]])
+    loss2, m2 = value_loss(values2, old, torch.tensor([[1.0, 0.0]]), torch.ones(1, 2), value_clip=0.2)
+    # tok0: (0.5-1)^2=.25 vs (0.2-1)^2=.64 -> .64 (clipped active) ; tok1: 0
+    assert loss2.item() == pytest.approx(0.5 * 0.64 / 2) and m2["loss/value_clipfrac"] == 0.5
+    loss3, _ = value_loss(values2, old, torch.tensor([[1.0, 0.0]]), torch.ones(1, 2), value_clip=None)
+    assert loss3.item() == pytest.approx(0.5 * 0.25 / 2)
+
+
+def test_kl_penalties_and_entropy() -> None:
+    lp, ref = torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.25)]])
+    d = math.log(2.0)
+    assert kl_penalty(lp, ref, "kl").item() == pytest.approx(d)
+    assert kl_penalty(ref, lp, "abs").item() == pytest.approx(d)
+    assert kl_penalty(lp, ref, "mse").item() == pytest.approx(0.5 * d * d)
+    assert kl_penalty(lp, ref, "low_var_kl").item() == pytest.approx(0.5 - 1 + d)
+    assert kl_penalty(lp, lp, "k3").item() == 0.0
+    p, q = torch.tensor([[[0.5, 0.5]]]), torch.tensor([[[0.25, 0.75]]])
+    full = kl_penalty(p.log(), q.log(), "full")
+    assert full.item() == pytest.approx(0.5 * math.log(2) + 0.5 * math.log(0.5 / 0.75))
+    with pytest.raises(ValueError):
+        kl_penalty(lp, ref, "nope")  # type: ignore[arg-type]
+    loss, m = kl_loss(lp, ref, torch.ones(1, 1), coef=0.1, kind="kl")
+    assert loss.item() == pytest.approx(0.1 * d) and m["actor/kl"] == pytest.approx(d)
+    eloss, em = entropy_loss(torch.tensor([[1.0, 3.0]]), torch.tensor([[1, 0]]), coef=0.01)
+    assert eloss.item() == pytest.approx(-0.01) and em["actor/entropy"] == 1.0
+
+
+def test_tis_weights_levels() -> None:
+    old = torch.tensor([[math.log(3.0), math.log(0.5), 5.0]])
+    beh = torch.zeros(1, 3)
+    mask = torch.tensor([[1, 1, 0]])
+    w, m = tis_weights(old, beh, mask, "token", cap=2.0)
+    assert torch.allclose(w, torch.tensor([[2.0, 0.5, 0.0]]))
+    assert m["offpolicy/is_ratio_mean"] == pytest.approx(1.75) and m["offpolicy/truncated_frac"] == 0.5
+    w, _ = tis_weights(old, beh, mask, "sequence", cap=2.0)  # product 1.5
+    assert torch.allclose(w, torch.tensor([[1.5, 1.5, 0.0]]))
+    w, _ = tis_weights(old, beh, mask, "geometric", cap=2.0)  # sqrt(1.5)
+    assert torch.allclose(w, torch.tensor([[1.5**0.5, 1.5**0.5, 0.0]]))
+
+
+def test_masked_is_levels() -> None:
+    old = torch.tensor([[math.log(3.0), math.log(0.5), 0.0], [0.0, 0.0, 0.0]])
+    beh = torch.zeros(2, 3)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    nm, m = masked_is(old, beh, mask, "token", low=0.5, high=2.0)
+    assert nm.tolist() == [[0, 1, 1], [1, 1, 0]] and m["offpolicy/masked_frac"] == pytest.approx(1 / 5)
+    nm, m = masked_is(old, beh, mask, "sequence", low=0.8, high=1.2)  # seq 0 ratio 1.5 -> dropped
+    assert nm.tolist() == [[0, 0, 0], [1, 1, 0]] and m["offpolicy/masked_frac"] == pytest.approx(3 / 5)
