@@ -304,7 +304,8 @@ async def run_supervised(cfg: RunConfig, run_id: str, bootstrap: str, console: C
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     if not ok:
-        raise RunError(f"run {run_id} stopped before it finished (logs: {run_dir / 'logs'})")
+        why = "interrupted" if stop.is_set() else "stopped before it finished"
+        raise RunError(f"run {run_id} {why}; every service was stopped (logs: {run_dir / 'logs'})")
     summary = summarize(cfg, run_id, sup.progress, time.monotonic() - t0)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
