@@ -48,7 +48,6 @@ from rollout.engine import GenerationRequest, TorchEngine, generate_all
 from rollout.model_init import count_parameters, encode_prompt, init_tiny_model
 from rollout.sampling import SamplingParams
 from schemas.config import RunConfig, parse_raw
-from trainer.algos import grpo_advantages
 from trainer.batch import TrainSample
 from trainer.sft import SFTExample, sft_warmup
 from trainer.strategy import TorchStrategy
@@ -87,7 +86,7 @@ TUNED: dict[str, Any] = {
         "warmup_lr": 1e-3,
         "warmup_batch_size": 32,
     },
-    "algorithm": {"pg_clip": 0.2, "norm_std": True},
+    "algorithm": {"pg_clip": 0.2},
 }
 """The tuned defaults (become the main example's config)."""
 
@@ -164,10 +163,10 @@ async def rollout_step(
     rewards = torch.tensor(
         [score(verifier, c.text, problems[i // n].reference) for i, c in enumerate(done)]
     )  # (G*n,)
-    adv = grpo_advantages(rewards.view(-1, n), norm_std=cfg.algorithm.norm_std).view(-1)  # (G*n,)
-    samples = [
-        TrainSample(c.prompt_ids, c.token_ids, c.logprobs, [1] * len(c.token_ids), float(a), c.request_id)
-        for c, a in zip(done, adv.tolist(), strict=True)
+    samples = [  # advantages: computed by the strategy from reward and group (algorithm.adv_estimator)
+        TrainSample(c.prompt_ids, c.token_ids, c.logprobs, [1] * len(c.token_ids), float(r), c.request_id,
+                    group_id=c.request_id.split("/")[0])
+        for c, r in zip(done, rewards.tolist(), strict=True)
     ]
     solved = (rewards.view(-1, n).max(dim=1).values > 0).float().mean()
     stats = {
@@ -196,7 +195,7 @@ async def learn(cfg: RunConfig, work: Path, clip_high: float) -> dict[str, Any]:
         grad_clip=cfg.train.grad_clip,
         micro_batch_size=cfg.train.micro_batch_size,
         temperature=cfg.rollout.temperature,
-        clip_low=cfg.algorithm.pg_clip,
+        algo=cfg.algorithm,
         clip_high=clip_high,
         total_steps=cfg.train.steps,
         min_lr_ratio=cfg.train.min_lr_ratio,

@@ -62,6 +62,12 @@ class StoreSettings(Section):
     dsn: str = ""
     """``chdb:///path`` (embedded engine, on disk) or ``http(s)://user:pass@host:8123/db``.
     Empty = ``chdb:///<runs_dir>/<run_id>/store``."""
+    batch_max_records: int = 2000
+    """Most messages the recorder takes per poll; each poll is written with one insert per table
+    (larger = fewer, bigger inserts; smaller = fresher record)."""
+    lag_report_every_s: float = 10.0
+    """How often the recorder logs its consumer lag and writes it to the ``recorder_lag`` table,
+    seconds (0 = after every poll)."""
 
 
 # --------------------------------------------------------------------------- the run
@@ -140,8 +146,8 @@ class RolloutConfig(Section):
     group_size: int = 8
     """``n``: independent samples per prompt (a group)."""
     async_ratio: float = 1.0
-    """Feeder keeps at most ``train.batch_size × (1 + async_ratio)`` samples outstanding;
-    0 = synchronous on-policy."""
+    """Feeder keeps at most ``train.batch_size × (1 + async_ratio)`` samples outstanding (times
+    ``1 + algorithm.oversample_ratio``); 0 = synchronous on-policy."""
     max_new_tokens: int = 32
     """Cap on generated tokens per sample."""
     temperature: float = 1.0
@@ -174,7 +180,10 @@ class TrainConfig(Section):
     max_staleness: int = 1
     """Accept a sample only if ``trainer_version − policy_version ≤ max_staleness``."""
     checkpoint_every: int = 10
-    """Save a resumable checkpoint every K steps (0 = only at the end)."""
+    """Save a resumable checkpoint every K steps (0 = only at the start and the end). ``replay
+    --train-step N`` starts from the latest checkpoint at or before N."""
+    keep_checkpoints: int = 0
+    """Keep the newest K checkpoints (0 = all; the one of step 0, the RL start, is always kept)."""
     eval_every: int = 5
     """Greedy evaluation on the held-out set every K steps (0 = only start and end)."""
     warmup_sft_steps: int = 0
@@ -185,17 +194,217 @@ class TrainConfig(Section):
     """Examples per supervised warm-up step."""
 
 
-class AlgorithmConfig(Section):
-    """RL algorithm knobs (names follow ROLL / verl)."""
+NormType = Literal["batch", "group", "running", "none"]
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"]
 
-    adv_estimator: Literal["grpo"] = "grpo"
-    """Advantage estimator."""
+
+class AlgorithmConfig(Section):
+    """RL algorithm knobs (names follow ROLL / verl). Formulas and papers: ``docs/algorithms.md``."""
+
+    # --- advantage estimator
+    adv_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce", "gae", "raft", "step_reinforce", "gigpo"] = "grpo"
+    """Advantage estimator: ``grpo`` (group mean/std), ``dr_grpo`` (group mean, no std), ``rloo``
+    (leave-one-out mean), ``reinforce`` (REINFORCE++: token returns whitened over the batch), ``gae``
+    (PPO with a critic), ``raft`` (RAFT++: best of each group, advantage 1), ``step_reinforce`` and
+    ``gigpo`` (step-level, for multi-turn episodes)."""
+    reinforce_baseline: bool = True
+    """``reinforce``: subtract the group mean reward first (REINFORCE++-baseline); False = plain REINFORCE++."""
+    gamma: float = 1.0
+    """Discount over response tokens (``reinforce``, ``gae``)."""
+    lam: float = 0.95
+    """GAE λ (``gae``)."""
+    raft_top_k: int = 0
+    """``raft``: keep the best ``top_k`` samples of each group (0 = every sample tied for the group's best)."""
+    raft_min_reward: float | None = 0.0
+    """``raft``: keep only samples with reward above this (``None`` = no threshold)."""
+    episode_reward_weight: float = 1.0
+    """``step_reinforce`` / ``gigpo``: weight of the episode-level term."""
+    step_reward_weight: float = 1.0
+    """``step_reinforce`` / ``gigpo``: weight of the step-level term."""
+    step_reward_gamma: float = 0.95
+    """``step_reinforce`` / ``gigpo``: discount over the steps (turns) of an episode."""
+
+    # --- policy loss
+    pg_variant: Literal["ppo", "gspo", "topr", "cispo", "pg"] = "ppo"
+    """Policy loss: PPO clip, GSPO (sequence-level ratio), TOPR, CISPO, plain policy gradient."""
     pg_clip: float = 0.2
-    """PPO ratio clip ε (the lower side, and the upper side unless ``pg_clip_high`` is set)."""
+    """Ratio clip ε (both sides unless ``pg_clip_low`` / ``pg_clip_high`` are set)."""
+    pg_clip_low: float | None = None
+    """Lower clip ε_low; ``None`` = ``pg_clip``."""
     pg_clip_high: float | None = None
-    """Upper PPO clip ε_high (DAPO's clip-higher); ``None`` = ``pg_clip``."""
-    norm_std: bool = True
-    """Divide group-centred rewards by the group std (GRPO); False = Dr.GRPO-style."""
+    """Upper clip ε_high (DAPO's clip-higher); ``None`` = ``pg_clip``."""
+    dual_clip_loss: bool = False
+    """``ppo``: dual-clip (the loss of a negative-advantage token is capped at ``−c·A``)."""
+    dual_clip_c: float = 3.0
+    """Dual-clip constant ``c`` (> 1)."""
+    loss_agg_mode: AggMode = "token-mean"
+    """How per-token losses become one number: ``token-mean``, ``seq-mean-token-mean``,
+    ``seq-mean-token-sum``, ``seq-mean-token-sum-norm`` (token sum / ``rollout.max_new_tokens``)."""
+
+    # --- reward shaping
+    reward_clip: float | None = None
+    """Clip rewards to ``[−reward_clip, reward_clip]`` (``None`` = off)."""
+    reward_scale: float = 1.0
+    """Multiply rewards (after clipping)."""
+    reward_shift: float = 0.0
+    """Add to rewards (after scaling)."""
+    norm_mean_type: NormType | None = None
+    """Reward normalisation: subtract the mean over the ``batch``, the ``group``, a ``running``
+    mean of all batches so far, or ``none``. ``None`` = the estimator's own (``grpo``/``dr_grpo``:
+    ``group``; others: ``none``)."""
+    norm_std_type: NormType | None = None
+    """Reward normalisation: divide by the std over the ``batch``, the ``group``, a ``running``
+    std, or ``none``. ``None`` = the estimator's own (``grpo``: ``group``; others: ``none``)."""
+    whiten_rewards: bool = False
+    """Whiten the shaped rewards over the batch before the estimator."""
+    whiten_advantages: bool = False
+    """Whiten the advantages over the batch's trained tokens."""
+    advantage_clip: float | None = None
+    """Clip advantages to ``[−advantage_clip, advantage_clip]`` (``None`` = off)."""
+
+    # --- data shaping
+    max_len_mask: bool = False
+    """Do not train on truncated responses (``finish_reason == "length"``; DAPO's overlong filtering)."""
+    difficulty_mask: bool = False
+    """Do not train on groups whose mean reward is ``<= difficulty_low_threshold`` or
+    ``>= difficulty_high_threshold`` (too hard or too easy)."""
+    difficulty_low_threshold: float = 0.1
+    """See ``difficulty_mask``."""
+    difficulty_high_threshold: float = 0.95
+    """See ``difficulty_mask``."""
+    dynamic_filter: Literal["none", "all_equal", "mean", "std"] = "none"
+    """Drop whole groups before they enter a batch (recorded as ``filtered``; the batch waits for more
+    groups, so it still fills): ``all_equal`` (every reward equal: no signal), ``mean`` (group mean
+    reward outside ``[dynamic_filter_low, dynamic_filter_high]``), ``std`` (group std below ``dynamic_filter_low``)."""
+    dynamic_filter_low: float = 0.0
+    """Lower bound of ``dynamic_filter`` (``mean``: minimum group mean; ``std``: minimum group std)."""
+    dynamic_filter_high: float = 1.0
+    """Upper bound of ``dynamic_filter: mean``."""
+    oversample_ratio: float = 0.0
+    """Issue up to ``(1 + oversample_ratio)×`` more samples in flight, so filtered groups are replaced sooner."""
+    error_max_len_clip: bool = False
+    """Train on at most ``error_max_len_threshold`` tokens of a response whose reward is ``<= 0``."""
+    error_max_len_threshold: int = 16
+    """See ``error_max_len_clip``, tokens."""
+    difficulty_loss_weight: bool = False
+    """Weigh each sample's loss by its group's difficulty ``1 − mean reward`` (renormalised to batch mean 1)."""
+    length_loss_weight: bool = False
+    """Weigh each sample's loss by ``mean length / its response length`` (renormalised to batch mean 1):
+    long responses do not dominate a ``token-mean`` loss."""
+
+    # --- regularisation and the reference model
+    add_token_level_kl: bool = False
+    """Subtract ``kl_coef · KL(π ‖ π_ref)`` per token from the rewards (loads the reference model)."""
+    init_kl_coef: float = 0.05
+    """Initial (or fixed) coefficient of ``add_token_level_kl``."""
+    target_kl: float | None = None
+    """Adaptive KL controller target (Ziegler et al. 2019); ``None`` = fixed coefficient."""
+    kl_horizon: int = 10000
+    """Adaptive KL controller horizon, samples."""
+    kl_penalty: KLKind = "kl"
+    """KL estimator of ``add_token_level_kl``: ``kl`` (k1), ``abs``, ``mse`` (k2), ``low_var_kl`` (k3), ``full``."""
+    use_kl_loss: bool = False
+    """Add ``kl_loss_coef · KL(π ‖ π_ref)`` to the loss (GRPO's β·KL; loads the reference model)."""
+    kl_loss_coef: float = 0.001
+    """Coefficient of ``use_kl_loss``."""
+    kl_loss_type: KLKind = "low_var_kl"
+    """KL estimator of ``use_kl_loss``."""
+    entropy_loss_coef: float = 0.0
+    """Entropy bonus coefficient (the loss gets ``− coef · entropy``)."""
+
+    # --- critic
+    critic: Literal["none", "value_head", "separate"] = "none"
+    """Critic for ``gae``: a ``value_head`` on the policy's last hidden state (shared trunk) or a
+    ``separate`` value model initialised from the policy."""
+    value_clip: float | None = 0.2
+    """PPO value clip (``None`` = off)."""
+    vf_coef: float = 0.5
+    """Weight of the value loss (``value_head``: added to the policy loss)."""
+    critic_lr: float | None = None
+    """Learning rate of a ``separate`` critic and of the value head; ``None`` = ``train.lr × 10``."""
+
+    # --- off-policy correction
+    old_logprobs: Literal["behaviour", "recompute"] = "behaviour"
+    """The ratio's denominator: the rollout engine's ``behaviour`` logprobs (the ratio corrects for
+    staleness directly) or logprobs ``recompute``d by the trainer at the start of the step (PPO's
+    proximal policy; needed by the corrections below)."""
+    off_policy_correction: Literal["none", "tis", "masked_is", "decoupled"] = "none"
+    """With ``old_logprobs: recompute``: ``tis`` (truncated importance weight ``min(π_old/μ, is_cap)``),
+    ``masked_is`` (tokens with ``π_old/μ`` outside ``[is_low, is_high]`` are not trained) or
+    ``decoupled`` (AReaL's decoupled PPO: ``min(π_prox/μ, is_cap) ×`` PPO-clip of ``π/π_prox``; token level)."""
+    is_level: Literal["token", "sequence", "geometric"] = "token"
+    """Level of the ``tis`` / ``masked_is`` ratio."""
+    is_cap: float = 2.0
+    """Truncation of ``tis`` / ``decoupled`` weights."""
+    is_low: float = 0.5
+    """Lower bound of ``masked_is``."""
+    is_high: float = 2.0
+    """Upper bound of ``masked_is``."""
+
+    @property
+    def clip_low(self) -> float:
+        """ε_low in effect."""
+        if self.pg_clip_low is not None:
+            return self.pg_clip_low
+        return 1.0 if self.pg_variant == "cispo" else self.pg_clip
+
+    @property
+    def clip_high(self) -> float:
+        """ε_high in effect."""
+        if self.pg_clip_high is not None:
+            return self.pg_clip_high
+        return 0.28 if self.pg_variant == "cispo" else self.pg_clip
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether a reference model is needed (only when a KL term is on)."""
+        return self.add_token_level_kl or self.use_kl_loss
+
+    def validate(self) -> None:
+        """Impossible or meaningless combinations: ``ValueError`` naming the keys."""
+        a = "algorithm."
+        if self.adv_estimator == "gae" and self.critic == "none":
+            raise ValueError(f"{a}adv_estimator=gae needs a critic: set {a}critic to value_head or separate")
+        if self.adv_estimator != "gae" and self.critic != "none":
+            raise ValueError(f"{a}critic={self.critic} is only used by {a}adv_estimator=gae "
+                             f"(got {self.adv_estimator}); set {a}critic=none")
+        if self.off_policy_correction != "none" and self.old_logprobs != "recompute":
+            raise ValueError(f"{a}off_policy_correction={self.off_policy_correction} needs "
+                             f"{a}old_logprobs=recompute (the ratio π_old/μ needs recomputed logprobs)")
+        if self.off_policy_correction == "decoupled" and self.pg_variant != "ppo":
+            raise ValueError(f"{a}off_policy_correction=decoupled is decoupled PPO: needs {a}pg_variant=ppo")
+        if self.dual_clip_loss and self.pg_variant != "ppo":
+            raise ValueError(f"{a}dual_clip_loss needs {a}pg_variant=ppo (got {self.pg_variant})")
+        if self.dual_clip_c <= 1:
+            raise ValueError(f"{a}dual_clip_c={self.dual_clip_c} must be > 1")
+        if self.clip_low < 0 or self.clip_high < 0:
+            raise ValueError(f"{a}pg_clip / pg_clip_low / pg_clip_high must be >= 0")
+        if self.adv_estimator == "dr_grpo" and self.norm_std_type not in (None, "none"):
+            raise ValueError(f"{a}adv_estimator=dr_grpo divides by no std: {a}norm_std_type must be none")
+        if self.kl_penalty == "full" or self.kl_loss_type == "full":
+            raise ValueError(f"{a}kl_penalty/kl_loss_type=full needs the full distributions, which the "
+                             "trainer does not keep; use kl, abs, mse or low_var_kl")
+        for key in ("reward_clip", "advantage_clip"):
+            v = getattr(self, key)
+            if v is not None and v <= 0:
+                raise ValueError(f"{a}{key}={v} must be > 0 (or null to turn it off)")
+        if not 0 <= self.difficulty_low_threshold < self.difficulty_high_threshold <= 1:
+            raise ValueError(f"{a}difficulty_low_threshold < difficulty_high_threshold must hold, within [0, 1]")
+        if self.dynamic_filter == "mean" and self.dynamic_filter_low > self.dynamic_filter_high:
+            raise ValueError(f"{a}dynamic_filter_low must be <= dynamic_filter_high")
+        if self.oversample_ratio < 0:
+            raise ValueError(f"{a}oversample_ratio={self.oversample_ratio} must be >= 0")
+        if self.error_max_len_threshold < 1:
+            raise ValueError(f"{a}error_max_len_threshold must be >= 1")
+        if self.is_cap <= 0 or not 0 <= self.is_low < 1 < self.is_high:
+            raise ValueError(f"{a}is_cap must be > 0 and is_low < 1 < is_high")
+        if self.target_kl is not None and not self.add_token_level_kl:
+            raise ValueError(f"{a}target_kl adapts the coefficient of {a}add_token_level_kl, which is off")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1 and 0 <= self.step_reward_gamma <= 1):
+            raise ValueError(f"{a}gamma, lam and step_reward_gamma must be in [0, 1]")
+        if self.raft_top_k < 0:
+            raise ValueError(f"{a}raft_top_k must be >= 0")
 
 
 class RewardConfig(Section):
@@ -239,11 +448,12 @@ class RunConfig(Section):
             raise ValueError(f"reward.timeout_s={self.reward.timeout_s} must be > 0")
         if self.train.max_staleness < 0:
             raise ValueError(f"train.max_staleness={self.train.max_staleness} must be >= 0")
+        self.algorithm.validate()
 
     @property
     def max_inflight(self) -> int:
         """Samples the feeder keeps outstanding: ``batch_size × (1 + async_ratio)``."""
-        return int(self.train.batch_size * (1 + self.rollout.async_ratio))
+        return int(self.train.batch_size * (1 + self.rollout.async_ratio) * (1 + self.algorithm.oversample_ratio))
 
 
 # --------------------------------------------------------------------------- parsing

@@ -177,6 +177,9 @@ class ScoredSample(Event, frozen=True, kw_only=True):
     """Seconds spent verifying."""
     policy_version: int = 0
     """Copied from the generation (dispatch version), for filtering without decoding deeper."""
+    step_rewards: list[float] = msgspec.field(default_factory=list)
+    """Multi-turn episodes: one reward per agent turn (a contiguous run of ``loss_mask == 1``), for
+    the step-level estimators; empty = ``reward`` is the outcome of the last turn. (Added after v1.)"""
 
 
 # --------------------------------------------------------------------------- weights

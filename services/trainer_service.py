@@ -42,9 +42,10 @@ from rollout.engine import GenerationRequest, TorchEngine
 from rollout.model_init import encode_prompt
 from rollout.sampling import SamplingParams
 from schemas import events as ev
-from schemas.config import RunConfig
+from schemas.config import AlgorithmConfig, RunConfig
 from schemas.topics import topic_name
 from services.bus import Consumer, Producer, TopicPartition
+from trainer.algorithm import group_filter_reason
 from trainer.batch import samples_from_scored
 from trainer.sft import SFTExample, sft_warmup
 from trainer.strategy import TorchStrategy
@@ -85,12 +86,13 @@ def ready_groups(groups: OrderedDict[str, list[ev.ScoredSample]], batch_size: in
 
 
 def assemble(
-    groups: list[list[ev.ScoredSample]], version: int, max_staleness: int
+    groups: list[list[ev.ScoredSample]], version: int, max_staleness: int, algo: AlgorithmConfig | None = None
 ) -> tuple[list[ev.ScoredSample], list[tuple[ev.ScoredSample, ev.SampleStatus, str]]]:
-    """Apply the staleness rule to complete groups: ``(batch, rejected)``.
+    """Apply the staleness rule and the dynamic filter to complete groups: ``(batch, rejected)``.
 
     A sample is stale when ``version − policy_version > max_staleness`` (``dropped_stale``). A
-    group left with fewer than 2 members has no GRPO baseline: its survivors are ``filtered``.
+    group left with fewer than 2 members has no group baseline: its survivors are ``filtered``, and
+    so is a group that ``algorithm.dynamic_filter`` rejects (with the filter's reason).
     """
     batch: list[ev.ScoredSample] = []
     rejected: list[tuple[ev.ScoredSample, ev.SampleStatus, str]] = []
@@ -102,8 +104,11 @@ def assemble(
                 rejected.append((smp, "dropped_stale", f"stale: gap {gap} > {max_staleness}"))
             else:
                 fresh.append(smp)
+        reason = group_filter_reason(algo, [s.reward for s in fresh]) if algo is not None else None
         if len(fresh) < 2:
             rejected += [(smp, "filtered", "group too small after the staleness filter") for smp in fresh]
+        elif reason is not None:
+            rejected += [(smp, "filtered", reason) for smp in fresh]
         else:
             batch += fresh
     return batch, rejected
@@ -128,9 +133,7 @@ class Trainer:
         self.strategy = TorchStrategy(
             settings.model_dir, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip,
             micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature,
-            clip_low=cfg.algorithm.pg_clip,
-            clip_high=cfg.algorithm.pg_clip if cfg.algorithm.pg_clip_high is None else cfg.algorithm.pg_clip_high,
-            dtype=cfg.model.dtype,
+            algo=cfg.algorithm, max_len=cfg.rollout.max_new_tokens, dtype=cfg.model.dtype,
             total_steps=cfg.train.steps, min_lr_ratio=cfg.train.min_lr_ratio,
             device=settings.device,
         )
@@ -146,6 +149,7 @@ class Trainer:
         self.groups: OrderedDict[str, list[ev.ScoredSample]] = OrderedDict()
         self.decided: set[str] = set()
         self.positions: dict[TopicPartition, int] = {}
+        self._kept_groups: set[str] = set()
         self.last_eval: dict[str, float] = {}
         self._tokens_t0 = time.monotonic()
 
@@ -220,31 +224,71 @@ class Trainer:
 
     # ----------------------------------------------------------------- checkpoints
 
-    def _ckpt_dir(self) -> Path:
-        return self.run_dir / "checkpoints" / "latest"
+    def _ckpt_root(self) -> Path:
+        return self.run_dir / "checkpoints"
 
-    def save_checkpoint(self) -> None:
-        path = self._ckpt_dir()
+    def checkpoint_dir(self, step: int) -> Path:
+        """Where the checkpoint of the state *before* training step ``step`` lives."""
+        return self._ckpt_root() / f"step_{step:06d}"
+
+    def checkpoints(self) -> list[int]:
+        """Steps that have a complete checkpoint, ascending."""
+        root = self._ckpt_root()
+        if not root.exists():
+            return []
+        return sorted(int(p.name[5:]) for p in root.glob("step_*")
+                      if p.name[5:].isdigit() and (p / "stream_state.msgpack").exists())
+
+    def save_checkpoint(self) -> Path:
+        """Checkpoint the state before step ``strategy.step``: model, optimizer, critic, algorithm
+        state, RNG, the undecided buffer and the consumer positions. Older checkpoints beyond
+        ``train.keep_checkpoints`` are removed (step 0, the RL start, is always kept)."""
+        path = self.checkpoint_dir(self.strategy.step)
         self.strategy.save_checkpoint(path)
         meta = _Ckpt(step=self.strategy.step, version=self.version,
                      positions={f"{tp.topic}:{tp.partition}": o for tp, o in self.positions.items()},
                      buffer=[s for g in self.groups.values() for s in g], decided=sorted(self.decided))
         (path / "stream_state.msgpack").write_bytes(msgspec.msgpack.encode(meta))
+        keep = self.cfg.train.keep_checkpoints
+        if keep > 0:
+            for old in [st for st in self.checkpoints() if st != 0][:-keep]:
+                shutil.rmtree(self.checkpoint_dir(old), ignore_errors=True)
+        return path
 
-    def load_checkpoint(self) -> bool:
-        path = self._ckpt_dir()
-        if not (path / "stream_state.msgpack").exists():
+    def load_checkpoint(self, step: int | None = None) -> bool:
+        """Restore the latest checkpoint (or the one of ``step``); False when there is none."""
+        steps = self.checkpoints()
+        if step is None and not steps:
             return False
+        path = self.checkpoint_dir(steps[-1] if step is None else step)
+        if not (path / "stream_state.msgpack").exists():
+            raise FileNotFoundError(f"no checkpoint at {path}")
+        self.setup_algorithm_models(fresh=False)
         self.strategy.load_checkpoint(path)
         meta = msgspec.msgpack.decode((path / "stream_state.msgpack").read_bytes(), type=_Ckpt)
         self.version = meta.version
         self.decided = set(meta.decided)
+        self.groups.clear()
         for s in meta.buffer:
             self.groups.setdefault(s.generation.task.group_id, []).append(s)
+        self.positions.clear()
         for key, off in meta.positions.items():
             topic, _, part = key.rpartition(":")
             self.positions[TopicPartition(topic, int(part))] = off
         return True
+
+    def setup_algorithm_models(self, fresh: bool) -> None:
+        """Load the reference model (only when a KL term is on) and create the critic (only for
+        ``gae``). Fresh: the reference is the current policy (the RL start, after the warm-up),
+        exported once to ``<run>/reference``; on resume it is read back from there."""
+        algo = self.cfg.algorithm
+        if algo.uses_reference:
+            ref_dir = self.run_dir / "reference"
+            if fresh:
+                self.strategy.export_weights(ref_dir)
+            self.strategy.init_reference(ref_dir)
+        if fresh and algo.critic != "none":
+            self.strategy.init_critic()
 
     # ----------------------------------------------------------------- batches
 
@@ -269,26 +313,37 @@ class Trainer:
             trained_version=self.version, step=step,
         )
 
+    def train_batch(self, batch: list[ev.ScoredSample]) -> dict[str, float]:
+        """One optimizer step on an assembled batch (no Kafka): every metric of the step.
+
+        ``replay --train-step`` calls this on a batch rebuilt from the record after restoring the
+        checkpoint the step started from, so it must depend only on the batch and that state.
+        """
+        t0 = time.perf_counter()
+        metrics = self.strategy.train_step(samples_from_scored(batch))
+        metrics["perf/step_s"] = time.perf_counter() - t0
+        rewards = torch.tensor([s.reward for s in batch])
+        gaps = [self.version - s.generation.policy_version for s in batch]
+        metrics["rollout/reward_mean"] = float(rewards.mean())
+        metrics["rollout/reward_std"] = float(rewards.std()) if len(batch) > 1 else 0.0
+        metrics["rollout/response_len_mean"] = float(sum(len(s.generation.response_ids) for s in batch) / len(batch))
+        metrics["rollout/staleness_mean"] = float(sum(gaps) / len(batch))
+        metrics["offpolicy/version_gap_max"] = float(max(gaps))
+        metrics["perf/train_tokens_per_s"] = metrics.get("train/tokens", 0.0) / max(1e-9, metrics["perf/step_s"])
+        return metrics
+
     async def train_once(self, group_ids: list[str], producer: Producer) -> dict[str, float]:
         cfg = self.cfg
         outcomes: list[ev.SampleOutcome] = []
+        self._kept_groups.difference_update(group_ids)
         batch, rejected = assemble(
-            [self.groups.pop(gid) for gid in group_ids], self.version, cfg.train.max_staleness)
+            [self.groups.pop(gid) for gid in group_ids], self.version, cfg.train.max_staleness, cfg.algorithm)
         outcomes += [self.outcome(smp, status, reason) for smp, status, reason in rejected]
         hist = Counter(self.version - smp.generation.policy_version for smp in batch)
         metrics: dict[str, float] = {}
         step = self.strategy.step
         if batch:
-            t0 = time.perf_counter()
-            train_samples = samples_from_scored(batch, norm_std=cfg.algorithm.norm_std)
-            metrics = await asyncio.to_thread(self.strategy.train_step, train_samples)
-            metrics["perf/step_s"] = time.perf_counter() - t0
-            rewards = torch.tensor([s.reward for s in batch])
-            metrics["rollout/reward_mean"] = float(rewards.mean())
-            metrics["rollout/reward_std"] = float(rewards.std()) if len(batch) > 1 else 0.0
-            metrics["rollout/response_len_mean"] = float(sum(len(s.generation.response_ids) for s in batch) / len(batch))
-            metrics["rollout/staleness_mean"] = float(sum(k * v for k, v in hist.items()) / len(batch))
-            metrics["perf/train_tokens_per_s"] = metrics.get("train/tokens", 0.0) / max(1e-9, metrics["perf/step_s"])
+            metrics = await asyncio.to_thread(self.train_batch, batch)
             outcomes += [self.outcome(s, "trained", step=step) for s in batch]
             trained_version = self.version
             self.version += 1
@@ -331,6 +386,8 @@ class Trainer:
                 losses = await asyncio.to_thread(self.warm_up)
                 if losses:
                     log.info("warm-up: %d steps, loss %.3f -> %.3f", len(losses), losses[0], losses[-1])
+                await asyncio.to_thread(self.setup_algorithm_models, True)
+                await asyncio.to_thread(self.save_checkpoint)  # step 0: what replay starts from
                 await self.publish_weights(producer)
                 await self.publish_eval(producer, "heldout")
             await self._seek(consumer)
@@ -345,6 +402,7 @@ class Trainer:
                 if drained:
                     await self._close_leftovers(producer)
                     continue
+                await self._filter_complete_groups(producer)
                 while (groups := self.ready_groups()) is not None and self.strategy.step < cfg.train.steps:
                     await self.train_once(groups, producer)
                     step = self.strategy.step
@@ -363,6 +421,27 @@ class Trainer:
             await consumer.stop()
             await producer.stop()
         return self.strategy.step
+
+    async def _filter_complete_groups(self, producer: Producer) -> None:
+        """Apply ``algorithm.dynamic_filter`` to groups as soon as they are complete: a rejected
+        group is recorded as ``filtered`` and leaves the buffer, so only kept groups count towards
+        the next batch (the feeder issues replacements; the batch still fills)."""
+        if self.cfg.algorithm.dynamic_filter == "none":
+            return
+        rejected: list[ev.SampleOutcome] = []
+        for gid in list(self.groups):
+            members = self.groups[gid]
+            if gid in self._kept_groups or len(members) < members[0].generation.task.group_size:
+                continue
+            reason = group_filter_reason(self.cfg.algorithm, [s.reward for s in members])
+            if reason is None:
+                self._kept_groups.add(gid)
+            else:
+                rejected += [self.outcome(s, "filtered", reason) for s in self.groups.pop(gid)]
+        topic = topic_name(self.s.run_id, "metrics")
+        futs = [await producer.send(topic, o, key=o.group_id) for o in rejected]
+        for f in futs:
+            await f
 
     async def _close_leftovers(self, producer: Producer) -> None:
         leftovers = [s for g in self.groups.values() for s in g]

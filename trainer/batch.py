@@ -1,8 +1,9 @@
 """Batch assembly: from scored samples to padded token tensors.
 
 * :func:`split_stale` keeps samples with ``trainer_version - policy_version <= max_staleness``.
-* :func:`samples_from_scored` groups :class:`schemas.events.ScoredSample` by ``group_id`` and
-  computes GRPO advantages per group (:func:`trainer.algos.grpo_advantages`).
+* :func:`samples_from_scored` turns :class:`schemas.events.ScoredSample` into
+  :class:`TrainSample` (tokens, behaviour logprobs, reward, group); advantages are computed per
+  batch by :mod:`trainer.algorithm` from the config.
 * :func:`collate` right-pads ``prompt + response`` into one ``(B, L)`` batch and aligns the
   per-token tensors with the *targets* ``input_ids[:, 1:]`` (``(B, L - 1)``), so position ``t``
   of ``loss_mask`` / ``old_logprobs`` describes the token predicted from positions ``<= t``.
@@ -10,12 +11,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 
 from schemas.events import ScoredSample
-from trainer.algos import grpo_advantages
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,18 @@ class TrainSample:
     """Behaviour logprob of each response token (``len == len(response_ids)``)."""
     loss_mask: list[int]
     """1 for response tokens that are trained on."""
-    advantage: float
+    reward: float
+    """The sample's (outcome) reward."""
     sample_id: str = ""
+    group_id: str = ""
+    """Samples of the same prompt share it (the group baseline of GRPO, RLOO, ...)."""
+    truncated: bool = False
+    """The response hit the token limit (``finish_reason == "length"``)."""
+    step_rewards: tuple[float, ...] = ()
+    """Multi-turn: one reward per agent turn (contiguous run of ``loss_mask == 1``); empty = the
+    outcome ``reward`` on the last turn."""
+    policy_version: int = 0
+    """Weights version that generated it."""
 
 
 @dataclass(frozen=True)
@@ -40,22 +51,38 @@ class TokenBatch:
     attention_mask: torch.Tensor  # (B, L) long
     loss_mask: torch.Tensor  # (B, L - 1) float, aligned with input_ids[:, 1:]
     old_logprobs: torch.Tensor  # (B, L - 1) float, aligned with input_ids[:, 1:]
-    advantages: torch.Tensor  # (B,) float
+    advantages: torch.Tensor  # (B,) or (B, L - 1) float
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    """More per-sample (B,) or per-token (B, L - 1) tensors (rewards, ref logprobs, values, ...)."""
 
     @property
     def num_tokens(self) -> int:
         """Trained tokens in the batch."""
         return int(self.loss_mask.sum())
 
+    @property
+    def num_seqs(self) -> int:
+        """Samples with at least one trained token."""
+        return int((self.loss_mask.sum(dim=1) > 0).sum())
+
+    def replace(self, **changes: torch.Tensor | dict[str, torch.Tensor]) -> TokenBatch:
+        """A copy with some fields replaced."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
     def rows(self, start: int, stop: int) -> TokenBatch:
         """Rows ``start:stop`` (a micro-batch), trimmed to their longest sequence."""
         width = int(self.attention_mask[start:stop].sum(dim=1).max())
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return t[start:stop, : width - 1] if t.dim() == 2 else t[start:stop]
+
         return TokenBatch(
             input_ids=self.input_ids[start:stop, :width],
             attention_mask=self.attention_mask[start:stop, :width],
-            loss_mask=self.loss_mask[start:stop, : width - 1],
-            old_logprobs=self.old_logprobs[start:stop, : width - 1],
-            advantages=self.advantages[start:stop],
+            loss_mask=cut(self.loss_mask),
+            old_logprobs=cut(self.old_logprobs),
+            advantages=cut(self.advantages),
+            extras={k: cut(v) for k, v in self.extras.items()},
         )
 
 
@@ -77,8 +104,15 @@ def collate(samples: list[TrainSample], pad_id: int) -> TokenBatch:
         # the target at input position p + j is response token j; it sits at column p + j - 1
         loss_mask[i, p - 1 : p - 1 + n] = torch.tensor(s.loss_mask, dtype=torch.float)
         old_lp[i, p - 1 : p - 1 + n] = torch.tensor(s.old_logprobs, dtype=torch.float)
-    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float)  # (B,)
-    return TokenBatch(ids, attn, loss_mask, old_lp, advantages)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float)  # (B,)
+    group_index = {g: i for i, g in enumerate(dict.fromkeys(s.group_id for s in samples))}
+    extras = {
+        "rewards": rewards,
+        "group_ids": torch.tensor([group_index[s.group_id] for s in samples]),  # (B,) dense ints
+        "truncated": torch.tensor([s.truncated for s in samples], dtype=torch.bool),  # (B,)
+        "response_len": torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float),  # (B,)
+    }
+    return TokenBatch(ids, attn, loss_mask, old_lp, rewards.clone(), extras)
 
 
 def split_stale(
@@ -95,24 +129,20 @@ def split_stale(
     return kept, dropped
 
 
-def samples_from_scored(
-    scored: list[ScoredSample], norm_std: bool = True, eps: float = 1e-6
-) -> list[TrainSample]:
-    """GRPO training samples from scored generations (advantages computed within ``group_id``)."""
-    if not scored:
-        return []
-    group_index = {g: i for i, g in enumerate(dict.fromkeys(s.generation.task.group_id for s in scored))}
-    ids = torch.tensor([group_index[s.generation.task.group_id] for s in scored])  # (N,)
-    rewards = torch.tensor([s.reward for s in scored], dtype=torch.float)  # (N,)
-    adv = grpo_advantages(rewards, ids, norm_std=norm_std, eps=eps).tolist()
+def samples_from_scored(scored: list[ScoredSample]) -> list[TrainSample]:
+    """Training samples from scored generations, in order (advantages come later, per batch)."""
     return [
         TrainSample(
             prompt_ids=list(s.generation.prompt_ids),
             response_ids=list(s.generation.response_ids),
             old_logprobs=list(s.generation.logprobs),
             loss_mask=list(s.generation.loss_mask),
-            advantage=a,
+            reward=float(s.reward),
             sample_id=s.generation.task.sample_id,
+            group_id=s.generation.task.group_id,
+            truncated=s.generation.finish_reason == "length",
+            step_rewards=tuple(s.step_rewards),
+            policy_version=s.generation.policy_version,
         )
-        for s, a in zip(scored, adv, strict=True)
+        for s in scored
     ]

@@ -82,6 +82,7 @@ def ppo_loss(
     dual_clip: bool = False,
     dual_clip_c: float = 3.0,
     agg_mode: AggMode = "token-mean",
+    max_len: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate (Schulman et al. 2017), asymmetric clip (DAPO clip-higher), optional dual clip.
 
@@ -100,7 +101,7 @@ def ppo_loss(
     if dual_clip:
         pg_loss3 = -adv * dual_clip_c  # (B, 1) or (B, T)
         pg_losses = torch.where(adv < 0, torch.minimum(clipped, pg_loss3), clipped)  # (B, T)
-    loss = aggregate(pg_losses, mask, agg_mode)
+    loss = aggregate(pg_losses, mask, agg_mode, max_len)
     with torch.no_grad():
         metrics = {
             "loss/policy": float(loss),
@@ -119,6 +120,7 @@ def gspo_loss(
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
     agg_mode: AggMode = "seq-mean-token-mean",
+    max_len: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO (Zheng et al. 2025): the PPO clip on a sequence-level ratio.
 
@@ -136,7 +138,7 @@ def gspo_loss(
     pg_loss1 = -adv * ratio  # (B, T)
     pg_loss2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)  # (B, T)
     pg_losses = torch.maximum(pg_loss1, pg_loss2)  # (B, T)
-    loss = aggregate(pg_losses, mask, agg_mode)
+    loss = aggregate(pg_losses, mask, agg_mode, max_len)
     with torch.no_grad():
         metrics = {
             "loss/policy": float(loss),
@@ -153,6 +155,7 @@ def topr_loss(
     mask: torch.Tensor,
     level: Literal["token", "sequence"] = "sequence",
     agg_mode: AggMode = "token-mean",
+    max_len: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """TOPR (Le Roux et al. 2025, tapered off-policy REINFORCE).
 
@@ -170,7 +173,7 @@ def topr_loss(
         ratio = torch.exp(log_ratio.clamp(max=_MAX_LOG_RATIO))  # (B, T)
         w = torch.where(adv >= 0, torch.ones_like(ratio), ratio.clamp(max=1.0))  # (B, T)
     pg_losses = -w * adv * logprobs  # (B, T)
-    loss = aggregate(pg_losses, mask, agg_mode)
+    loss = aggregate(pg_losses, mask, agg_mode, max_len)
     with torch.no_grad():
         metrics = {
             "loss/policy": float(loss),
@@ -188,6 +191,7 @@ def cispo_loss(
     clip_low: float = 1.0,
     clip_high: float = 0.28,
     agg_mode: AggMode = "token-mean",
+    max_len: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO (MiniMax-M1, 2025): ``ℓ = −sg(clip(ρ, 1−ε_low, 1+ε_high))·A·log π``.
 
@@ -200,7 +204,7 @@ def cispo_loss(
         ratio = torch.exp(log_ratio)  # (B, T)
         w = ratio.clamp(min=1.0 - clip_low, max=1.0 + clip_high)  # (B, T)
     pg_losses = -w * adv * logprobs  # (B, T)
-    loss = aggregate(pg_losses, mask, agg_mode)
+    loss = aggregate(pg_losses, mask, agg_mode, max_len)
     with torch.no_grad():
         metrics = {
             "loss/policy": float(loss),
@@ -211,11 +215,15 @@ def cispo_loss(
 
 
 def pg_loss(
-    logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, agg_mode: AggMode = "token-mean"
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    agg_mode: AggMode = "token-mean",
+    max_len: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Plain policy gradient / REINFORCE (Williams 1992): ``ℓ = −A·log π`` (on-policy, no ratio)."""
     pg_losses = -_adv(advantages) * logprobs  # (B, T)
-    loss = aggregate(pg_losses, mask, agg_mode)
+    loss = aggregate(pg_losses, mask, agg_mode, max_len)
     return loss, {"loss/policy": float(loss.detach())}
 
 
@@ -226,6 +234,7 @@ def value_loss(
     mask: torch.Tensor,
     value_clip: float | None = 0.2,
     agg_mode: AggMode = "token-mean",
+    max_len: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO value loss: ``½·max((V − R)², (V_old + clip(V − V_old, −c, c) − R)²)`` (no clip if ``value_clip`` is None).
 
@@ -239,7 +248,7 @@ def value_loss(
         values_clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)  # (B, T)
         vf_losses2 = (values_clipped - returns) ** 2  # (B, T)
         vf_losses = torch.maximum(vf_losses1, vf_losses2)  # (B, T)
-    loss = 0.5 * aggregate(vf_losses, mask, agg_mode)
+    loss = 0.5 * aggregate(vf_losses, mask, agg_mode, max_len)
     with torch.no_grad():
         metrics = {
             "loss/value": float(loss),
@@ -250,10 +259,14 @@ def value_loss(
 
 
 def entropy_loss(
-    entropy: torch.Tensor, mask: torch.Tensor, coef: float = 0.0, agg_mode: AggMode = "token-mean"
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    coef: float = 0.0,
+    agg_mode: AggMode = "token-mean",
+    max_len: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Entropy bonus as a loss: ``−coef · agg(H)``.  entropy, mask (B, T). Metric ``actor/entropy``."""
-    ent = aggregate(entropy, mask, agg_mode)
+    ent = aggregate(entropy, mask, agg_mode, max_len)
     with torch.no_grad():
         metrics = {"actor/entropy": float(ent)}
     return -coef * ent, metrics
@@ -288,9 +301,10 @@ def kl_loss(
     coef: float = 0.0,
     kind: KLKind = "low_var_kl",
     agg_mode: AggMode = "token-mean",
+    max_len: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """KL-to-reference penalty as a loss term (GRPO's ``β·KL``): ``coef · agg(kl_penalty)``. Metric ``actor/kl``."""
-    kl = aggregate(kl_penalty(logprob, ref_logprob, kind), mask, agg_mode)
+    kl = aggregate(kl_penalty(logprob, ref_logprob, kind), mask, agg_mode, max_len)
     with torch.no_grad():
         metrics = {"actor/kl": float(kl)}
     return coef * kl, metrics

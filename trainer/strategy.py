@@ -1,19 +1,26 @@
 """Training strategies behind one :class:`Strategy` protocol, and the single-process
 :class:`TorchStrategy`.
 
-``TorchStrategy`` holds a transformers causal LM and an AdamW optimizer. One optimizer step
-(:meth:`TorchStrategy.train_step`) over a batch of :class:`trainer.batch.TrainSample`:
+``TorchStrategy`` holds a transformers causal LM and an AdamW optimizer, and — only when the
+config needs them — a frozen reference model (a KL term is on) and a critic (``adv_estimator:
+gae``). One optimizer step (:meth:`TorchStrategy.train_step`) over a batch of
+:class:`trainer.batch.TrainSample`:
 
-1. collate (right-padded) and split into micro-batches of ``micro_batch_size`` samples;
-2. per micro-batch: forward over ``prompt + response``, token logprobs at the rollout
-   temperature (:func:`token_logprobs`), PPO-clip loss against the samples' behaviour logprobs
-   with the token mean taken over the *whole* batch's trained tokens, ``backward()``
-   (gradients accumulate);
-3. clip the global gradient norm, ``optimizer.step()``, ``step += 1``.
+1. collate (right-padded);
+2. a no-grad pass in micro-batches for what the config needs: the trainer's own logprobs
+   (``old_logprobs: recompute``), the reference logprobs, the critic's values;
+3. :meth:`TorchStrategy.prepare`: rewards → advantages, masks and weights
+   (:mod:`trainer.algorithm`, in the order its module doc gives);
+4. per micro-batch of ``micro_batch_size`` samples: forward, the configured policy loss (+ KL
+   loss, entropy bonus, value loss), scaled by the micro-batch's share of the batch's tokens
+   (``token-mean``) or sequences (``seq-mean-*``) so the accumulated gradient is the full-batch
+   loss's; ``backward()``;
+5. clip the global gradient norm, ``optimizer.step()`` (and the critic's), ``step += 1``; adapt the
+   KL coefficient.
 
-The old logprobs are the rollout engine's behaviour logprobs (so the PPO ratio is the
-importance ratio against the policy that actually sampled, including staleness); for
-exactly-on-policy samples the ratio is 1 up to float round-off.
+With the default ``old_logprobs: behaviour`` the ratio's denominator is the rollout engine's
+behaviour logprobs (so the ratio corrects for staleness directly); for exactly-on-policy samples
+it is 1 up to float round-off.
 
 Weights are published with :meth:`TorchStrategy.export_weights` as a complete Hugging Face
 directory (``config.json``, safetensors weights, tokenizer) written to a temporary sibling and
@@ -23,6 +30,7 @@ safetensors files. Checkpoints add the optimizer state, the RNG states and the s
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 import os
@@ -31,11 +39,15 @@ import shutil
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+import msgspec
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainer.algos import entropy_from_logits, masked_mean, ppo_clip_loss
+from schemas.config import AlgorithmConfig
+from trainer import algorithm as alg
+from trainer import losses as L
+from trainer.algos import entropy_from_logits, masked_mean
 from trainer.batch import TokenBatch, TrainSample, collate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,8 +63,8 @@ class Strategy(Protocol):
         """Token logprobs of ``batch`` under the current weights, (B, L - 1), no grad."""
         ...
 
-    def backward(self, micro: TokenBatch, num_tokens: int) -> dict[str, float]:
-        """Loss and ``backward()`` of one micro-batch (token mean over ``num_tokens``)."""
+    def backward(self, micro: TokenBatch, share: float) -> dict[str, float]:
+        """Loss of one prepared micro-batch times ``share`` (its part of the batch); ``backward()``."""
         ...
 
     def optimizer_step(self) -> dict[str, float]:
@@ -125,6 +137,29 @@ def _replace_dir(tmp: Path, final: Path) -> None:
 # --------------------------------------------------------------------------- strategy
 
 
+class ValueModel(torch.nn.Module):
+    """A critic: a scalar head on a transformer's last hidden state.
+
+    ``trunk`` is a separate copy of the policy (``critic: separate``) or ``None`` (``value_head``:
+    the head reads the policy's own hidden states, so the value loss also trains the shared trunk).
+    """
+
+    def __init__(self, hidden_size: int, trunk: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        self.trunk = trunk
+        self.head = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, hidden: torch.Tensor | None, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Values aligned with the targets: (B, L - 1) (position t = the state before token t + 1)."""
+        if self.trunk is not None:
+            hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask,
+                                output_hidden_states=True).hidden_states[-1]
+        assert hidden is not None
+        return self.head(hidden[:, :-1].float()).squeeze(-1)  # (B, L - 1)
+
+
 class TorchStrategy:
     """Single-process PyTorch training of a local HF causal LM (see the module doc)."""
 
@@ -137,8 +172,10 @@ class TorchStrategy:
         grad_clip: float = 1.0,
         micro_batch_size: int = 16,
         temperature: float = 1.0,
-        clip_low: float = 0.2,
-        clip_high: float = 0.2,
+        algo: AlgorithmConfig | None = None,
+        max_len: int | None = None,
+        clip_low: float | None = None,
+        clip_high: float | None = None,
         betas: tuple[float, float] = (0.9, 0.999),
         total_steps: int = 0,
         min_lr_ratio: float = 1.0,
@@ -157,54 +194,176 @@ class TorchStrategy:
             self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas
         )
         self.base_lr = lr
+        self.betas = betas
         self.total_steps, self.min_lr_ratio = total_steps, min_lr_ratio
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
-        self.clip_low, self.clip_high = clip_low, clip_high
+        algo = algo or AlgorithmConfig()
+        if clip_low is not None:
+            algo = msgspec.structs.replace(algo, pg_clip_low=clip_low)
+        if clip_high is not None:
+            algo = msgspec.structs.replace(algo, pg_clip_high=clip_high)
+        algo.validate()
+        self.algo = algo
+        self.algo_state = alg.initial_state(algo)
+        self.max_len = max_len
+        self.ref_model: torch.nn.Module | None = None
+        self.critic: ValueModel | None = None
+        self.critic_optimizer: torch.optim.Optimizer | None = None
         self.step = 0
 
-    def _forward_logits(self, batch: TokenBatch) -> torch.Tensor:
-        out = self.model(
-            input_ids=batch.input_ids.to(self.device), attention_mask=batch.attention_mask.to(self.device)
+    # ----------------------------------------------------------------- optional models
+
+    def init_reference(self, path: str | Path | None = None) -> None:
+        """Load the frozen reference policy: the weights at ``path`` (an exported HF dir), or a copy
+        of the current weights. Only call it when a KL term is on (``algo.uses_reference``)."""
+        ref = copy.deepcopy(self.model)
+        if path is not None:
+            load_weights_into(ref, path)
+        ref.eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        self.ref_model = ref
+
+    def init_critic(self) -> None:
+        """Create the critic from the current policy weights (``algo.critic``): a zero-initialised
+        value head, on a copy of the policy (``separate``) or on the policy itself (``value_head``)."""
+        if self.algo.critic == "none":
+            return
+        hidden = int(self.model.config.hidden_size)
+        trunk = copy.deepcopy(self.model.base_model) if self.algo.critic == "separate" else None  # base model, no LM head
+        self.critic = ValueModel(hidden, trunk).to(self.device)
+        self.critic.train()
+        lr = self.algo.critic_lr if self.algo.critic_lr is not None else self.base_lr * 10
+        self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=lr, betas=self.betas)
+
+    # ----------------------------------------------------------------- forward passes
+
+    def _forward(self, model: torch.nn.Module, batch: TokenBatch, hidden: bool = False) -> Any:
+        return model(
+            input_ids=batch.input_ids.to(self.device), attention_mask=batch.attention_mask.to(self.device),
+            output_hidden_states=hidden,
         )
-        return out.logits  # (B, L, V)
+
+    def _forward_logits(self, batch: TokenBatch) -> torch.Tensor:
+        return self._forward(self.model, batch).logits  # (B, L, V)
+
+    def _values(self, out: Any, micro: TokenBatch) -> torch.Tensor:
+        assert self.critic is not None
+        hidden = out.hidden_states[-1] if self.critic.trunk is None else None
+        return self.critic(hidden, micro.input_ids.to(self.device), micro.attention_mask.to(self.device))
 
     @torch.no_grad()
-    def logprobs(self, batch: TokenBatch) -> torch.Tensor:
+    def logprobs(self, batch: TokenBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
         """Token logprobs at the rollout temperature, (B, L - 1), without gradients."""
+        model = self.model if model is None else model
         parts = []
         for start in range(0, batch.input_ids.shape[0], self.micro_batch_size):
             micro = batch.rows(start, start + self.micro_batch_size)
-            lp = token_logprobs(
-                self._forward_logits(micro), micro.input_ids.to(self.device), self.temperature
-            )
+            lp = token_logprobs(self._forward(model, micro).logits, micro.input_ids.to(self.device), self.temperature)
             parts.append(torch.nn.functional.pad(lp, (0, batch.input_ids.shape[1] - 1 - lp.shape[1])))
         return torch.cat(parts).cpu()
 
-    def backward(self, micro: TokenBatch, num_tokens: int) -> dict[str, float]:
-        """PPO-clip loss of ``micro`` with the token mean over ``num_tokens``; ``backward()``.
+    @torch.no_grad()
+    def values(self, batch: TokenBatch) -> torch.Tensor:
+        """The critic's values (B, L - 1), without gradients."""
+        parts = []
+        for start in range(0, batch.input_ids.shape[0], self.micro_batch_size):
+            micro = batch.rows(start, start + self.micro_batch_size)
+            out = self._forward(self.model, micro, hidden=True) if self.critic is not None and self.critic.trunk is None \
+                else None
+            v = self._values(out, micro)
+            parts.append(torch.nn.functional.pad(v, (0, batch.input_ids.shape[1] - 1 - v.shape[1])))
+        return torch.cat(parts).float().cpu()
 
-        Metrics also include ``actor/entropy``: the mean entropy of the tempered policy
-        ``softmax(logits / T)`` over the trained tokens.
+    # ----------------------------------------------------------------- one step
+
+    def prepare(self, samples: list[TrainSample]) -> tuple[TokenBatch, dict[str, float]]:
+        """Collate ``samples`` and compute everything the loss needs (see the module doc, steps 1–3).
+
+        The returned batch's ``old_logprobs`` are the ratio's denominators, ``advantages`` are
+        per token (B, L - 1) with every weight applied, ``loss_mask`` has every mask applied, and
+        ``extras`` hold ``ref_logprobs``, ``old_values`` and ``returns`` when they are used.
         """
-        logits = self._forward_logits(micro)  # (b, l, V)
+        cfg = self.algo
+        batch = collate(samples, self.pad_id)
+        ex = batch.extras
+        metrics: dict[str, float] = {}
+        mask = batch.loss_mask
+        prox = self.logprobs(batch) if cfg.old_logprobs == "recompute" else None
+        ref = self.logprobs(batch, self.ref_model) if self.ref_model is not None else None
+        values = self.values(batch) if self.critic is not None else None
+        kl = None
+        if cfg.add_token_level_kl:
+            if ref is None:
+                raise RuntimeError("add_token_level_kl is on but no reference model was loaded (init_reference)")
+            current = prox if prox is not None else batch.old_logprobs
+            kl = L.kl_penalty(current, ref, cfg.kl_penalty) * (mask > 0)  # (B, T)
+        adv, returns, m = alg.compute_advantages(
+            cfg, self.algo_state, ex["rewards"], ex["group_ids"], mask, values=values, kl=kl,
+            step_rewards=[s.step_rewards for s in samples])
+        metrics.update(m)
+        mask, m = alg.data_masks(cfg, mask, ex["rewards"], ex["group_ids"], ex["truncated"])
+        metrics.update(m)
+        old_lp, is_w, mask, m = alg.off_policy(cfg, mask, batch.old_logprobs, prox)
+        metrics.update(m)
+        w = alg.loss_weights(cfg, ex["rewards"], ex["group_ids"], ex["response_len"])
+        if w is not None:
+            adv = adv * w.unsqueeze(1)
+        if is_w is not None:
+            adv = adv * is_w
+        extras = dict(ex)
+        if ref is not None:
+            extras["ref_logprobs"] = ref
+        if values is not None and returns is not None:
+            extras["old_values"] = values
+            extras["returns"] = returns
+            metrics["critic/returns_mean"] = L._mmean(returns, mask)
+        if kl is not None:
+            alg.update_kl_coef(cfg, self.algo_state, float((kl * (mask > 0)).sum(1).mean()), len(samples))
+        return batch.replace(old_logprobs=old_lp, advantages=adv * (mask > 0), loss_mask=mask, extras=extras), metrics
+
+    def backward(self, micro: TokenBatch, share: float) -> dict[str, float]:
+        """The configured loss of one prepared micro-batch times ``share``; ``backward()``.
+
+        Metrics are this micro-batch's means; they include ``actor/entropy``: the mean entropy of
+        the tempered policy ``softmax(logits / T)`` over the trained tokens.
+        """
+        cfg = self.algo
+        need_hidden = self.critic is not None and self.critic.trunk is None
+        out = self._forward(self.model, micro, hidden=need_hidden)
+        logits = out.logits  # (b, l, V)
         ids = micro.input_ids.to(self.device)
         lp = token_logprobs(logits, ids, self.temperature)  # (b, l - 1)
         mask = micro.loss_mask.to(self.device)
-        loss, metrics = ppo_clip_loss(
-            lp,
-            micro.old_logprobs.to(self.device),
-            micro.advantages.to(self.device),
-            mask,
-            self.clip_low,
-            self.clip_high,
-            num_tokens=num_tokens,
-        )
-        loss.backward()
-        with torch.no_grad():
-            ent = entropy_from_logits(logits[:, :-1].detach() / self.temperature)  # (b, l - 1)
-            metrics["actor/entropy"] = float(masked_mean(ent, mask))
+        loss, metrics = alg.policy_loss(cfg, lp, micro.old_logprobs.to(self.device),
+                                        micro.advantages.to(self.device), mask, self.max_len)
+        if cfg.entropy_loss_coef:
+            ent = entropy_from_logits(logits[:, :-1] / self.temperature)  # (b, l - 1)
+            e_loss, m = L.entropy_loss(ent, mask, cfg.entropy_loss_coef, cfg.loss_agg_mode, self.max_len)
+            loss = loss + e_loss
+        else:
+            with torch.no_grad():
+                ent = entropy_from_logits(logits[:, :-1].detach() / self.temperature)  # (b, l - 1)
+        metrics["actor/entropy"] = float(masked_mean(ent.detach(), mask))
+        if "ref_logprobs" in micro.extras:
+            ref = micro.extras["ref_logprobs"].to(self.device)
+            kl_l, m = L.kl_loss(lp, ref, mask, cfg.kl_loss_coef if cfg.use_kl_loss else 0.0, cfg.kl_loss_type,
+                                cfg.loss_agg_mode, self.max_len)
+            metrics.update(m)
+            if cfg.use_kl_loss:
+                loss = loss + kl_l
+                metrics["loss/kl"] = float(kl_l.detach())
+        if self.critic is not None:
+            values = self._values(out, micro)  # (b, l - 1)
+            vf, m = L.value_loss(values, micro.extras["old_values"].to(self.device),
+                                 micro.extras["returns"].to(self.device), mask, cfg.value_clip,
+                                 cfg.loss_agg_mode, self.max_len)
+            metrics.update(m)
+            loss = loss + cfg.vf_coef * vf
+        (loss * share).backward()
+        metrics["loss/total"] = float(loss.detach())
         return metrics
 
     def lr_at(self, step: int) -> float:
@@ -219,32 +378,43 @@ class TorchStrategy:
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip the global grad norm (when ``grad_clip > 0``), AdamW step at :meth:`lr_at`,
-        zero grads."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        zero grads; the critic's optimizer likewise (its own norm and learning rate)."""
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.tensor(0.0)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.step)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        metrics = {"actor/grad_norm": float(norm), "actor/lr": float(self.optimizer.param_groups[0]["lr"])}
+        if self.critic is not None and self.critic_optimizer is not None:
+            cparams = [p for p in self.critic.parameters() if p.grad is not None]
+            cnorm = torch.nn.utils.clip_grad_norm_(cparams, max_norm) if cparams else torch.tensor(0.0)
+            self.critic_optimizer.step()
+            self.critic_optimizer.zero_grad(set_to_none=True)
+            metrics["critic/grad_norm"] = float(cnorm)
         self.step += 1
-        return {"actor/grad_norm": float(norm), "actor/lr": float(self.optimizer.param_groups[0]["lr"])}
+        return metrics
 
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
-        """One optimizer step over ``samples``; metrics are token-weighted over micro-batches."""
-        batch = collate(samples, self.pad_id)
-        total = max(batch.num_tokens, 1)
-        sums: dict[str, float] = {}
+        """One optimizer step over ``samples``; metrics are share-weighted over micro-batches."""
+        batch, sums = self.prepare(samples)
+        by_tokens = self.algo.loss_agg_mode == "token-mean"
+        total = max(batch.num_tokens if by_tokens else batch.num_seqs, 1)
+        acc: dict[str, float] = {}
         for start in range(0, len(samples), self.micro_batch_size):
             micro = batch.rows(start, start + self.micro_batch_size)
-            weight = micro.num_tokens / total
-            for key, value in self.backward(micro, total).items():
+            share = (micro.num_tokens if by_tokens else micro.num_seqs) / total
+            if share == 0:
+                continue  # nothing trained in these rows (masked out): no loss, no gradient
+            for key, value in self.backward(micro, share).items():
                 if key == "actor/ratio_min":
-                    sums[key] = min(sums.get(key, value), value)
+                    acc[key] = min(acc.get(key, value), value)
                 elif key == "actor/ratio_max":
-                    sums[key] = max(sums.get(key, value), value)
+                    acc[key] = max(acc.get(key, value), value)
                 else:
-                    sums[key] = sums.get(key, 0.0) + weight * value
+                    acc[key] = acc.get(key, 0.0) + share * value
+        sums.update(acc)
         sums.update(self.optimizer_step())
         sums["train/tokens"] = float(batch.num_tokens)
         sums["train/samples"] = float(len(samples))
@@ -267,7 +437,8 @@ class TorchStrategy:
         return final, checksum
 
     def save_checkpoint(self, path: str | Path) -> Path:
-        """Weights (HF dir under ``model/``), optimizer state, RNG states and step at ``path``."""
+        """Weights (HF dir under ``model/``), optimizer state, the critic (and its optimizer), the
+        algorithm state, RNG states and step at ``path``."""
         final = Path(path)
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
         if tmp.exists():
@@ -275,6 +446,10 @@ class TorchStrategy:
         tmp.mkdir(parents=True)
         self.export_weights(tmp / "model")
         torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        if self.critic is not None and self.critic_optimizer is not None:
+            torch.save({"model": self.critic.state_dict(), "optimizer": self.critic_optimizer.state_dict()},
+                       tmp / "critic.pt")
+        (tmp / "algo_state.msgpack").write_bytes(msgspec.msgpack.encode(self.algo_state))
         state: dict[str, Any] = {
             "step": self.step,
             "torch_rng": torch.get_rng_state(),
@@ -289,6 +464,16 @@ class TorchStrategy:
         root = Path(path)
         load_weights_into(self.model, root / "model")
         self.optimizer.load_state_dict(torch.load(root / "optimizer.pt", map_location=self.device))
+        if (root / "critic.pt").exists():
+            if self.critic is None:
+                self.init_critic()
+            if self.critic is None or self.critic_optimizer is None:
+                raise ValueError(f"{root} holds a critic but algorithm.critic is none")
+            saved = torch.load(root / "critic.pt", map_location=self.device)
+            self.critic.load_state_dict(saved["model"])
+            self.critic_optimizer.load_state_dict(saved["optimizer"])
+        if (root / "algo_state.msgpack").exists():
+            self.algo_state = msgspec.msgpack.decode((root / "algo_state.msgpack").read_bytes(), type=alg.AlgoState)
         state = torch.load(root / "trainer_state.pt", weights_only=True)
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import msgspec
+
 from schemas import events as ev
 from services.trainer_service import assemble, ready_groups
 
@@ -80,3 +82,38 @@ def test_checkpoint_restores_model_buffer_and_positions(tmp_path) -> None:  # ty
     b.add(scored("g", 0, 0))
     b.add(scored("old", 0, 0))
     assert len(b.groups["g"]) == 1 and "old" not in b.groups
+
+
+def test_dynamic_filter_drops_groups_without_signal() -> None:
+    from schemas.config import AlgorithmConfig
+
+    def grp(gid: str, rewards: list[float]) -> list[ev.ScoredSample]:
+        return [msgspec.structs.replace(scored(gid, i, 0), reward=r) for i, r in enumerate(rewards)]
+
+    algo = AlgorithmConfig(dynamic_filter="all_equal")
+    batch, rejected = assemble([grp("a", [1, 1, 1, 1]), grp("b", [1, 0, 0, 1])], version=0, max_staleness=0,
+                               algo=algo)
+    assert [s.generation.task.group_id for s in batch] == ["b"] * 4
+    assert {(s.generation.task.group_id, st) for s, st, _ in rejected} == {("a", "filtered")}
+    assert all("all 4 rewards equal" in why for _, _, why in rejected)
+
+
+def test_reference_model_loaded_only_when_a_kl_term_is_on(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from rollout.model_init import init_tiny_model
+    from schemas.config import TinyModelSpec, parse_config
+    from services.trainer_service import Trainer, TrainerSettings
+
+    model = init_tiny_model(tmp_path / "m", TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2,
+                                                         intermediate_size=64, max_position_embeddings=32))
+    for text, wants_ref in [("", False), ("algorithm: {use_kl_loss: true}", True),
+                            ("algorithm: {add_token_level_kl: true}", True)]:
+        cfg = parse_config("rollout: {group_size: 4}\ntrain: {batch_size: 4}\ndata: {heldout_size: 2}\n" + text)
+        run_dir = tmp_path / f"run{int(wants_ref)}{len(text)}"
+        t = Trainer(TrainerSettings(run_id="r", config=cfg, model_dir=str(model), run_dir=str(run_dir)))
+        t.setup_algorithm_models(fresh=True)
+        assert (t.strategy.ref_model is not None) == wants_ref, text
+        assert (run_dir / "reference").exists() == wants_ref
+        t.save_checkpoint()
+        again = Trainer(TrainerSettings(run_id="r", config=cfg, model_dir=str(model), run_dir=str(run_dir)))
+        assert again.load_checkpoint()
+        assert (again.strategy.ref_model is not None) == wants_ref

@@ -1,9 +1,6 @@
 from __future__ import annotations
 
-import pytest
-
 from schemas.events import Generation, RolloutTask, ScoredSample
-from trainer.algos import grpo_advantages_reference
 from trainer.batch import samples_from_scored, split_stale
 
 
@@ -40,11 +37,12 @@ def test_split_stale_keeps_within_max_staleness() -> None:
     assert [(s.generation.task.sample_id, why) for s, why in dropped] == [("h/0", "stale: gap 3 > 2")]
 
 
-def test_samples_from_scored_groups_by_group_id() -> None:
-    batch = [scored("g", 0, 1.0, 0), scored("h", 0, 0.0, 0), scored("g", 1, 0.0, 0), scored("h", 1, 0.0, 0)]
+def test_samples_from_scored_keeps_order_reward_and_group() -> None:
+    batch = [scored("g", 0, 1.0, 0), scored("h", 0, 0.0, 0), scored("g", 1, 0.0, 3), scored("h", 1, 0.0, 0)]
     samples = samples_from_scored(batch)
-    want = grpo_advantages_reference([1.0, 0.0, 0.0, 0.0], ["g", "h", "g", "h"])
-    assert [s.advantage for s in samples] == pytest.approx(want, abs=1e-5)
-    assert samples[0].sample_id == "g/0" and samples[0].response_ids == [6, 2]
+    assert [(s.sample_id, s.group_id, s.reward) for s in samples] == [
+        ("g/0", "g", 1.0), ("h/0", "h", 0.0), ("g/1", "g", 0.0), ("h/1", "h", 0.0)]
+    assert samples[2].policy_version == 3 and not samples[0].truncated
+    assert samples[0].response_ids == [6, 2]
     assert samples[0].old_logprobs == [-0.5, -0.1] and samples[0].loss_mask == [1, 1]
     assert samples_from_scored([]) == []

@@ -20,7 +20,8 @@ async def sample(engine: TorchEngine, temperature: float) -> list[TrainSample]:
     params = SamplingParams(max_new_tokens=12, temperature=temperature)
     reqs = [GenerationRequest(str(i), engine.encode(p), params) for i, p in enumerate(PROMPTS)]
     done = await generate_all(engine, reqs)
-    return [TrainSample(c.prompt_ids, c.token_ids, c.logprobs, [1] * len(c.token_ids), 1.0) for c in done]
+    return [TrainSample(c.prompt_ids, c.token_ids, c.logprobs, [1] * len(c.token_ids), float(i % 2), group_id="g")
+            for i, c in enumerate(done)]
 
 
 def assert_same_logprobs(strategy: TorchStrategy, samples: list[TrainSample]) -> None:

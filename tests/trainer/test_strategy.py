@@ -20,7 +20,8 @@ def make_samples(n: int = 6, seed: int = 0) -> list[TrainSample]:
         resp = [rng.randrange(4, 60) for _ in range(rng.randrange(1, 7))] + [2]
         out.append(
             TrainSample(
-                prompt, resp, [-rng.random() * 3 for _ in resp], [1] * len(resp), rng.uniform(-1, 1), f"s{i}"
+                prompt, resp, [-rng.random() * 3 for _ in resp], [1] * len(resp), rng.uniform(-1, 1), f"s{i}",
+                group_id=f"g{i // 2}",
             )
         )
     return out
@@ -75,16 +76,17 @@ def test_micro_batching_gives_the_same_step(model_dir: Path) -> None:
 
 def test_positive_advantage_raises_logprob(model_dir: Path) -> None:
     strategy = TorchStrategy(model_dir, lr=1e-2)
-    s = make_samples(1)[0]
-    batch = collate([s], strategy.pad_id)
+    good, bad = make_samples(2)
+    batch = collate([good, bad], strategy.pad_id)
     before = strategy.logprobs(batch)
-    old = [float(x) for x in before[0][batch.loss_mask[0].bool()]]
-    sample = TrainSample(s.prompt_ids, s.response_ids, old, s.loss_mask, advantage=1.0)
-    metrics = strategy.train_step([sample])
+    old = [[float(x) for x in before[i][batch.loss_mask[i].bool()]] for i in range(2)]
+    samples = [TrainSample(s.prompt_ids, s.response_ids, lp, s.loss_mask, reward=r, group_id="g")
+               for s, lp, r in zip([good, bad], old, [1.0, 0.0], strict=True)]  # GRPO: A = +0.71, -0.71
+    metrics = strategy.train_step(samples)
     assert metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # on-policy
     after = strategy.logprobs(batch)
-    m = batch.loss_mask.bool()
-    assert after[m].sum() > before[m].sum()
+    m = batch.loss_mask[0].bool()
+    assert after[0][m].sum() > before[0][m].sum()
 
 
 def test_export_weights_loads_and_has_stable_checksum(model_dir: Path, tmp_path: Path) -> None:

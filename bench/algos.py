@@ -1,0 +1,100 @@
+"""Do the advantage estimators learn? The main example task, once per estimator, side by side.
+
+For each estimator (default: grpo, gae, rloo, reinforce, dr_grpo) this runs
+``rollstream run examples/algos/<name>.yaml`` as a subprocess — the real thing: local Kafka
+broker, every service in its own process, the embedded store — with the same seed and the same
+overrides (``--steps`` RL steps; everything else as in the example), one after the other, and
+prints one table: held-out greedy accuracy at the RL start (after the supervised warm-up, the
+same for every estimator since the seed is shared) and at the end, the gain in points, and wall
+time. An estimator "learns" when it gains at least ``--min-gain`` points; the exit status is 1
+when one does not.
+
+    .venv/bin/python bench/algos.py [--steps 60] [--estimators grpo,gae,...] [--runs-dir DIR]
+                                    [--set KEY=VALUE ...] [--json OUT]
+
+Wall times are comparable only within one invocation (same machine, same moment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT = ["grpo", "gae", "rloo", "reinforce", "dr_grpo"]
+
+
+def run_one(name: str, steps: int, runs_dir: Path, extra: list[str], tag: str) -> dict[str, Any]:
+    run_id = f"bench-{name.replace('_', '-')}-{tag}"
+    sets = [f"train.steps={steps}", f"run.runs_dir={runs_dir}", f"train.eval_every={max(steps // 3, 1)}",
+            f"train.checkpoint_every={steps}", *extra]
+    cmd = [sys.executable, "-m", "services.cli", "run", str(ROOT / "examples" / "algos" / f"{name}.yaml"),
+           "--run-id", run_id, *[a for kv in sets for a in ("--set", kv)]]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ))
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        return {"estimator": name, "error": tail[0], "wall_s": wall}
+    summary = json.loads((runs_dir / run_id / "summary.json").read_text())
+    start = summary["eval"]["start"]["accuracy"]
+    final = summary["eval"]["final"]["accuracy"]
+    return {"estimator": name, "run_id": run_id, "start": start, "final": final,
+            "gain_points": 100 * (final - start), "wall_s": wall, "steps": summary["steps"],
+            "curve": summary["eval"]["curve"], "samples": summary["samples"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60, help="RL steps per estimator (default 60)")
+    ap.add_argument("--estimators", default=",".join(DEFAULT), help="comma-separated examples/algos names")
+    ap.add_argument("--runs-dir", default="", help="where the runs go (default: a temporary directory)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="extra config override for every run")
+    ap.add_argument("--min-gain", type=float, default=20.0, help="points an estimator must gain (default 20)")
+    ap.add_argument("--json", default="", help="also write the results as JSON here")
+    args = ap.parse_args()
+    names = [n.strip() for n in args.estimators.split(",") if n.strip()]
+    missing = [n for n in names if not (ROOT / "examples" / "algos" / f"{n}.yaml").exists()]
+    if missing:
+        print(f"error: no examples/algos/{missing[0]}.yaml", file=sys.stderr)
+        return 2
+    runs_dir = Path(args.runs_dir or tempfile.mkdtemp(prefix="rollstream-bench-algos-"))
+    tag = time.strftime("%H%M%S")
+    results = []
+    for name in names:
+        print(f"running {name} ({args.steps} RL steps)...", flush=True)
+        res = run_one(name, args.steps, runs_dir, args.sets, tag)
+        results.append(res)
+        if "error" in res:
+            print(f"  {name}: FAILED: {res['error']}", flush=True)
+        else:
+            print(f"  {name}: {100 * res['start']:.1f}% -> {100 * res['final']:.1f}% "
+                  f"({res['gain_points']:+.1f} points) in {res['wall_s']:.0f}s", flush=True)
+    print()
+    print(f"| estimator | held-out accuracy at RL start | after {args.steps} RL steps | gain (points) | wall (s) |")
+    print("| --- | --- | --- | --- | --- |")
+    ok = True
+    for r in results:
+        if "error" in r:
+            ok = False
+            print(f"| {r['estimator']} | failed: {r['error']} | | | {r['wall_s']:.0f} |")
+            continue
+        learns = r["gain_points"] >= args.min_gain
+        ok &= learns
+        print(f"| {r['estimator']} | {100 * r['start']:.1f}% | {100 * r['final']:.1f}% | "
+              f"{r['gain_points']:+.1f}{'' if learns else ' (< ' + format(args.min_gain, 'g') + ')'} | {r['wall_s']:.0f} |")
+    print(f"\nruns: {runs_dir}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
