@@ -341,6 +341,9 @@ class AlgorithmConfig(Section):
     """Lower bound of ``masked_is``."""
     is_high: float = 2.0
     """Upper bound of ``masked_is``."""
+    norm_std: bool | None = None
+    """Deprecated (configs before the algorithm suite): ``false`` = ``norm_std_type: none``,
+    ``true`` = the estimator's default. Kept so recorded runs still load."""
 
     @property
     def clip_low(self) -> float:
@@ -380,6 +383,8 @@ class AlgorithmConfig(Section):
             raise ValueError(f"{a}dual_clip_c={self.dual_clip_c} must be > 1")
         if self.clip_low < 0 or self.clip_high < 0:
             raise ValueError(f"{a}pg_clip / pg_clip_low / pg_clip_high must be >= 0")
+        if self.norm_std is not None and self.norm_std_type is not None:
+            raise ValueError(f"{a}norm_std is the deprecated form of {a}norm_std_type: set only norm_std_type")
         if self.adv_estimator == "dr_grpo" and self.norm_std_type not in (None, "none"):
             raise ValueError(f"{a}adv_estimator=dr_grpo divides by no std: {a}norm_std_type must be none")
         if self.kl_penalty == "full" or self.kl_loss_type == "full":
@@ -448,6 +453,10 @@ class RunConfig(Section):
             raise ValueError(f"reward.timeout_s={self.reward.timeout_s} must be > 0")
         if self.train.max_staleness < 0:
             raise ValueError(f"train.max_staleness={self.train.max_staleness} must be >= 0")
+        if self.store.batch_max_records < 1:
+            raise ValueError(f"store.batch_max_records={self.store.batch_max_records} must be >= 1")
+        if self.store.lag_report_every_s < 0:
+            raise ValueError(f"store.lag_report_every_s={self.store.lag_report_every_s} must be >= 0")
         self.algorithm.validate()
 
     @property

@@ -9,6 +9,18 @@ then skipped), and the tables are ReplacingMergeTree on their natural keys besid
 Undecodable messages are still recorded in ``events`` (kind ``undecodable``, raw bytes as
 base64) so nothing that crossed the bus is missing from the record.
 
+Batching: each poll takes at most ``batch_max_records`` messages (``store.batch_max_records``
+in the run config) and writes them with one insert per table, events last.
+
+Lag: every ``lag_report_every_s`` (and once more at a clean exit) the recorder measures its
+consumer lag (end offsets minus positions, summed over its assigned partitions = messages not
+yet recorded), logs it, keeps it in :attr:`Recorder.lag` / :attr:`Recorder.lag_reports` and
+writes it to the ``recorder_lag`` table.
+
+Reads during a run: with an embedded (chDB) store, which only this process may open, the
+recorder serves read-only queries to other processes (:mod:`services.store_server`; the
+endpoint file is ``<store>.endpoint``), under one lock with its own inserts.
+
 With ``stop_when_finished`` the recorder exits by itself once it has seen the run's
 ``RunFinished`` and then an idle poll with zero lag.
 """
@@ -18,8 +30,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any
 
 import msgspec
@@ -29,7 +42,7 @@ from schemas.config import KafkaSettings
 from schemas.topics import parse_topic
 from services import store as st
 from services.bus import Consumer, Record, TopicPartition, next_offsets
-from services.recorder_rows import COLUMNS, event_row, typed_rows
+from services.recorder_rows import COLUMNS, event_row, lag_row, typed_rows
 
 log = logging.getLogger("rollstream.recorder")
 
@@ -47,6 +60,13 @@ class RecorderSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     """Consumer group; empty = ``rs-recorder-<run_id or all>``."""
     batch_max_records: int = 2000
     """Most records per poll (one insert per table per poll)."""
+    lag_report_every_s: float = 10.0
+    """How often the consumer lag is measured, logged and written to ``recorder_lag``, seconds
+    (0 = after every poll)."""
+    serve_queries: bool = True
+    """With an embedded store: serve read-only queries to other processes while recording."""
+    query_timeout_s: float = 60.0
+    """``max_execution_time`` of each served query, seconds."""
     poll_timeout_s: float = 0.5
     """Longest wait for records per poll, seconds."""
     stop_when_finished: bool = False
@@ -55,16 +75,41 @@ class RecorderSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     """With ``stop_when_finished``: how long the topics must stay quiet after ``RunFinished``, seconds."""
 
 
+class LagReport(msgspec.Struct, frozen=True, kw_only=True):
+    """One measurement of the recorder's consumer lag."""
+
+    ts: float
+    """When it was measured, unix seconds."""
+    lag_records: int
+    """Messages not yet recorded: end offsets minus positions, summed over the assigned partitions."""
+    partitions: int
+    """Partitions assigned to the recorder at that time."""
+    recorded_total: int
+    """Messages this recorder had stored by then."""
+    skipped_total: int
+    """Messages it had skipped as already stored by then."""
+
+
 class Recorder:
     """State of a running recorder (counters are read by tests and progress displays)."""
 
     def __init__(self, settings: RecorderSettings) -> None:
+        if settings.batch_max_records < 1:
+            raise ValueError(f"batch_max_records={settings.batch_max_records} must be >= 1")
+        if settings.lag_report_every_s < 0:
+            raise ValueError(f"lag_report_every_s={settings.lag_report_every_s} must be >= 0")
         self.settings = settings
         self.recorded = 0
         self.skipped = 0
         self.finished_seen = False
         self.lag = 0
+        """Consumer lag at the last measurement (messages not yet recorded)."""
+        self.lag_reports: deque[LagReport] = deque(maxlen=1000)
+        """The latest lag reports, oldest first (also written to ``recorder_lag``)."""
+        self.server: Any = None
+        """The :class:`services.store_server.StoreServer` while recording into an embedded store."""
         self._client: Any = None
+        self._lock = threading.Lock()  # one store call at a time: inserts and served queries
         self._stored: dict[tuple[str, int], int] = {}
 
     def _load_stored_offsets(self) -> None:
@@ -96,11 +141,50 @@ class Recorder:
         return tables
 
     def insert(self, tables: dict[str, list[list[Any]]]) -> None:
+        """One insert per table (``events`` last), under the store lock."""
         # events last: its max(offset) is what marks a batch as stored
-        for table in sorted(tables, key=lambda t: t == "events"):
-            rows = tables[table]
-            if rows:
-                self._client.insert(table, rows, column_names=COLUMNS[table])
+        with self._lock:
+            for table in sorted(tables, key=lambda t: t == "events"):
+                rows = tables[table]
+                if rows:
+                    self._client.insert(table, rows, column_names=COLUMNS[table])
+
+    async def report_lag(self, consumer: Consumer, timeout_s: float | None = None) -> LagReport | None:
+        """Measure the lag now, log it, keep it and write it to ``recorder_lag``. A measurement
+        that fails or takes over ``timeout_s`` (default: the Kafka request timeout) is logged
+        and returns ``None``."""
+        try:
+            lag, partitions = await asyncio.wait_for(
+                _lag(consumer), timeout=timeout_s or self.settings.kafka.request_timeout_s)
+        except Exception as e:
+            log.warning("could not measure the lag: %s", str(e).strip().splitlines()[0] if str(e).strip()
+                        else type(e).__name__)
+            return None
+        self.lag = lag
+        rep = LagReport(ts=time.time(), lag_records=lag, partitions=partitions, recorded_total=self.recorded,
+                        skipped_total=self.skipped)
+        self.lag_reports.append(rep)
+        log.info("lag: %d messages not yet recorded on %d partitions (%d recorded, %d skipped)",
+                 lag, partitions, self.recorded, self.skipped)
+        row = lag_row(self.settings.run_id, self._group_id(), rep.ts, lag, partitions, self.recorded, self.skipped)
+        await asyncio.to_thread(self.insert, {"recorder_lag": [row]})
+        return rep
+
+    def _group_id(self) -> str:
+        return self.settings.group_id or f"rs-recorder-{self.settings.run_id or 'all'}"
+
+    def _start_server(self) -> None:
+        s = self.settings
+        if not s.serve_queries or st.check_dsn(s.dsn) != "chdb":
+            return
+        from services.store_server import StoreServer
+
+        self.server = StoreServer(s.dsn, self._lock, max_execution_s=s.query_timeout_s).start()
+
+    def _stop_server(self) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            server.close()
 
     async def run(self, stop: asyncio.Event | None = None) -> int:
         s = self.settings
@@ -110,12 +194,14 @@ class Recorder:
         self._load_stored_offsets()
         pattern = rf"^rs\.{re.escape(s.run_id)}\..*" if s.run_id else r"^rs\..*"
         consumer = Consumer(
-            s.kafka, group_id=s.group_id or f"rs-recorder-{s.run_id or 'all'}", pattern=pattern,
-            auto_offset_reset="earliest", client_suffix="recorder",
+            s.kafka, group_id=self._group_id(), pattern=pattern, auto_offset_reset="earliest",
+            client_suffix="recorder",
         )
-        await consumer.start()
+        self._start_server()
         quiet_since: float | None = None
+        next_report = 0.0  # the first poll that finds partitions assigned reports at once
         try:
+            await consumer.start()
             while not stop.is_set():
                 records = await consumer.getmany(timeout_ms=int(s.poll_timeout_s * 1000),
                                                   max_records=s.batch_max_records)
@@ -128,31 +214,43 @@ class Recorder:
                         self._stored[(r.topic, r.partition)] = max(
                             r.offset, self._stored.get((r.topic, r.partition), -1))
                     quiet_since = None
+                measured = True
+                if time.monotonic() >= next_report and consumer.assignment():
+                    measured = await self.report_lag(consumer) is not None
+                    next_report = time.monotonic() + s.lag_report_every_s
+                elif not records:
+                    self.lag = (await _lag(consumer))[0]
+                if records or not measured:
                     continue
-                self.lag = await _lag(consumer)
                 if s.stop_when_finished and self.finished_seen and self.lag == 0:
                     quiet_since = quiet_since or time.monotonic()
                     if time.monotonic() - quiet_since >= s.idle_exit_s:
                         break
+            if consumer.assignment():
+                await self.report_lag(consumer, timeout_s=5.0)  # the final word: normally 0
         finally:
-            await consumer.stop()
+            try:
+                await consumer.stop()
+            finally:
+                self._stop_server()
         return self.recorded
 
 
-async def _lag(consumer: Consumer) -> int:
-    """Messages between the consumer's position and the end of its assigned partitions."""
+async def _lag(consumer: Consumer) -> tuple[int, int]:
+    """``(lag, partitions)``: messages between the consumer's positions and the ends of its
+    assigned partitions (summed), and how many partitions that covers."""
     assigned: set[TopicPartition] = consumer.assignment()
     if not assigned:
-        return 0
+        return 0, 0
     ends = await consumer.raw.end_offsets(list(assigned))
     lag = 0
     for tp in assigned:
         try:
             pos = await consumer.raw.position(tp)
-        except Exception:
+        except Exception:  # revoked meanwhile: its new owner counts it
             continue
         lag += max(0, ends[tp] - pos)
-    return lag
+    return lag, len(assigned)
 
 
 async def run(settings: RecorderSettings, stop: asyncio.Event | None = None) -> int:

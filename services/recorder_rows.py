@@ -2,7 +2,8 @@
 
 ``events`` gets every message (the raw record: payload as JSON); the typed tables
 (``sample_tasks``, ``sample_generations``, ``sample_rewards``, ``sample_outcomes``,
-``train_steps``, ``evals``, ``weights``, ``dlq``) get one row per fact they describe.
+``train_steps``, ``evals``, ``weights``, ``dlq``, ``env_events``) get one row per fact they
+describe. ``recorder_lag`` rows come from the recorder itself (:func:`lag_row`).
 Column lists here match ``infra/clickhouse/*.sql``.
 """
 
@@ -21,7 +22,7 @@ COLUMNS: dict[str, list[str]] = {
                "policy_version", "payload"],
     "sample_tasks": ["run_id", "sample_id", "group_id", "prompt_id", "domain", "issued_version", "issued_ts"],
     "sample_generations": ["run_id", "sample_id", "policy_version", "policy_version_end", "response_len",
-                           "finish_reason", "worker_id", "queued_s", "gen_s", "env_s", "generated_ts"],
+                           "finish_reason", "worker_id", "queued_s", "gen_s", "env_s", "generated_ts", "num_turns"],
     "sample_rewards": ["run_id", "sample_id", "reward", "rewards", "verifier", "details", "reward_s", "scored_ts"],
     "sample_outcomes": ["run_id", "sample_id", "group_id", "status", "reason", "policy_version",
                         "trained_version", "step", "decided_ts"],
@@ -29,7 +30,12 @@ COLUMNS: dict[str, list[str]] = {
     "evals": ["run_id", "step", "policy_version", "split", "ts", "metrics"],
     "weights": ["run_id", "policy_version", "step", "uri", "format", "checksum", "num_bytes", "ts"],
     "dlq": ["run_id", "source_topic", "partition", "offset", "sample_id", "service", "stage", "error", "ts"],
+    "env_events": ["run_id", "episode_id", "sample_id", "kind", "step", "env", "policy_version", "text", "reward",
+                   "terminated", "truncated", "error", "event_id", "ts"],
+    "recorder_lag": ["run_id", "group_id", "ts", "lag_records", "partitions", "recorded_total", "skipped_total"],
 }
+TEXT_MAX_CHARS = 2000
+"""Free text (verifier details, env actions and observations) is cut to this many characters."""
 
 _json = msgspec.json.Encoder()
 
@@ -60,10 +66,11 @@ def typed_rows(event: ev.Event) -> dict[str, list[list[Any]]]:
     elif isinstance(event, ev.Generation):
         out["sample_generations"].append([
             r, event.task.sample_id, event.policy_version, event.policy_version_end, len(event.response_ids),
-            event.finish_reason, event.worker_id, event.queued_s, event.gen_s, event.env_s, dt(event.ts)])
+            event.finish_reason, event.worker_id, event.queued_s, event.gen_s, event.env_s, dt(event.ts),
+            event.num_turns])
     elif isinstance(event, ev.ScoredSample):
         out["sample_rewards"].append([r, event.generation.task.sample_id, event.reward, dict(event.rewards),
-                                      event.verifier, event.details[:2000], event.reward_s, dt(event.ts)])
+                                      event.verifier, event.details[:TEXT_MAX_CHARS], event.reward_s, dt(event.ts)])
     elif isinstance(event, ev.SampleOutcome):
         out["sample_outcomes"].append([r, event.sample_id, event.group_id, event.status, event.reason,
                                        event.policy_version, event.trained_version, event.step, dt(event.ts)])
@@ -76,10 +83,26 @@ def typed_rows(event: ev.Event) -> dict[str, list[list[Any]]]:
     elif isinstance(event, ev.WeightsPublished):
         out["weights"].append([r, event.policy_version, event.step, event.uri, event.format, event.checksum,
                                event.num_bytes, dt(event.ts)])
+    elif isinstance(event, ev.EnvReset):
+        out["env_events"].append([r, event.episode_id, event.sample_id, "EnvReset", 0, event.env.name, -1, "",
+                                  0.0, 0, 0, "", event.event_id, dt(event.ts)])
+    elif isinstance(event, ev.EnvStep):
+        out["env_events"].append([r, event.episode_id, "", "EnvStep", event.step, "", event.policy_version,
+                                  event.action[:TEXT_MAX_CHARS], 0.0, 0, 0, "", event.event_id, dt(event.ts)])
+    elif isinstance(event, ev.EnvObservation):
+        out["env_events"].append([r, event.episode_id, "", "EnvObservation", event.step, "", -1,
+                                  event.observation[:TEXT_MAX_CHARS], event.reward, int(event.terminated),
+                                  int(event.truncated), event.error, event.event_id, dt(event.ts)])
     elif isinstance(event, ev.DeadLetter):
         out["dlq"].append([r, event.source_topic, event.partition, event.offset, event.sample_id, event.service,
                            event.stage, event.error, dt(event.ts)])
     return out
+
+
+def lag_row(run_id: str, group_id: str, ts: float, lag_records: int, partitions: int, recorded_total: int,
+            skipped_total: int) -> list[Any]:
+    """The ``recorder_lag`` row of one lag measurement."""
+    return [run_id, group_id, dt(ts), lag_records, partitions, recorded_total, skipped_total]
 
 
 def _key(key: bytes | None) -> str:

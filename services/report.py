@@ -4,6 +4,11 @@ Data comes from the run's store (SQL over ``train_steps``, ``evals`` and the ``s
 from ``runs/<run_id>/config.yaml`` and ``summary.json``. chDB lets one process open only one store
 directory, so every run is *extracted in its own subprocess* (``python -m services.report dump RUN``
 prints JSON); the parent process only plots. That makes one run and two overlaid runs the same code.
+A run still in progress is read through its recorder (:func:`services.store.connect_reader`).
+
+Progress: the extraction runs :data:`QUERIES` queries; the child prints ``progress: ...`` on
+stderr before each one, and the parent hands those lines to its ``progress`` callback (the
+CLI shows them in its status line).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import math
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +41,9 @@ STEP_METRICS: list[tuple[str, str, str, str]] = [
 ]
 STAGES = ("queue_s", "gen_s", "env_s", "reward_s", "train_wait_s")
 LINESTYLES = ("-", "--", ":", "-.")
+QUERIES = ("train steps", "evals", "latency per stage", "reward by domain", "samples by status")
+"""What :func:`extract` queries, in order (one query each)."""
+PROGRESS_PREFIX = "progress: "
 
 
 class ReportError(RuntimeError):
@@ -53,11 +63,19 @@ def _num(v: Any) -> float | None:
     return None if math.isnan(f) or math.isinf(f) else f
 
 
-def extract(client: Any, run_id: str) -> dict[str, Any]:
-    """Everything the report plots, from one run's store, as JSON-able data."""
+def extract(client: Any, run_id: str, progress: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    """Everything the report plots, from one run's store, as JSON-able data.
+
+    Runs the :data:`QUERIES` in order, calling ``progress("query i/n: what (previous took Xs)")``
+    before each."""
     p = {"r": run_id}
+    done = [0, time.monotonic()]
 
     def q(sql: str) -> list[Any]:
+        i = int(done[0])
+        took = f" (previous took {time.monotonic() - done[1]:.1f}s)" if i else ""
+        progress(f"query {i + 1}/{len(QUERIES)}: {QUERIES[i]}{took}")
+        done[0], done[1] = i + 1, time.monotonic()
         return list(client.query(sql, parameters=p).result_rows)
 
     steps = []
@@ -94,9 +112,12 @@ def _dump_main(argv: list[str]) -> int:
     ap.add_argument("--runs-dir", default="runs")
     ap.add_argument("--store", default="")
     a = ap.parse_args(argv)
+    def progress(msg: str) -> None:
+        print(PROGRESS_PREFIX + msg, file=sys.stderr, flush=True)
+
     try:
-        client = st.connect(a.store or st.default_dsn(a.runs_dir, a.run_id))
-        data = extract(client, a.run_id)
+        client = st.connect_reader(a.store or st.default_dsn(a.runs_dir, a.run_id))
+        data = extract(client, a.run_id, progress)
     except st.StoreError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -137,13 +158,35 @@ def _start_dump(run_id: str, runs_dir: Path, store: str | None) -> subprocess.Po
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def _finish_dump(run_id: str, proc: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
+def _finish_dump(run_id: str, proc: subprocess.Popen[str], timeout_s: float,
+                 progress: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    """Wait for one dump child: its ``progress:`` stderr lines go to ``progress`` as they come."""
+    assert proc.stdout is not None and proc.stderr is not None
+    err_lines: list[str] = []
+    out_parts: list[str] = []
+
+    def pump_stderr(stream: Any) -> None:
+        for line in stream:
+            if line.startswith(PROGRESS_PREFIX):
+                progress(f"{run_id}: {line[len(PROGRESS_PREFIX):].strip()}")
+            else:
+                err_lines.append(line)
+
+    pumps = [threading.Thread(target=pump_stderr, args=(proc.stderr,), daemon=True),
+             threading.Thread(target=lambda: out_parts.append(proc.stdout.read() if proc.stdout else ""),
+                              daemon=True)]
+    for t in pumps:
+        t.start()
     try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
+        proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.communicate()
+        proc.wait()
         raise ReportError(f"reading the record of run {run_id} took over {timeout_s:.0f}s") from None
+    finally:
+        for t in pumps:
+            t.join(timeout=10)
+    stdout, stderr = "".join(out_parts), "".join(err_lines)
     if proc.returncode != 0:
         lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
         err = next((ln for ln in reversed(lines) if ln.startswith("error:")), lines[-1] if lines else "")
@@ -178,17 +221,18 @@ def _run_files(run_id: str, runs_dir: Path) -> dict[str, Any]:
     return out
 
 
-def load_runs(run_ids: list[str], runs_dir: Path, store: str | None = None,
-              timeout_s: float = 300.0) -> list[dict[str, Any]]:
-    """Extract every run (one subprocess each, concurrently) and add its config and summary."""
+def load_runs(run_ids: list[str], runs_dir: Path, store: str | None = None, timeout_s: float = 300.0,
+              progress: Callable[[str], None] = lambda m: None) -> list[dict[str, Any]]:
+    """Extract every run (one subprocess each, concurrently) and add its config and summary.
+    ``progress`` gets ``"<run>: query i/n: ..."`` as each child starts its next query."""
     for r in run_ids:
         check_run(r, runs_dir, store)
     if store:  # one store for every run: a chDB store can be open in one process at a time
-        datas = [_finish_dump(r, _start_dump(r, runs_dir, store), timeout_s) for r in run_ids]
+        datas = [_finish_dump(r, _start_dump(r, runs_dir, store), timeout_s, progress) for r in run_ids]
     else:  # one store per run: extract them concurrently
         procs = [(r, _start_dump(r, runs_dir, store)) for r in run_ids]
         try:
-            datas = [_finish_dump(r, proc, timeout_s) for r, proc in procs]
+            datas = [_finish_dump(r, proc, timeout_s, progress) for r, proc in procs]
         finally:
             for _, proc in procs:
                 if proc.poll() is None:

@@ -7,14 +7,22 @@ chDB constraints that shape the rest of the system: one process may hold a store
 time (others get :class:`StoreError` "in use"), and one process may open only one chDB directory.
 So each run has its own store (``runs/<run_id>/store``) and one process (the recorder) writes it.
 
+While a process holds an embedded store, others read it through that process: the recorder
+serves read-only queries (:mod:`services.store_server`) and :func:`connect_reader` goes through
+it when the store is held elsewhere, or opens the store directly when nobody holds it (a stale
+endpoint file of a crashed recorder is ignored).
+
 DDL lives in ``infra/clickhouse/NNN_name.sql``; :func:`apply_ddl` applies every file in order,
-idempotently (``CREATE ... IF NOT EXISTS``), and records the applied versions in
-``schema_migrations``.
+idempotently (``CREATE ... IF NOT EXISTS``, ``CREATE OR REPLACE VIEW``, ``ADD COLUMN IF NOT
+EXISTS``), on every open, and records the applied versions in ``schema_migrations``: a store
+made by an older version gets the newer files applied when it is next opened.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -89,6 +97,50 @@ def connect(dsn: str, *, connect_timeout_s: float = 10.0) -> Any:
         raise StoreError(f"cannot reach ClickHouse at {_redact(dsn)}: {_first_line(str(e))}") from None
 
 
+def connect_reader(dsn: str, *, wait_s: float = 3.0, timeout_s: float = 300.0) -> Any:
+    """A client for read-only queries on ``dsn``, wherever the store is open.
+
+    * A server DSN, or an embedded store nobody else holds: :func:`connect` (the caller should
+      still only read). An embedded store also gets :func:`apply_ddl`, so the record of a run
+      made by an older version has today's tables and views.
+    * An embedded store held by another process (a running recorder): a
+      :class:`services.store_server.RemoteClient` on the endpoint that process serves. Waits up
+      to ``wait_s`` for the endpoint (a recorder writes it a moment after opening the store),
+      then raises :class:`StoreError` "in use by another process". ``timeout_s`` bounds each
+      served query, the wait for the recorder's lock included.
+    """
+    from services import store_server as ss
+
+    if check_dsn(dsn) != "chdb":
+        return connect(dsn)
+    path = Path(chdb_path(dsn))
+    deadline = time.monotonic() + wait_s
+    while True:
+        if str(path) in _OPENED_HERE or not _locked_by_other_process(path):
+            try:
+                client = connect(dsn)
+            except StoreError as e:
+                if "in use by another process" not in str(e):
+                    raise
+                # a recorder opened it just now: ask its server below
+            else:
+                with contextlib.suppress(Exception):  # bring a store of an older version up to date
+                    apply_ddl(client)
+                return client
+        endpoint = ss.read_endpoint(ss.endpoint_path(path))
+        if endpoint is not None:
+            client = ss.RemoteClient(endpoint, timeout_s=timeout_s)
+            if client.ping():
+                return client
+            client.close()
+        if time.monotonic() >= deadline:
+            raise StoreError(
+                f"store {path} is in use by another process that serves no queries; "
+                "chDB lets one process open a store at a time (read it once that process has exited)"
+            )
+        time.sleep(0.1)
+
+
 def _locked_by_other_process(path: Path) -> bool:
     """True if another process holds ClickHouse's lock on ``<path>/status``."""
     import fcntl
@@ -132,7 +184,7 @@ def apply_ddl(client: Any, ddl_dir: Path = DDL_DIR) -> list[int]:
     new = []
     for version, path in ddl_files(ddl_dir):
         for stmt in split_statements(path.read_text()):
-            client.command(stmt)  # every statement is IF NOT EXISTS: re-running is harmless
+            client.command(stmt)  # IF NOT EXISTS / OR REPLACE / ADD COLUMN IF NOT EXISTS: re-running is harmless
         if version not in done:
             client.insert("schema_migrations", [[version, path.name]], column_names=["version", "name"])
             new.append(version)

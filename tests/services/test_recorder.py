@@ -68,3 +68,48 @@ async def test_records_everything_once(bootstrap: str, run_id: str, store_dsn: s
     payload = one("SELECT payload FROM events WHERE run_id = {r:String} AND kind = 'Generation'")
     decoded = msgspec.json.decode(str(payload).encode(), type=ev.Generation)
     assert decoded.response_text == "19" and decoded.run_id == run_id
+
+
+async def test_lag_is_measured_and_inserts_are_batched(bootstrap: str, run_id: str, store_dsn: str) -> None:
+    """N messages wait on the bus before the recorder starts: every lag report accounts for all
+    of them (lag + recorded = N), the first sees about N, the last 0; polls are bounded by
+    ``batch_max_records`` and written with one insert per table; the reports reach the store."""
+    from typing import Any
+
+    from tests.services.recorded_run import publish
+
+    n, batch = 300, 40
+    tasks: list[ev.Event] = [
+        ev.RolloutTask(run_id=run_id, sample_id=f"g{i}/0", group_id=f"g{i}", index=0, group_size=1,
+                       prompt_id=f"p{i}", domain="arith", prompt="1+1=") for i in range(n - 1)]
+    assert await publish(bootstrap, run_id, [*tasks, ev.RunFinished(run_id=run_id, status="completed")],
+                         junk=False) == n
+    inserts: list[dict[str, int]] = []
+
+    class Counting(Recorder):
+        def insert(self, tables: dict[str, list[list[Any]]]) -> None:
+            inserts.append({t: len(rows) for t, rows in tables.items()})
+            super().insert(tables)
+
+    rec = Counting(RecorderSettings(run_id=run_id, dsn=store_dsn, kafka=KafkaSettings(bootstrap=bootstrap),
+                                    group_id=f"{run_id}-lag", stop_when_finished=True, idle_exit_s=0.5,
+                                    batch_max_records=batch, lag_report_every_s=0.0))
+    assert await asyncio.wait_for(rec.run(), timeout=120) == n
+
+    reports = list(rec.lag_reports)
+    assert len(reports) >= 2
+    for r in reports:
+        assert r.lag_records + r.recorded_total == n, r
+        assert r.partitions == sum(spec.partitions for spec in TOPICS.values())
+    assert reports[0].lag_records >= n - batch  # measured after at most one batch
+    assert reports[-1].lag_records == 0 and reports[-1].recorded_total == n and rec.lag == 0
+
+    event_batches = [i["events"] for i in inserts if "events" in i]
+    assert sum(event_batches) == n and max(event_batches) <= batch and len(event_batches) >= n // batch
+    assert all(i.get("sample_tasks", 0) <= batch for i in inserts)
+
+    client = st.connect(store_dsn)
+    stored = client.query("SELECT lag_records, recorded_total, partitions FROM recorder_lag "
+                          "WHERE run_id = {r:String} AND group_id = {g:String} ORDER BY ts",
+                          parameters={"r": run_id, "g": f"{run_id}-lag"}).result_rows
+    assert [tuple(s) for s in stored] == [(r.lag_records, r.recorded_total, r.partitions) for r in reports]

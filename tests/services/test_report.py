@@ -153,3 +153,15 @@ def test_empty_record_plots_no_data() -> None:
         ax = fig.axes[0]
         assert any(t.get_text() == "no data" for t in ax.texts), stem
         assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title(), stem
+
+
+def test_extraction_reports_progress_per_query(runs_dir: Path) -> None:
+    """The child announces each query on stderr; the parent hands the lines on as they come."""
+    seen: list[str] = []
+    runs = rp.load_runs(["run-a", "run-b"], runs_dir, progress=seen.append)
+    assert [r["run_id"] for r in runs] == ["run-a", "run-b"]
+    for rid in ("run-a", "run-b"):
+        mine = [m for m in seen if m.startswith(f"{rid}: ")]
+        assert [m.split(": ", 2)[1] for m in mine] == [f"query {i}/{len(rp.QUERIES)}" for i in
+                                                       range(1, len(rp.QUERIES) + 1)]
+        assert mine[0].endswith(rp.QUERIES[0]) and "previous took" in mine[-1]
