@@ -31,6 +31,8 @@ lint: setup
 # Starts a dedicated local broker for the tests, runs lint + pytest, stops the broker.
 test: setup lint
 	@set -euo pipefail; \
+	$(BIN)/rollstream --home $(TEST_HOME) stack down >/dev/null 2>&1 || true; \
+	rm -rf $(TEST_HOME); \
 	$(BIN)/rollstream --home $(TEST_HOME) stack up; \
 	trap '$(BIN)/rollstream --home $(TEST_HOME) stack down' EXIT; \
 	export ROLLSTREAM_BOOTSTRAP=$$($(BIN)/python -c "from pathlib import Path; from services.stack import local_kafka; print(local_kafka(Path('$(TEST_HOME)')).bootstrap)"); \

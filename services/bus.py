@@ -459,10 +459,12 @@ class Producer:
         return await self.send_raw(topic, self.encode(event), kbytes)
 
     async def send_raw(
-        self, topic: str, value: bytes | None, key: KeyLike = None
+        self, topic: str, value: bytes | None, key: KeyLike = None, *, partition: int | None = None
     ) -> asyncio.Future[RecordMetadata]:
-        """Queue already-encoded bytes (replay, dead letters, tests of undecodable input)."""
-        fut: asyncio.Future[RecordMetadata] = await self.raw.send(topic, value=value, key=encode_key(key))
+        """Queue already-encoded bytes (replay, dead letters, tests of undecodable input).
+        ``partition=None`` lets the key pick the partition (Kafka's default partitioner)."""
+        fut: asyncio.Future[RecordMetadata] = await self.raw.send(
+            topic, value=value, key=encode_key(key), partition=partition)
         return fut
 
     async def send_and_wait(self, topic: str, event: Event, key: KeyLike = None) -> RecordMetadata:
@@ -926,3 +928,18 @@ class TopicAdmin:
 def new_group_suffix() -> str:
     """A short random suffix (client ids, transactional ids of one process instance)."""
     return uuid.uuid4().hex[:8]
+
+
+async def message_count(kafka: KafkaSettings, bootstrap: str, partitions: dict[str, int]) -> int:
+    """Messages currently held by the topics of ``partitions`` (Kafka topic -> partition count)."""
+    tps = [TopicPartition(t, p) for t, n in partitions.items() for p in range(n)]
+    if not tps:
+        return 0
+    consumer = AIOKafkaConsumer(**kafka_kwargs(kafka, bootstrap, client_suffix="count"))
+    await consumer.start()
+    try:
+        begin = await consumer.beginning_offsets(tps)
+        end = await consumer.end_offsets(tps)
+    finally:
+        await consumer.stop()
+    return int(sum(end[tp] - begin[tp] for tp in tps))

@@ -424,7 +424,8 @@ async def _run_service(name: str, cfg: Any, run: str, run_dir: Path, model_dir: 
         from services import recorder
 
         await recorder.run(recorder.RecorderSettings(
-            run_id=run, dsn=supervisor.store_dsn_of(cfg, run), kafka=cfg.kafka, stop_when_finished=True), stop)
+            run_id=run, dsn=supervisor.store_dsn_of(cfg, run), kafka=cfg.kafka, stop_when_finished=True,
+            batch_max_records=cfg.store.batch_max_records, lag_report_every_s=cfg.store.lag_report_every_s), stop)
 
 
 @app.command("init-model")
@@ -458,26 +459,34 @@ def _latest_run(runs_dir: Path) -> str:
 @app.command("sql")
 @friendly
 def sql_cmd(
-    query: str = typer.Argument(..., help="SQL (ClickHouse dialect); {name:Type} placeholders take --param."),
+    query: str = typer.Argument(..., help="SQL (ClickHouse dialect), or - to read it from stdin; {name:Type} "
+                                "placeholders take --param. A query starting with a -- comment goes after --."),
     run: str = typer.Option("", "--run", help="Run whose embedded store to query (default: the latest run)."),
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Directory of run folders."),
     fmt: str = typer.Option("table", "--format", help="table, csv or json."),
     param: list[str] = typer.Option([], "--param", help="Query parameter name=value (repeatable)."),
     write: bool = typer.Option(False, "--write", help="Allow statements that change data."),
 ) -> None:
-    """Query the record of a run (tables: events, samples, train_steps, evals, weights, dlq, ...)."""
+    """Query the record of a run (tables: events, samples, episodes, train_steps, evals, weights, dlq, ...;
+    docs/analytics.md). Works during a run too: the run's recorder answers read-only queries."""
+    import contextlib
     import csv
     import json
-    import re
 
     from rich.table import Table
 
     from services import store as st
+    from services.store_server import check_read_only
 
     if fmt not in ("table", "csv", "json"):
         raise UserError(f"--format {fmt!r}: one of table, csv, json")
-    if not write and not re.match(r"^\s*(SELECT|WITH|SHOW|DESCRIBE|DESC|EXPLAIN|EXISTS)\b", query, re.I):
-        raise UserError("only read-only queries (SELECT, WITH, SHOW, DESCRIBE, EXPLAIN) without --write")
+    if query == "-":
+        query = sys.stdin.read()
+        if not query.strip():
+            raise UserError("no query on stdin")
+    why = None if write else check_read_only(query)
+    if why is not None:
+        raise UserError(f"{why} without --write")
     params = {}
     for p in param:
         k, sep, v = p.partition("=")
@@ -490,12 +499,19 @@ def sql_cmd(
         dsn = st.default_dsn(runs_dir, rid)
         if not Path(st.chdb_path(dsn)).exists():
             raise UserError(f"run {rid} has no store at {st.chdb_path(dsn)}")
-    client = st.connect(dsn)
-    settings = {} if write else {"readonly": 2}
+    # reads go through the running recorder when it holds the store; writes need the store itself
+    client = st.connect(dsn) if write else st.connect_reader(dsn)
+    served = getattr(client, "served", False)
+    settings = {} if write or served else {"readonly": 2}
+    if not write:
+        query = query.rstrip().rstrip(";")  # the client appends SETTINGS/FORMAT clauses
+    waiting = console.status("running the query...") if console.is_terminal else contextlib.nullcontext()
     try:
-        result = client.query(query, parameters=params or None, settings=settings)
+        with waiting:
+            result = client.query(query, parameters=params or None, settings=settings)
     except Exception as e:
-        raise UserError(f"query failed: {str(e).strip().splitlines()[0][:400]}") from None
+        text = str(e).strip()
+        raise UserError(f"query failed: {text.splitlines()[0][:400] if text else type(e).__name__}") from None
     cols, rows = list(result.column_names), result.result_rows
     if fmt == "json":
         out.print(json.dumps([dict(zip(cols, r, strict=True)) for r in rows], default=str))
@@ -529,7 +545,7 @@ def report(
     dest = out_dir or rp.default_out_dir(run_ids, runs_dir)
     try:
         with console.status(f"reading the record of {', '.join(run_ids)}...") as status:
-            runs = rp.load_runs(run_ids, runs_dir, _state.get("store"))
+            runs = rp.load_runs(run_ids, runs_dir, _state.get("store"), progress=status.update)
             index = rp.write_report(runs, dest, progress=lambda m: status.update(m))
     except rp.ReportError as e:
         raise UserError(str(e)) from None
@@ -537,6 +553,118 @@ def report(
         out.print(f"{r['run_id']}: {len(r['train_steps'])} train steps, {len(r['evals'])} evals, "
                   f"{sum(r['status'].values())} samples")
     out.print(f"report: {index}")
+
+
+@app.command("replay")
+@friendly
+def replay_cmd(
+    run: str = typer.Argument(..., help="The recorded run."),
+    into: str = typer.Option("", "--into", help="Re-publish the record into this new run's topics."),
+    rescore: bool = typer.Option(False, "--rescore", help="Re-run the verifiers with the changed config; "
+                                 "report how rewards and advantages would change."),
+    train_step: int | None = typer.Option(None, "--train-step", help="Recompute training step N from the record "
+                                          "and the checkpoint it started from; print loss and gradient norm "
+                                          "beside the recorded ones."),
+    from_step: int | None = typer.Option(None, "--from-step", help="First training step of the slice."),
+    to_step: int | None = typer.Option(None, "--to-step", help="Last training step of the slice (inclusive)."),
+    topics: str = typer.Option("", "--topics", help="--into: comma-separated topics (default: all), "
+                               "e.g. generations or tasks,generations."),
+    set_: list[str] = typer.Option([], "--set", help="Override the run's recorded config: section.key=value "
+                                   "(repeatable)."),
+    fmt: str = typer.Option("table", "--format", help="table or json."),
+    examples: int = typer.Option(5, "--examples", help="--rescore: changed samples to show."),
+    runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Directory of run folders."),
+) -> None:
+    """Replay a run's record: re-publish a slice into a new run (--into), re-score it (--rescore), or
+    recompute one training step (--train-step N)."""
+    import asyncio
+    import json
+
+    from services import replay as rp
+
+    modes = [m for m, on in (("--into", bool(into)), ("--rescore", rescore), ("--train-step", train_step is not None))
+             if on]
+    if len(modes) != 1:
+        raise UserError("give one of --into NEW_RUN (re-publish), --rescore (re-score) or --train-step N "
+                        f"(recompute a step){'; got ' + ' and '.join(modes) if modes else ''}")
+    if fmt not in ("table", "json"):
+        raise UserError(f"--format {fmt!r}: one of table, json")
+    if rescore and topics:
+        raise UserError("--topics applies to --into only (--rescore reads the scored samples)")
+    if examples < 0:
+        raise UserError(f"--examples {examples}: must be >= 0")
+    if train_step is not None:
+        _replay_train_step(run, train_step, runs_dir, fmt, set_, topics, from_step, to_step)
+        return
+    if not _state.get("debug"):
+        logging.getLogger("aiokafka").setLevel(logging.ERROR)  # metadata retries right after topic creation
+    settings = rp.ReplaySettings(
+        run_id=run, runs_dir=str(runs_dir), store=_state.get("store") or "", from_step=from_step,
+        to_step=to_step, overrides=list(set_), into=into, topics=rp.parse_topics(topics),
+        bootstrap=_state.get("bootstrap") or "",
+    )
+    try:
+        rp.check_settings(settings)
+        with console.status(f"reading the record of {run}...") as status:
+            if rescore:
+                report = rp.rescore(settings, progress=status.update, examples=examples)
+            else:
+                summary = asyncio.run(rp.replay_into(settings, progress=status.update))
+    except rp.ReplayError as e:
+        raise UserError(str(e)) from None
+    if rescore:
+        if fmt == "json":
+            out.print(json.dumps(report), soft_wrap=True)
+        else:
+            for line in rp.rescore_lines(report):
+                out.print(line, markup=False)
+        return
+    if summary.config_note:
+        console.print(f"[yellow]warning:[/yellow] {summary.config_note}")
+    if fmt == "json":
+        out.print(json.dumps(summary.to_dict()), soft_wrap=True)
+    else:
+        out.print(rp.into_table(summary))
+        out.print(f"config: {summary.config_path}")
+
+
+def _replay_train_step(run: str, step: int, runs_dir: Path, fmt: str, set_: list[str], topics: str,
+                       from_step: int | None, to_step: int | None) -> None:
+    import json
+
+    from rich.table import Table
+
+    from services import replay_step as rs
+    from services.supervisor import load_run_config
+
+    if set_ or topics or from_step is not None or to_step is not None:
+        raise UserError("--train-step recomputes the step exactly as recorded: it takes no --set, --topics, "
+                        "--from-step or --to-step")
+    if not (runs_dir / run / "config.yaml").exists():
+        raise UserError(f"run {run} not found: no {runs_dir / run / 'config.yaml'}")
+    cfg = load_run_config(str(runs_dir), run, [])
+    try:
+        with console.status(f"replaying step {step} of {run}...") as status:
+            res = rs.replay_train_step(cfg, run, step, dsn=_state.get("store") or "", progress=status.update)
+    except rs.ReplayError as e:
+        raise UserError(str(e)) from None
+    if fmt == "json":
+        out.print(json.dumps({"run_id": run, "step": res.step, "from_checkpoint": res.from_checkpoint,
+                              "max_abs_diff": res.max_abs_diff,
+                              "metrics": [{"metric": k, "recorded": a, "replayed": b, "abs_diff": d}
+                                          for k, a, b, d in res.rows]}), soft_wrap=True)
+        return
+    table = Table(title=f"{run}: step {res.step} recomputed from the checkpoint of step {res.from_checkpoint}")
+    for col in ("metric", "recorded", "replayed", "|difference|"):
+        table.add_column(col, justify="left" if col == "metric" else "right")
+
+    def num(x: float | None) -> str:
+        return "-" if x is None else f"{x:.9g}"
+
+    for key, a, b, d in res.rows:
+        table.add_row(key, num(a), num(b), "-" if d is None else f"{d:.2e}")
+    out.print(table)
+    out.print(f"max |difference| {res.max_abs_diff:.2e} over {sum(d is not None for *_, d in res.rows)} metrics")
 
 
 def main() -> None:

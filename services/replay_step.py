@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from schemas import events as ev
 from schemas.config import RunConfig
 from services import store as st
@@ -51,8 +49,11 @@ class StepReplay:
         return max(diffs) if diffs else 0.0
 
 
-def _decode(payload: str, kind: type[Any]) -> Any:
-    return msgspec.json.decode(payload.encode(), type=kind)
+def _decode(name: str, kind: str, payload: str) -> Any:
+    from services.replay import decode_payload
+
+    event, _ = decode_payload(name, kind, payload)  # NaN metrics are stored as null: they come back as NaN
+    return event
 
 
 def recorded_steps(client: Any, run_id: str, first: int, last: int) -> dict[int, ev.TrainStep]:
@@ -63,7 +64,7 @@ def recorded_steps(client: Any, run_id: str, first: int, last: int) -> dict[int,
         parameters={"r": run_id, "a": first, "b": last}).result_rows
     out: dict[int, ev.TrainStep] = {}
     for (payload,) in rows:
-        e = _decode(payload, ev.TrainStep)
+        e = _decode("metrics", "TrainStep", payload)
         out[e.step] = e
     return out
 
@@ -77,7 +78,7 @@ def recorded_batch(client: Any, run_id: str, sample_ids: list[str]) -> list[ev.S
         parameters={"r": run_id, "ids": sample_ids}).result_rows
     by_id: dict[str, ev.ScoredSample] = {}
     for (payload,) in rows:
-        s = _decode(payload, ev.ScoredSample)
+        s = _decode("scored", "ScoredSample", payload)
         by_id.setdefault(s.generation.task.sample_id, s)
     missing = [sid for sid in sample_ids if sid not in by_id]
     if missing:
@@ -118,9 +119,9 @@ def replay_train_step(cfg: RunConfig, run_id: str, step: int, *, dsn: str = "", 
         start = ckpts[-1]
         steps = recorded_steps(client, run_id, start, step)
         if step not in steps:
-            done = client.query("SELECT max(step) FROM train_steps FINAL WHERE run_id = {r:String}",
+            done = client.query("SELECT count(), max(step) FROM train_steps FINAL WHERE run_id = {r:String}",
                                 parameters={"r": run_id}).result_rows
-            last = done[0][0] if done and done[0][0] is not None else None
+            last = done[0][1] if done and done[0][0] else None
             raise ReplayError(f"run {run_id} has no recorded training step {step}"
                               + (f" (last step: {last})" if last is not None else ""))
         batches = {k: recorded_batch(client, run_id, list(steps[k].sample_ids)) for k in range(start, step + 1)}

@@ -17,7 +17,7 @@ import msgspec
 
 import envs
 from schemas import events as ev
-from schemas.config import RunConfig
+from schemas.config import RewardConfig, RunConfig
 from services.bus import Record
 from services.runtime import Context, Service, ServiceSettings, run_service
 
@@ -33,9 +33,13 @@ class RewardSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Stable transactional id (fences a zombie instance after restart); empty = per-start id."""
 
 
-def verifier_table(cfg: RunConfig) -> dict[str, tuple[str, dict[str, str | int | float | bool]]]:
+VerifierTable = dict[str, tuple[str, dict[str, str | int | float | bool]]]
+"""domain -> (verifier name, verifier kwargs)."""
+
+
+def verifier_table(cfg: RunConfig) -> VerifierTable:
     """domain -> (verifier name, verifier kwargs) from the run config."""
-    table: dict[str, tuple[str, dict[str, str | int | float | bool]]] = {}
+    table: VerifierTable = {}
     for d in cfg.data.domains:
         name = d.verifier or envs.make_source(d.source, **d.kwargs).default_verifier
         table[d.name] = (name, {})
@@ -51,28 +55,39 @@ class RewardRouter(Service):
 
     async def handle(self, rec: Record, ctx: Context) -> None:
         gen: ev.Generation = rec.event
-        task = gen.task
-        if task.env is not None:
-            verifier, kwargs = task.env.name, dict(task.env.kwargs)
-        elif task.domain in self.table:
-            verifier, kwargs = self.table[task.domain]
-        else:
-            verifier, kwargs = "", {}
-        t0 = time.perf_counter()
-        if not verifier:
-            result = envs.VerifyResult(reward=0.0, correct=False, error=f"no verifier for domain {task.domain!r}")
-        else:
-            result = envs.run_verifier(
-                verifier, gen.response_text, task.reference, kwargs,
-                timeout_s=self.settings.config.reward.timeout_s, isolation=self.settings.config.reward.isolation,
-            )
-        details = f"error: {result.error}" if result.error else result.details
-        ctx.emit("scored", ev.ScoredSample(
-            run_id=gen.run_id, generation=gen, reward=result.reward,
-            rewards={"correct": float(result.correct), **result.components},
-            verifier=verifier, details=details, reward_s=time.perf_counter() - t0,
-            policy_version=gen.policy_version,
-        ), key=task.group_id)
+        ctx.emit("scored", score(gen, self.table, self.settings.config.reward), key=gen.task.group_id)
+
+
+def score(gen: ev.Generation, table: VerifierTable, reward: RewardConfig) -> ev.ScoredSample:
+    """Score one generation as the router does (also used by ``replay --rescore``).
+
+    The verifier is the task's own ``env`` spec when it has one, else ``table[task.domain]``; it
+    runs through :func:`envs.run_verifier` bounded by ``reward.timeout_s`` with
+    ``reward.isolation``. A domain without a verifier, or a verifier error, scores 0 with the
+    reason in ``details``.
+    """
+    task = gen.task
+    if task.env is not None:
+        verifier, kwargs = task.env.name, dict(task.env.kwargs)
+    elif task.domain in table:
+        verifier, kwargs = table[task.domain]
+    else:
+        verifier, kwargs = "", {}
+    t0 = time.perf_counter()
+    if not verifier:
+        result = envs.VerifyResult(reward=0.0, correct=False, error=f"no verifier for domain {task.domain!r}")
+    else:
+        result = envs.run_verifier(
+            verifier, gen.response_text, task.reference, kwargs,
+            timeout_s=reward.timeout_s, isolation=reward.isolation,
+        )
+    details = f"error: {result.error}" if result.error else result.details
+    return ev.ScoredSample(
+        run_id=gen.run_id, generation=gen, reward=result.reward,
+        rewards={"correct": float(result.correct), **result.components},
+        verifier=verifier, details=details, reward_s=time.perf_counter() - t0,
+        policy_version=gen.policy_version,
+    )
 
 
 async def run(settings: RewardSettings, stop: object = None) -> object:

@@ -34,7 +34,7 @@ from schemas import events as ev
 from schemas.config import RunConfig, to_dict
 from schemas.topics import check_run_id, topic_name
 from services import store as st
-from services.bus import Consumer, TopicAdmin
+from services.bus import Consumer, TopicAdmin, message_count
 
 LONG_RUNNING = ("rollout", "reward")
 
@@ -275,9 +275,14 @@ async def run_supervised(cfg: RunConfig, run_id: str, bootstrap: str, console: C
     run_dir = run_dir_of(cfg, run_id)
     if (run_dir / "summary.json").exists():
         raise RunError(f"run {run_id} already finished ({run_dir / 'summary.json'}); pick another --run-id")
-    write_run_config(cfg, run_dir)
+    resuming = any((run_dir / "checkpoints").glob("step_*/stream_state.msgpack"))
     async with TopicAdmin(cfg.kafka, bootstrap) as admin:
+        existing = {info.topic: info.partitions for info in (await admin.describe(run_id)).values()}
+        if not resuming and existing and (held := await message_count(cfg.kafka, bootstrap, existing)):
+            raise RunError(f"run id {run_id} already has {held} messages on the broker (an earlier run with this id) "
+                           "and no checkpoint here to resume from; pick another --run-id")
         await admin.ensure_run_topics(run_id)
+    write_run_config(cfg, run_dir)
     console.print(f"run {run_id}: dir {run_dir}, kafka {bootstrap}")
     with console.status("creating the model..."):
         model_dir = prepare_model(cfg, run_dir)

@@ -84,6 +84,8 @@ def resolved_norm(cfg: AlgorithmConfig) -> tuple[Norm, Norm]:
     """``(norm_mean_type, norm_std_type)`` in effect (the estimator's defaults when unset)."""
     defaults: dict[str, tuple[Norm, Norm]] = {"grpo": ("group", "group"), "dr_grpo": ("group", "none")}
     mean, std = defaults.get(cfg.adv_estimator, ("none", "none"))
+    if cfg.norm_std is False and cfg.norm_std_type is None:  # deprecated spelling of norm_std_type: none
+        std = "none"
     return cfg.norm_mean_type or mean, cfg.norm_std_type or std
 
 

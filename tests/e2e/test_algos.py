@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ def test_there_is_one_example_per_estimator() -> None:
 def test_example_runs_through_the_bus(tmp_path: Path, bootstrap: str, repo_root: Path, name: str) -> None:
     env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=bootstrap)
     runs = tmp_path / "runs"
-    run_id = f"algo-{name.replace('_', '-')}"
+    run_id = f"algo-{name.replace('_', '-')}-{uuid.uuid4().hex[:6]}"
     res = rollstream("run", str(repo_root / "examples" / "algos" / f"{name}.yaml"), "--run-id", run_id,
                      *[a for kv in [*TINY, f"run.runs_dir={runs}"] for a in ("--set", kv)], env=env)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ def sql(q: str, runs: Path, run_id: str, env: dict[str, str]) -> list[dict]:
 def test_short_run_accounts_for_every_sample(tmp_path: Path, bootstrap: str, repo_root: Path, async_ratio: str) -> None:
     env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=bootstrap)
     runs = tmp_path / "runs"
-    run_id = f"e2e-async{async_ratio}"
+    run_id = f"e2e-async{async_ratio}-{uuid.uuid4().hex[:6]}"  # unique: a long-lived broker keeps old runs
     res = rollstream("run", str(repo_root / "examples" / "main.yaml"), "--run-id", run_id,
                      *[a for kv in [*SHORT, f"rollout.async_ratio={async_ratio}", f"run.runs_dir={runs}"]
                        for a in ("--set", kv)], env=env)

@@ -35,7 +35,7 @@ def test_version() -> None:
 def test_help_lists_every_command() -> None:
     res = cli("--help")
     assert res.returncode == 0
-    for cmd in ("run", "service", "stack", "topics", "sql", "init-model", "version"):
+    for cmd in ("run", "service", "stack", "topics", "sql", "report", "replay", "init-model", "version"):
         assert cmd in res.stdout
 
 
@@ -108,6 +108,12 @@ def test_sql_errors_are_one_line(tmp_path: Path) -> None:
     (tmp_path / "r1" / "config.yaml").write_text("{}")
     assert "only read-only" in one_error_line(cli("sql", "DROP TABLE events", "--runs-dir", str(tmp_path)))
     assert "has no store" in one_error_line(cli("sql", "SELECT 1", "--runs-dir", str(tmp_path)))
+
+
+def test_replay_errors_are_one_line(tmp_path: Path) -> None:
+    # replay of a recorded run is tested in test_replay.py (a real run through the real broker)
+    assert "unknown run 'r1'" in one_error_line(cli("replay", "r1", "--rescore", "--runs-dir", str(tmp_path)))
+    assert "give one of --into" in one_error_line(cli("replay", "r1", "--runs-dir", str(tmp_path)))
 
 
 @pytest.mark.parametrize("fmt", ["json", "csv", "table"])

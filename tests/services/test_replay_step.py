@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from services.supervisor import load_run_config
 
 pytestmark = pytest.mark.slow
 
-RUN = "replay-step"
+RUN = f"replay-step-{uuid.uuid4().hex[:6]}"  # unique: a long-lived broker keeps old runs
 SHORT = ["train.steps=4", "train.warmup_sft_steps=40", "train.eval_every=0", "train.checkpoint_every=2",
          "data.heldout_size=8", "rollout.group_size=4", "train.batch_size=16", "train.micro_batch_size=6",
          # an entropy bonus and a KL loss give every step a gradient even when all rewards are equal
@@ -47,5 +48,29 @@ def test_recomputed_step_matches_the_record(recorded: Path, step: int, from_chec
 
 def test_unknown_step_is_one_clear_error(recorded: Path) -> None:
     cfg = load_run_config(str(recorded), RUN, [])
-    with pytest.raises(ReplayError, match="no recorded training step 9 \\(last step: 3\\)"):
+    with pytest.raises(ReplayError, match=r"no recorded training step 9 \(last step: 3\)"):
         replay_train_step(cfg, RUN, 9)
+
+
+def test_cli_train_step_prints_recorded_beside_replayed(recorded: Path, bootstrap: str) -> None:
+    import json
+
+    env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=bootstrap)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "services.cli", "replay", RUN, "--runs-dir", str(recorded), *args],
+                              capture_output=True, text=True, env=env, timeout=300)
+
+    res = cli("--train-step", "3", "--format", "json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["step"] == 3 and out["from_checkpoint"] == 2 and out["max_abs_diff"] <= 1e-6
+    assert {"loss/policy", "actor/grad_norm"} <= {m["metric"] for m in out["metrics"]}
+    table = cli("--train-step", "3")
+    assert table.returncode == 0 and "actor/grad_norm" in table.stdout and "max |difference|" in table.stdout
+    for args, msg in [(["--train-step", "9"], "no recorded training step 9"),
+                      (["--train-step", "1", "--rescore"], "give one of"),
+                      (["--train-step", "1", "--set", "train.lr=1"], "takes no --set")]:
+        bad = cli(*args)
+        assert bad.returncode == 1 and msg in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr

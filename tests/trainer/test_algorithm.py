@@ -305,3 +305,11 @@ def test_collate_carries_reward_group_and_truncation() -> None:
     assert batch.extras["truncated"].tolist() == [True, False, True, False]
     micro = batch.rows(1, 3)
     assert micro.extras["group_ids"].tolist() == [0, 1]
+
+
+def test_deprecated_norm_std_still_loads() -> None:
+    old = parse_config("algorithm: {pg_clip: 0.2, norm_std: false}")
+    assert alg.resolved_norm(old.algorithm) == ("group", "none")
+    assert alg.resolved_norm(parse_config("algorithm: {norm_std: true}").algorithm) == ("group", "group")
+    with pytest.raises(ConfigError, match="norm_std_type"):
+        parse_config("algorithm: {norm_std: false, norm_std_type: batch}")
