@@ -303,13 +303,15 @@ class AlgorithmConfig(Section):
     kl_horizon: int = 10000
     """Adaptive KL controller horizon, samples."""
     kl_penalty: KLKind = "kl"
-    """KL estimator of ``add_token_level_kl``: ``kl`` (k1), ``abs``, ``mse`` (k2), ``low_var_kl`` (k3), ``full``."""
+    """KL estimator of ``add_token_level_kl``: ``kl`` (k1), ``abs``, ``mse`` (k2), ``low_var_kl`` (k3), or
+    ``full`` (exact, over the vocabulary: one more forward pass of policy and reference per step)."""
     use_kl_loss: bool = False
     """Add ``kl_loss_coef · KL(π ‖ π_ref)`` to the loss (GRPO's β·KL; loads the reference model)."""
     kl_loss_coef: float = 0.001
     """Coefficient of ``use_kl_loss``."""
     kl_loss_type: KLKind = "low_var_kl"
-    """KL estimator of ``use_kl_loss``."""
+    """KL estimator of ``use_kl_loss`` (``full``: exact over the vocabulary; the reference model runs
+    once more per micro-batch)."""
     entropy_loss_coef: float = 0.0
     """Entropy bonus coefficient (the loss gets ``− coef · entropy``)."""
 
@@ -387,9 +389,6 @@ class AlgorithmConfig(Section):
             raise ValueError(f"{a}norm_std is the deprecated form of {a}norm_std_type: set only norm_std_type")
         if self.adv_estimator == "dr_grpo" and self.norm_std_type not in (None, "none"):
             raise ValueError(f"{a}adv_estimator=dr_grpo divides by no std: {a}norm_std_type must be none")
-        if self.kl_penalty == "full" or self.kl_loss_type == "full":
-            raise ValueError(f"{a}kl_penalty/kl_loss_type=full needs the full distributions, which the "
-                             "trainer does not keep; use kl, abs, mse or low_var_kl")
         for key in ("reward_clip", "advantage_clip"):
             v = getattr(self, key)
             if v is not None and v <= 0:

@@ -266,6 +266,20 @@ class TorchStrategy:
         return torch.cat(parts).cpu()
 
     @torch.no_grad()
+    def full_kl(self, batch: TokenBatch) -> torch.Tensor:
+        """Exact per-token KL(π ‖ π_ref) over the whole vocabulary at the rollout temperature,
+        (B, L - 1), without gradients (``kl_penalty: full``). Needs the reference model."""
+        assert self.ref_model is not None
+        parts = []
+        for start in range(0, batch.input_ids.shape[0], self.micro_batch_size):
+            micro = batch.rows(start, start + self.micro_batch_size)
+            pol = torch.log_softmax(self._forward(self.model, micro).logits[:, :-1].float() / self.temperature, -1)
+            ref = torch.log_softmax(self._forward(self.ref_model, micro).logits[:, :-1].float() / self.temperature, -1)
+            kl = L.kl_penalty(pol, ref, "full")  # (b, l - 1)
+            parts.append(torch.nn.functional.pad(kl, (0, batch.input_ids.shape[1] - 1 - kl.shape[1])))
+        return torch.cat(parts).cpu()
+
+    @torch.no_grad()
     def values(self, batch: TokenBatch) -> torch.Tensor:
         """The critic's values (B, L - 1), without gradients."""
         parts = []
@@ -298,8 +312,11 @@ class TorchStrategy:
         if cfg.add_token_level_kl:
             if ref is None:
                 raise RuntimeError("add_token_level_kl is on but no reference model was loaded (init_reference)")
-            current = prox if prox is not None else batch.old_logprobs
-            kl = L.kl_penalty(current, ref, cfg.kl_penalty) * (mask > 0)  # (B, T)
+            if cfg.kl_penalty == "full":
+                kl = self.full_kl(batch) * (mask > 0)  # (B, T)
+            else:
+                current = prox if prox is not None else batch.old_logprobs
+                kl = L.kl_penalty(current, ref, cfg.kl_penalty) * (mask > 0)  # (B, T)
         adv, returns, m = alg.compute_advantages(
             cfg, self.algo_state, ex["rewards"], ex["group_ids"], mask, values=values, kl=kl,
             step_rewards=[s.step_rewards for s in samples])
@@ -348,9 +365,17 @@ class TorchStrategy:
                 ent = entropy_from_logits(logits[:, :-1].detach() / self.temperature)  # (b, l - 1)
         metrics["actor/entropy"] = float(masked_mean(ent.detach(), mask))
         if "ref_logprobs" in micro.extras:
-            ref = micro.extras["ref_logprobs"].to(self.device)
-            kl_l, m = L.kl_loss(lp, ref, mask, cfg.kl_loss_coef if cfg.use_kl_loss else 0.0, cfg.kl_loss_type,
-                                cfg.loss_agg_mode, self.max_len)
+            coef = cfg.kl_loss_coef if cfg.use_kl_loss else 0.0
+            if cfg.use_kl_loss and cfg.kl_loss_type == "full":  # exact KL over the vocabulary, with gradient
+                assert self.ref_model is not None
+                with torch.no_grad():
+                    ref_logits = self._forward(self.ref_model, micro).logits[:, :-1].float()
+                pol_full = torch.log_softmax(logits[:, :-1].float() / self.temperature, -1)  # (b, l - 1, V)
+                ref_full = torch.log_softmax(ref_logits / self.temperature, -1)  # (b, l - 1, V)
+                kl_l, m = L.kl_loss(pol_full, ref_full, mask, coef, "full", cfg.loss_agg_mode, self.max_len)
+            else:
+                ref = micro.extras["ref_logprobs"].to(self.device)
+                kl_l, m = L.kl_loss(lp, ref, mask, coef, cfg.kl_loss_type, cfg.loss_agg_mode, self.max_len)
             metrics.update(m)
             if cfg.use_kl_loss:
                 loss = loss + kl_l

@@ -240,7 +240,6 @@ def test_impossible_combinations_name_the_keys() -> None:
         ("algorithm: {dual_clip_loss: true, pg_variant: topr}", "algorithm.pg_variant=ppo"),
         ("algorithm: {target_kl: 0.1}", "algorithm.add_token_level_kl"),
         ("algorithm: {adv_estimator: dr_grpo, norm_std_type: group}", "norm_std_type"),
-        ("algorithm: {kl_penalty: full, add_token_level_kl: true}", "kl_penalty"),
         ("algorithm: {reward_clip: -1}", "reward_clip"),
         ("algorithm: {loss_agg_mode: sum}", "algorithm.loss_agg_mode"),
     ]
@@ -313,3 +312,24 @@ def test_deprecated_norm_std_still_loads() -> None:
     assert alg.resolved_norm(parse_config("algorithm: {norm_std: true}").algorithm) == ("group", "group")
     with pytest.raises(ConfigError, match="norm_std_type"):
         parse_config("algorithm: {norm_std: false, norm_std_type: batch}")
+
+
+@pytest.mark.parametrize("where", ["reward", "loss"])
+def test_full_kl_over_the_vocabulary(model_dir: Path, where: str) -> None:
+    cfg = algo(add_token_level_kl=True, kl_penalty="full") if where == "reward" else \
+        algo(use_kl_loss=True, kl_loss_type="full", kl_loss_coef=0.5)
+    s = TorchStrategy(model_dir, lr=1e-2, micro_batch_size=5, algo=cfg)
+    s.init_reference()
+    batch = collate(samples(), s.pad_id)
+    kl0 = s.full_kl(batch)
+    assert float(kl0.abs().max()) < 1e-6  # the reference is the current policy
+    first = s.train_step(samples())
+    kl1 = s.full_kl(batch)
+    mask = batch.loss_mask > 0
+    assert float(kl1[mask].min()) >= -1e-6 and float(kl1[mask].mean()) > 0  # exact KL: never negative
+    if where == "reward":
+        assert first["actor/reward_kl"] == pytest.approx(0.0, abs=1e-5)
+        assert s.train_step(samples())["actor/reward_kl"] > 0
+    else:
+        assert first["actor/kl"] == pytest.approx(0.0, abs=1e-6)
+        assert s.train_step(samples())["actor/kl"] > 0
