@@ -1,19 +1,26 @@
 """The trainer service: the only barrier of a run.
 
 Start (fresh run): greedy eval of the initial model (split ``init``), supervised warm-up
-(``train.warmup_sft_steps``), export weights as version 0, publish ``WeightsPublished(0)``,
-greedy eval (the RL start). Then, per step:
+(``train.warmup_sft_steps``), the reference model (only when a KL term is on) and the critic
+(only for ``gae``), a checkpoint of step 0, export weights as version 0, publish
+``WeightsPublished(0)``, greedy eval (the RL start). Then, per step:
 
 1. consume ``scored`` (manual commits) into a buffer of groups, ignoring samples already decided;
+   a group that ``algorithm.dynamic_filter`` rejects is recorded as ``filtered`` as soon as it is
+   complete and leaves the buffer;
 2. when complete groups hold ``train.batch_size`` samples, take them in arrival order, drop the
    samples older than ``max_staleness`` versions (``SampleOutcome(dropped_stale)``; a group left
-   with fewer than 2 members is ``filtered``), compute GRPO advantages, one PPO-clip AdamW step
-   (:class:`trainer.TorchStrategy`);
+   with fewer than 2 members is ``filtered``), and run one optimizer step
+   (:meth:`Trainer.train_batch`: advantages, masks and the loss the ``algorithm`` section
+   configures, :class:`trainer.TorchStrategy`);
 3. export the weights (``runs/<id>/weights/v<version>``), publish ``WeightsPublished(version+1)``,
-   ``TrainStep`` with every metric, one ``SampleOutcome(trained)`` per sample;
+   ``TrainStep`` with every metric and the batch's sample ids in training order, one
+   ``SampleOutcome(trained)`` per sample;
 4. every ``eval_every`` steps: greedy eval on the held-out set -> ``EvalResult``;
-   every ``checkpoint_every`` steps: checkpoint (model, optimizer, RNG, step, the undecided buffer
-   and the consumer positions) and commit those positions to Kafka.
+   every ``checkpoint_every`` steps: checkpoint the state before the next step
+   (``checkpoints/step_<k>``: model, optimizer, critic, algorithm state, RNG, the undecided buffer
+   and the consumer positions) and commit those positions to Kafka. ``replay --train-step``
+   restarts from these.
 
 After ``train.steps`` steps it publishes ``Drain``; samples that still arrive are recorded as
 ``filtered`` ("run finished"); it exits when the feeder publishes ``RunFinished``.

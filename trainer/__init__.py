@@ -47,6 +47,12 @@ _EXPORTS = {
             "masked_is",
         )
     },
+    **{
+        name: "trainer.algorithm"
+        for name in ("AlgoState", "compute_advantages", "data_masks", "loss_weights", "off_policy",
+                     "policy_loss", "sample_advantages", "group_filter_reason")
+    },
+    "ValueModel": "trainer.strategy",
     "TrainSample": "trainer.batch",
     "TokenBatch": "trainer.batch",
     "collate": "trainer.batch",
