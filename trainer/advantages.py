@@ -39,6 +39,15 @@ def group_mean(x: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     return (torch.zeros(k, dtype=x.dtype).index_add_(0, inv, x) / count)[inv]  # (N,)
 
 
+def group_std(x: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Unbiased std of ``x`` over each sample's group, broadcast back (0 for a group of one).
+    x, group_ids (N,) -> (N,)."""
+    inv, k = _group_index(group_ids)
+    count = torch.zeros(k, dtype=x.dtype).index_add_(0, inv, torch.ones_like(x))  # (K,)
+    sq = torch.zeros(k, dtype=x.dtype).index_add_(0, inv, (x - group_mean(x, group_ids)) ** 2)  # (K,)
+    return (sq / (count - 1).clamp(min=1)).sqrt()[inv]  # (N,)
+
+
 def _compact(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable order putting each row's masked-in positions first, and the compacted valid mask.
 
@@ -136,11 +145,7 @@ def normalize_rewards(
     if std_type == "batch":
         std = (r.std() if r.numel() > 1 else torch.zeros(())).expand_as(r)
     else:
-        gm = group_mean(r, group_ids)
-        inv, k = _group_index(group_ids)
-        count = torch.zeros(k).index_add_(0, inv, torch.ones_like(r))  # (K,)
-        sq = torch.zeros(k).index_add_(0, inv, (r - gm) ** 2)  # (K,)
-        std = (sq / (count - 1).clamp(min=1)).sqrt()[inv]  # (B,)
+        std = group_std(r, group_ids)  # (B,)
     return centred / (std + eps)
 
 

@@ -130,11 +130,7 @@ def normalize(
     elif std_type == "running":
         std = torch.full_like(r, math.sqrt(state.reward_m2 / max(state.reward_count - 1, 1)))
     else:
-        gm = A.group_mean(r, group_ids)
-        inv, k = A._group_index(group_ids)
-        count = torch.zeros(k).index_add_(0, inv, torch.ones_like(r))  # (K,)
-        sq = torch.zeros(k).index_add_(0, inv, (r - gm) ** 2)  # (K,)
-        std = (sq / (count - 1).clamp(min=1)).sqrt()[inv]  # (B,)
+        std = A.group_std(r, group_ids)  # (B,)
     return out / (std + eps)
 
 

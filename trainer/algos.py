@@ -94,7 +94,8 @@ def ppo_clip_loss(
     clip_high: float = 0.2,
     num_tokens: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped policy-gradient loss, token-mean aggregated.
+    """PPO clipped policy-gradient loss, token-mean aggregated: :func:`trainer.losses.ppo_loss`
+    with ``token-mean``, plus an explicit denominator.
 
     logprobs, old_logprobs, mask (B, T); advantages (B,) or (B, T).
     ``num_tokens``: the denominator of the token mean; give the batch's total trained-token count
@@ -106,25 +107,12 @@ def ppo_clip_loss(
     (Schulman's k3 estimator ``E[(r - 1) - log r]`` of KL(old || new)), all token means over
     ``mask`` of this call (not scaled by ``num_tokens``).
     """
-    mask = mask.to(logprobs.dtype)
-    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
-    log_ratio = logprobs - old_logprobs  # (B, T)
-    ratio = torch.exp(log_ratio)  # (B, T)
-    pg_loss1 = -adv * ratio  # (B, T)
-    pg_loss2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)  # (B, T)
-    pg_losses = torch.maximum(pg_loss1, pg_loss2)  # (B, T)
-    loss = masked_mean(pg_losses, mask, num_tokens)
-    with torch.no_grad():
-        valid = mask > 0  # (B, T)
-        any_valid = bool(valid.any())
-        metrics = {
-            "loss/policy": float(masked_mean(pg_losses, mask)),
-            "loss/clipfrac": float(masked_mean((pg_loss2 > pg_loss1).to(mask.dtype), mask)),
-            "actor/ratio_mean": float(masked_mean(ratio, mask)),
-            "actor/ratio_min": float(ratio[valid].min()) if any_valid else 1.0,
-            "actor/ratio_max": float(ratio[valid].max()) if any_valid else 1.0,
-            "actor/approx_kl": float(masked_mean((ratio - 1) - log_ratio, mask)),
-        }
+    from trainer.losses import ppo_loss
+
+    loss, metrics = ppo_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high)
+    if num_tokens is not None:  # token mean over this call's mask -> token sum / num_tokens
+        count = (mask > 0).sum().clamp(min=1).to(loss.dtype)
+        loss = loss * count / torch.as_tensor(num_tokens, dtype=loss.dtype).clamp(min=1)
     return loss, metrics
 
 
