@@ -285,8 +285,8 @@ class TorchStrategy:
         parts = []
         for start in range(0, batch.input_ids.shape[0], self.micro_batch_size):
             micro = batch.rows(start, start + self.micro_batch_size)
-            out = self._forward(self.model, micro, hidden=True) if self.critic is not None and self.critic.trunk is None \
-                else None
+            shared_trunk = self.critic is not None and self.critic.trunk is None
+            out = self._forward(self.model, micro, hidden=True) if shared_trunk else None
             v = self._values(out, micro)
             parts.append(torch.nn.functional.pad(v, (0, batch.input_ids.shape[1] - 1 - v.shape[1])))
         return torch.cat(parts).float().cpu()
