@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml requirements.lock
 	@touch $(STAMP)
 
 setup: $(STAMP)
-	@$(BIN)/python -c "from services.stack import ensure_kafka_jars; ensure_kafka_jars(progress=print)"
+	@$(BIN)/python -c "from services.kafka.broker import ensure_kafka_jars; ensure_kafka_jars(progress=print)"
 
 demo: setup
 	$(BIN)/rollstream run examples/main.yaml
@@ -35,7 +35,7 @@ test: setup lint
 	rm -rf $(TEST_HOME); \
 	$(BIN)/rollstream --home $(TEST_HOME) stack up; \
 	trap '$(BIN)/rollstream --home $(TEST_HOME) stack down' EXIT; \
-	export ROLLSTREAM_BOOTSTRAP=$$($(BIN)/python -c "from pathlib import Path; from services.stack import local_kafka; print(local_kafka(Path('$(TEST_HOME)')).bootstrap)"); \
+	export ROLLSTREAM_BOOTSTRAP=$$($(BIN)/python -c "from pathlib import Path; from services.kafka.broker import local_kafka; print(local_kafka(Path('$(TEST_HOME)')).bootstrap)"); \
 	echo "tests use Kafka at $$ROLLSTREAM_BOOTSTRAP"; \
 	$(BIN)/pytest $(PYTEST_ARGS)
 

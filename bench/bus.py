@@ -3,8 +3,8 @@
     .venv/bin/python bench/bus.py [--bootstrap HOST:PORT] [--n N] [--seconds S]
 
 1. Kafka end to end, per event size: a consumer group (``read_committed``, manual commit after
-   every batch, the same :class:`services.bus.Consumer` the services use) runs while a
-   :class:`services.bus.Producer` (idempotent, acks=all, zstd unless ``--compression``) sends
+   every batch, the same :class:`services.kafka.bus.Consumer` the services use) runs while a
+   :class:`services.kafka.bus.Producer` (idempotent, acks=all, zstd unless ``--compression``) sends
    ``N`` events; the clock runs from the first send to the commit of the last event. Small = a
    ``RolloutTask``; large = a ``Generation`` with 4096 response tokens and 4096 logprobs (the
    large run sends ``N / 10``).
@@ -44,7 +44,7 @@ from aiokafka.codec import lz4_encode, zstd_encode
 from schemas.config import KafkaSettings
 from schemas.events import Event, Generation, RolloutTask
 from schemas.topics import topic_name
-from services.bus import BusError, Compression, Consumer, Producer, TopicAdmin, next_offsets
+from services.kafka.bus import BusError, Compression, Consumer, Producer, TopicAdmin, next_offsets
 
 
 def small_event(run_id: str, i: int) -> RolloutTask:

@@ -16,6 +16,8 @@ _EXPORTS = {
     "GenerationRequest": "rollout.engine",
     "Completion": "rollout.engine",
     "generate_all": "rollout.engine",
+    "make_engine": "rollout.factory",
+    "check_engine": "rollout.factory",
     "SamplingParams": "rollout.sampling",
     "init_tiny_model": "rollout.model_init",
     "load_model": "rollout.model_init",

@@ -31,7 +31,7 @@ import envs
 from schemas import events as ev
 from schemas.config import RunConfig, to_dict
 from schemas.topics import topic_name
-from services.bus import Consumer, Producer
+from services.kafka.bus import Consumer, Producer
 
 log = logging.getLogger("rollstream.feeder")
 

@@ -18,7 +18,7 @@ yet recorded), logs it, keeps it in :attr:`Recorder.lag` / :attr:`Recorder.lag_r
 writes it to the ``recorder_lag`` table.
 
 Reads during a run: with an embedded (chDB) store, which only this process may open, the
-recorder serves read-only queries to other processes (:mod:`services.store_server`; the
+recorder serves read-only queries to other processes (:mod:`services.store.server`; the
 endpoint file is ``<store>.endpoint``), under one lock with its own inserts.
 
 With ``stop_when_finished`` the recorder exits by itself once it has seen the run's
@@ -41,8 +41,8 @@ from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import parse_topic
 from services import store as st
-from services.bus import Consumer, Record, TopicPartition, next_offsets
-from services.recorder_rows import COLUMNS, event_row, lag_row, typed_rows
+from services.kafka.bus import Consumer, Record, TopicPartition, next_offsets
+from services.store.rows import COLUMNS, event_row, lag_row, typed_rows
 
 log = logging.getLogger("rollstream.recorder")
 
@@ -107,7 +107,7 @@ class Recorder:
         self.lag_reports: deque[LagReport] = deque(maxlen=1000)
         """The latest lag reports, oldest first (also written to ``recorder_lag``)."""
         self.server: Any = None
-        """The :class:`services.store_server.StoreServer` while recording into an embedded store."""
+        """The :class:`services.store.server.StoreServer` while recording into an embedded store."""
         self._client: Any = None
         self._lock = threading.Lock()  # one store call at a time: inserts and served queries
         self._stored: dict[tuple[str, int], int] = {}
@@ -177,7 +177,7 @@ class Recorder:
         s = self.settings
         if not s.serve_queries or st.check_dsn(s.dsn) != "chdb":
             return
-        from services.store_server import StoreServer
+        from services.store.server import StoreServer
 
         self.server = StoreServer(s.dsn, self._lock, max_execution_s=s.query_timeout_s).start()
 

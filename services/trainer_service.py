@@ -45,17 +45,18 @@ import msgspec
 import torch
 
 import envs
-from rollout.engine import GenerationRequest, TorchEngine
+from rollout.engine import GenerationRequest
+from rollout.factory import make_engine
 from rollout.model_init import encode_prompt
 from rollout.sampling import SamplingParams
 from schemas import events as ev
 from schemas.config import AlgorithmConfig, RunConfig
 from schemas.topics import topic_name
-from services.bus import Consumer, Producer, TopicPartition
+from services.kafka.bus import Consumer, Producer, TopicPartition
 from trainer.algorithm import group_filter_reason
 from trainer.batch import samples_from_scored
+from trainer.factory import make_strategy
 from trainer.sft import SFTExample, sft_warmup
-from trainer.strategy import TorchStrategy
 
 log = logging.getLogger("rollstream.trainer")
 
@@ -137,16 +138,10 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)
         random.seed(cfg.run.seed)
         self.run_dir = Path(settings.run_dir)
-        self.strategy = TorchStrategy(
-            settings.model_dir, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip,
-            micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature,
-            algo=cfg.algorithm, max_len=cfg.rollout.max_new_tokens, dtype=cfg.model.dtype,
-            total_steps=cfg.train.steps, min_lr_ratio=cfg.train.min_lr_ratio,
-            device=settings.device,
-        )
+        self.strategy = make_strategy(cfg, settings.model_dir, device=settings.device)
         self.tokenizer = self.strategy.tokenizer
-        self.eval_engine = TorchEngine(settings.model_dir, max_batch=settings.eval_batch, device=settings.device,
-                                       dtype=cfg.model.dtype, seed=cfg.run.seed)
+        self.eval_engine = make_engine(cfg, settings.model_dir, max_batch=settings.eval_batch,
+                                       device=settings.device, seed=cfg.run.seed, policy_version=0)
         self.sources = [envs.make_source(d.source, **d.kwargs) for d in cfg.data.domains]
         self.heldout = [
             (d, src.heldout(cfg.data.heldout_size), d.verifier or src.default_verifier)

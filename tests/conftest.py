@@ -25,7 +25,7 @@ TINY_SPEC = TinyModelSpec(hidden_size=32, num_layers=2, num_heads=2, intermediat
 
 @pytest.fixture(scope="session")
 def bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from services import stack
+    from services.kafka import broker as stack
 
     explicit = os.environ.get("ROLLSTREAM_BOOTSTRAP")
     if explicit:

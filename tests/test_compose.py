@@ -13,7 +13,7 @@ import pytest
 import yaml
 from clickhouse_connect.driver import default_port
 
-from services import stack
+from services.kafka import broker as stack
 from services.store import check_dsn
 
 ROOT = Path(__file__).resolve().parents[1]

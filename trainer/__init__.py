@@ -60,6 +60,8 @@ _EXPORTS = {
     "split_stale": "trainer.batch",
     "Strategy": "trainer.strategy",
     "TorchStrategy": "trainer.strategy",
+    "make_strategy": "trainer.factory",
+    "check_strategy": "trainer.factory",
     "SFTExample": "trainer.sft",
     "sft_warmup": "trainer.sft",
 }

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from schemas.config import KafkaSettings
-from services.bus import TopicAdmin
+from services.kafka.bus import TopicAdmin
 
 
 @pytest.fixture

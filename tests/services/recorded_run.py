@@ -14,7 +14,7 @@ import time
 from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import TOPICS, topic_name
-from services.bus import Producer, TopicAdmin
+from services.kafka.bus import Producer, TopicAdmin
 
 
 def topic_of(event: ev.Event) -> str:

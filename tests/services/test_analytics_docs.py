@@ -14,7 +14,7 @@ import pytest
 from schemas.config import KafkaSettings
 from services import store as st
 from services.recorder import Recorder, RecorderSettings
-from services.store_server import check_read_only
+from services.store.server import check_read_only
 from tests.services.recorded_run import publish, run_events
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "analytics.md"

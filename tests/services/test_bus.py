@@ -1,4 +1,4 @@
-"""services.bus against a real Kafka broker (fixture ``bootstrap``): no fakes."""
+"""services.kafka.bus against a real Kafka broker (fixture ``bootstrap``): no fakes."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from schemas.events import (
     WeightsPublished,
 )
 from schemas.topics import TOPICS, topic_name
-from services.bus import (
+from services.kafka.bus import (
     BusError,
     Consumer,
     Deduper,
@@ -43,7 +43,7 @@ from services.bus import (
     key_for,
     next_offsets,
 )
-from services.runtime import derive_event_id
+from services.kafka.runtime import derive_event_id
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -57,7 +57,7 @@ def test_topics_list_and_describe(bootstrap: str, run_id: str) -> None:
     import asyncio
 
     from schemas.config import KafkaSettings
-    from services.bus import TopicAdmin
+    from services.kafka.bus import TopicAdmin
 
     async def create() -> None:
         async with TopicAdmin(KafkaSettings(), bootstrap) as admin:

@@ -11,7 +11,7 @@ from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import TOPICS, topic_name
 from services import store as st
-from services.bus import Producer, TopicAdmin
+from services.kafka.bus import Producer, TopicAdmin
 from services.recorder import Recorder, RecorderSettings
 from tests.schemas.examples import example_events
 

@@ -28,7 +28,7 @@ import pytest
 from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import TOPICS, topic_name
-from services.bus import Consumer, Record, TopicAdmin
+from services.kafka.bus import Consumer, Record, TopicAdmin
 from services.replay import (
     ReplayError,
     ReplaySettings,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from services.replay_step import ReplayError, replay_train_step
-from services.supervisor import load_run_config
+from services.launch.supervisor import load_run_config
+from services.replay.step import ReplayError, replay_train_step
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ MAKE_RECORD = textwrap.dedent("""
     import sys
     from schemas import events as ev
     from services import store as st
-    from services.recorder_rows import COLUMNS, typed_rows
+    from services.store.rows import COLUMNS, typed_rows
 
     runs_dir, rid, shift = sys.argv[1], sys.argv[2], float(sys.argv[3])
     client = st.connect(st.default_dsn(runs_dir, rid))

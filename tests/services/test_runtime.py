@@ -1,4 +1,4 @@
-"""services.runtime against a real Kafka broker (fixture ``bootstrap``): no fakes."""
+"""services.kafka.runtime against a real Kafka broker (fixture ``bootstrap``): no fakes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from schemas.config import KafkaSettings
 from schemas.events import DeadLetter, Generation, Pause, RolloutTask, ScoredSample
 from schemas.topics import topic_name
-from services.bus import (
+from services.kafka.bus import (
     BusError,
     Consumer,
     Deduper,
@@ -24,7 +24,7 @@ from services.bus import (
     TopicPartition,
     next_offsets,
 )
-from services.runtime import (
+from services.kafka.runtime import (
     Context,
     Counters,
     FunctionService,

@@ -1,4 +1,4 @@
-"""The local Kafka broker (services.stack) against real processes: Maven-resolved jars, a real
+"""The local Kafka broker (services.kafka.broker) against real processes: Maven-resolved jars, a real
 KRaft broker JVM on free ports in a temporary home, real sockets. Needs Java 17+ and Maven
 (CI has both); nothing here is skipped."""
 
@@ -17,8 +17,8 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from services import stack
-from services.stack import StackError
+from services.kafka import broker as stack
+from services.kafka.broker import StackError
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from services import store as st
-from services import store_server as ss
+from services.store import server as ss
 from tests.services.recorded_run import publish, run_events
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ from pathlib import Path
 from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import topic_name
-from services.bus import Producer
+from services.kafka.bus import Producer
 
 
 async def test_run_id_reuse_is_refused(kafka: KafkaSettings, topics: list[str], run_id: str, tmp_path: Path,

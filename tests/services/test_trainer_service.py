@@ -55,7 +55,7 @@ def test_checkpoint_restores_model_buffer_and_positions(tmp_path) -> None:  # ty
 
     from rollout.model_init import init_tiny_model
     from schemas.config import TinyModelSpec, parse_config
-    from services.bus import TopicPartition
+    from services.kafka.bus import TopicPartition
     from services.trainer_service import Trainer, TrainerSettings
 
     model = init_tiny_model(tmp_path / "m", TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2,

@@ -18,8 +18,8 @@ import msgspec
 import envs
 from schemas import events as ev
 from schemas.config import RewardConfig, RunConfig
-from services.bus import Record
-from services.runtime import Context, Service, ServiceSettings, run_service
+from services.kafka.bus import Record
+from services.kafka.runtime import Context, Service, ServiceSettings, run_service
 
 
 class RewardSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

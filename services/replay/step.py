@@ -100,7 +100,7 @@ def compare(recorded: dict[str, float], replayed: dict[str, float]) -> list[tupl
 def replay_train_step(cfg: RunConfig, run_id: str, step: int, *, dsn: str = "", device: str = "cpu",
                       progress: Any = None) -> StepReplay:
     """Recompute step ``step`` of run ``run_id`` (see the module doc)."""
-    from services.supervisor import run_dir_of, store_dsn_of
+    from services.launch.supervisor import run_dir_of, store_dsn_of
     from services.trainer_service import Trainer, TrainerSettings
 
     run_dir = run_dir_of(cfg, run_id)

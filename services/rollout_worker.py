@@ -25,13 +25,14 @@ from pathlib import Path
 
 import msgspec
 
-from rollout.engine import GenerationRequest, TorchEngine
+from rollout.engine import GenerationRequest
+from rollout.factory import make_engine
 from rollout.sampling import SamplingParams
 from schemas import events as ev
 from schemas.config import RunConfig
 from schemas.topics import topic_name
-from services.bus import Consumer, Record
-from services.runtime import Context, Runner, Service, ServiceSettings, run_service
+from services.kafka.bus import Consumer, Record
+from services.kafka.runtime import Context, Runner, Service, ServiceSettings, run_service
 
 log = logging.getLogger("rollstream.rollout")
 
@@ -59,8 +60,8 @@ class RolloutWorker(Service):
     def __init__(self, settings: RolloutSettings) -> None:
         self.s = settings
         cfg = settings.config
-        self.engine = TorchEngine(settings.model_dir, max_batch=cfg.rollout.max_batch, device=settings.device,
-                                  dtype=cfg.model.dtype, seed=cfg.run.seed + os.getpid(), policy_version=-1)
+        self.engine = make_engine(cfg, settings.model_dir, device=settings.device, seed=cfg.run.seed + os.getpid(),
+                                  policy_version=-1)
         self.worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                      top_p=cfg.rollout.top_p)

@@ -34,7 +34,7 @@ from schemas import events as ev
 from schemas.config import RunConfig, to_dict
 from schemas.topics import check_run_id, topic_name
 from services import store as st
-from services.bus import Consumer, TopicAdmin, message_count
+from services.kafka.bus import Consumer, TopicAdmin, message_count
 
 LONG_RUNNING = ("rollout", "reward")
 

@@ -8,7 +8,7 @@ time (others get :class:`StoreError` "in use"), and one process may open only on
 So each run has its own store (``runs/<run_id>/store``) and one process (the recorder) writes it.
 
 While a process holds an embedded store, others read it through that process: the recorder
-serves read-only queries (:mod:`services.store_server`) and :func:`connect_reader` goes through
+serves read-only queries (:mod:`services.store.server`) and :func:`connect_reader` goes through
 it when the store is held elsewhere, or opens the store directly when nobody holds it (a stale
 endpoint file of a crashed recorder is ignored).
 
@@ -28,7 +28,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 _OPENED_HERE: set[str] = set()  # chDB directories this process holds (its own lock is not "in use")
-DDL_DIR = Path(__file__).resolve().parents[1] / "infra" / "clickhouse"
+DDL_DIR = Path(__file__).resolve().parents[2] / "infra" / "clickhouse"
 
 
 class StoreError(RuntimeError):
@@ -104,12 +104,12 @@ def connect_reader(dsn: str, *, wait_s: float = 3.0, timeout_s: float = 300.0) -
       still only read). An embedded store also gets :func:`apply_ddl`, so the record of a run
       made by an older version has today's tables and views.
     * An embedded store held by another process (a running recorder): a
-      :class:`services.store_server.RemoteClient` on the endpoint that process serves. Waits up
+      :class:`services.store.server.RemoteClient` on the endpoint that process serves. Waits up
       to ``wait_s`` for the endpoint (a recorder writes it a moment after opening the store),
       then raises :class:`StoreError` "in use by another process". ``timeout_s`` bounds each
       served query, the wait for the recorder's lock included.
     """
-    from services import store_server as ss
+    from services.store import server as ss
 
     if check_dsn(dsn) != "chdb":
         return connect(dsn)

@@ -69,7 +69,7 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from schemas.config import KafkaSettings
 from schemas.events import DeadLetter, Event
 from schemas.topics import TOPICS, parse_topic, spec_for_topic, topic_name
-from services.bus import (
+from services.kafka.bus import (
     BusError,
     Compression,
     Consumer,
@@ -254,7 +254,7 @@ class Context:
         """Queue ``event`` for ``topic`` (logical or full name); returns the event as it will be
         sent (with the derived ``event_id`` when ``deterministic_output_ids`` is on).
 
-        ``key=None`` uses the registry key of the topic (:func:`services.bus.key_for`).
+        ``key=None`` uses the registry key of the topic (:func:`services.kafka.bus.key_for`).
         Raises ``ValueError`` if the encoded message is larger than the producer allows, which
         fails the handler call like any exception.
         """

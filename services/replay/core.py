@@ -23,7 +23,7 @@ msgspec JSON) and decode each row back into its :mod:`schemas.events` Struct.
 
 **``--rescore``** (:func:`rescore`) runs the reward verifiers again over the recorded
 generations with the run's recorded config plus ``--set`` overrides (scoring exactly as the
-reward router does, :func:`services.reward.score`), and recomputes each recorded training
+reward router does, :func:`services.reward_router.score`), and recomputes each recorded training
 batch's per-sample advantages with the old and the new config
 (:func:`trainer.algorithm.sample_advantages`); it reports per domain how rewards and advantages
 would change. Nothing is published.
@@ -512,7 +512,7 @@ async def replay_into(s: ReplaySettings, progress: Progress = _quiet) -> IntoSum
     """
     from aiokafka.errors import KafkaError
 
-    from services.bus import Producer, TopicAdmin, message_count, one_line, resolve_bootstrap
+    from services.kafka.bus import Producer, TopicAdmin, message_count, one_line, resolve_bootstrap
 
     check_settings(s)
     if not s.into:
@@ -633,7 +633,7 @@ def rescore(s: ReplaySettings, progress: Progress = _quiet, examples: int = 5) -
     """Re-score the run's recorded generations with its config plus ``s.overrides``.
 
     Every recorded ``ScoredSample`` (of the step slice, if one is given) is scored again by
-    :func:`services.reward.score` with the new config; every recorded ``TrainStep`` batch (its
+    :func:`services.reward_router.score` with the new config; every recorded ``TrainStep`` batch (its
     ``sample_ids``, in batch order, as the trainer assembled it) gets its per-sample advantages
     computed from the old and from the new rewards, each with its config's ``algorithm``. The
     batch composition is held as recorded (a changed reward does not re-run the staleness or
@@ -642,7 +642,7 @@ def rescore(s: ReplaySettings, progress: Progress = _quiet, examples: int = 5) -
     whose advantages changed, max |Δadvantage|) and up to ``examples`` changed samples.
     """
     from envs.registry import VERIFIERS
-    from services.reward import score, verifier_table
+    from services.reward_router import score, verifier_table
 
     check_settings(s)
     client = open_record(s)

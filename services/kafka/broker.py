@@ -89,7 +89,7 @@ JVM_OPTS: tuple[str, ...] = (
 )
 """JVM flags of the broker: a small heap for laptops and CI (Kafka's own G1 settings)."""
 
-_INFRA_DIR = Path(__file__).resolve().parent.parent / "infra" / "kafka"
+_INFRA_DIR = Path(__file__).resolve().parents[2] / "infra" / "kafka"
 _POM = _INFRA_DIR / "pom.xml"
 _LOG4J = _INFRA_DIR / "log4j2.yaml"
 _MARKER = ".rollstream-complete"

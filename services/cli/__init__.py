@@ -46,13 +46,13 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 
     types: list[type[BaseException]] = [UserError, ConfigError, StoreError, FileNotFoundError, BadRunId]
     try:
-        from services.stack import StackError
+        from services.kafka.broker import StackError
 
         types.append(StackError)
     except ImportError:
         pass
     try:
-        from services.bus import BusError
+        from services.kafka.bus import BusError
 
         types.append(BusError)
     except ImportError:
@@ -107,7 +107,7 @@ def main_options(
 
 
 def _home() -> Path:
-    from services.stack import home_dir
+    from services.kafka.broker import home_dir
 
     return home_dir(_state.get("home"))
 
@@ -127,7 +127,7 @@ def version() -> None:
         except PackageNotFoundError:
             return "not installed"
 
-    from services.stack import KAFKA_VERSION
+    from services.kafka.broker import KAFKA_VERSION
 
     out.print(f"rollstream {v('rollstream')}")
     out.print(f"kafka (local broker) {KAFKA_VERSION}")
@@ -159,7 +159,7 @@ def stack_up(
     port: int = typer.Option(0, "--port", help="Broker port for a local Kafka (0 = a free port)."),
 ) -> None:
     """Start the local Kafka broker (unless --bootstrap points at a reachable one) and prepare the store."""
-    from services import stack
+    from services.kafka import broker as stack
 
     explicit = _state.get("bootstrap")
     if explicit:
@@ -183,7 +183,7 @@ def stack_up(
 @friendly
 def stack_down() -> None:
     """Stop the local Kafka broker started by `stack up` (data and logs are kept)."""
-    from services import stack
+    from services.kafka import broker as stack
 
     stopped = stack.stop_local_kafka(_home())
     out.print("kafka: stopped" if stopped else "kafka: no local broker was running")
@@ -193,7 +193,7 @@ def stack_down() -> None:
 @friendly
 def stack_status() -> None:
     """Print the bootstrap address and store DSN; exit 0 only when both answer."""
-    from services import stack
+    from services.kafka import broker as stack
 
     bootstrap = stack.resolve_bootstrap(_state.get("bootstrap"), _home())
     kafka_ok = bool(bootstrap) and stack.kafka_reachable(bootstrap or "", timeout_s=5)
@@ -217,7 +217,7 @@ def _kafka_settings() -> Any:
 
 
 def _bootstrap_or_fail() -> str:
-    from services import stack
+    from services.kafka import broker as stack
 
     bootstrap = stack.resolve_bootstrap(_state.get("bootstrap"), _home())
     if not bootstrap:
@@ -226,7 +226,7 @@ def _bootstrap_or_fail() -> str:
 
 
 async def _topics_list(bootstrap: str, run: str | None) -> list[tuple[str, list[str]]]:
-    from services.bus import TopicAdmin
+    from services.kafka.bus import TopicAdmin
 
     async with TopicAdmin(_kafka_settings(), bootstrap) as admin:
         runs = [run] if run else await admin.list_runs()
@@ -236,7 +236,7 @@ async def _topics_list(bootstrap: str, run: str | None) -> list[tuple[str, list[
 async def _topics_describe(bootstrap: str, run: str) -> list[tuple[str, str, int, str, int]]:
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from services.bus import TopicAdmin, kafka_kwargs
+    from services.kafka.bus import TopicAdmin, kafka_kwargs
 
     settings = _kafka_settings()
     async with TopicAdmin(settings, bootstrap) as admin:
@@ -310,7 +310,7 @@ def _read_config(path: Path, overrides: list[str]) -> Any:
 
 def _bootstrap_for_run(cfg: Any) -> str:
     """--bootstrap / kafka.bootstrap / $ROLLSTREAM_BOOTSTRAP / the local broker (started if missing)."""
-    from services import stack
+    from services.kafka import broker as stack
 
     explicit = _state.get("bootstrap") or cfg.kafka.bootstrap
     if explicit:
@@ -339,7 +339,7 @@ def run_cmd(
     import json
 
     from schemas.topics import check_run_id
-    from services import supervisor
+    from services.launch import supervisor
 
     cfg = _read_config(config, set_)
     rid = check_run_id(run_id) if run_id else supervisor.new_run_id(cfg)
@@ -375,7 +375,7 @@ def service_cmd(
     import asyncio
 
     from schemas.topics import check_run_id
-    from services import supervisor
+    from services.launch import supervisor
 
     if name not in SERVICES:
         raise UserError(f"unknown service {name!r}; one of: {', '.join(SERVICES)}")
@@ -396,7 +396,7 @@ async def _run_service(name: str, cfg: Any, run: str, run_dir: Path, model_dir: 
     import asyncio
     import signal
 
-    from services import supervisor
+    from services.launch import supervisor
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -408,11 +408,11 @@ async def _run_service(name: str, cfg: Any, run: str, run_dir: Path, model_dir: 
         n = await feeder.run(feeder.FeederSettings(run_id=run, config=cfg), stop)
         logging.getLogger("rollstream").info("feeder: issued %d tasks", n)
     elif name == "rollout":
-        from services import rollout_service
+        from services import rollout_worker
 
-        await rollout_service.run(rollout_service.RolloutSettings(run_id=run, config=cfg, model_dir=model_dir), stop)
+        await rollout_worker.run(rollout_worker.RolloutSettings(run_id=run, config=cfg, model_dir=model_dir), stop)
     elif name == "reward":
-        from services import reward
+        from services import reward_router as reward
 
         await reward.run(reward.RewardSettings(run_id=run, config=cfg), stop)
     elif name == "trainer":
@@ -476,7 +476,7 @@ def sql_cmd(
     from rich.table import Table
 
     from services import store as st
-    from services.store_server import check_read_only
+    from services.store.server import check_read_only
 
     if fmt not in ("table", "csv", "json"):
         raise UserError(f"--format {fmt!r}: one of table, csv, json")
@@ -634,8 +634,8 @@ def _replay_train_step(run: str, step: int, runs_dir: Path, fmt: str, set_: list
 
     from rich.table import Table
 
-    from services import replay_step as rs
-    from services.supervisor import load_run_config
+    from services.launch.supervisor import load_run_config
+    from services.replay import step as rs
 
     if set_ or topics or from_step is not None or to_step is not None:
         raise UserError("--train-step recomputes the step exactly as recorded: it takes no --set, --topics, "

@@ -1,0 +1,49 @@
+"""``make_engine(cfg)``: the only place that picks a generation backend (``rollout.engine``).
+
+A backend that is not implemented, or whose package is not installed, is refused by
+:func:`check_engine` with one line naming the key, the value and what to use instead; the CLI
+calls it before anything starts, and :func:`make_engine` calls it again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from schemas.config import ConfigError, RunConfig
+
+if TYPE_CHECKING:
+    from rollout.engine import Engine
+
+
+def check_engine(cfg: RunConfig) -> None:
+    """Raise :class:`ConfigError` (one line) unless ``rollout.engine`` can run here."""
+    engine = cfg.rollout.engine
+    if engine == "torch":
+        return
+    raise ConfigError(
+        f"rollout.engine={engine!r} is not implemented in this version of rollstream; use rollout.engine=torch"
+    )
+
+
+def make_engine(
+    cfg: RunConfig,
+    model_dir: str | Path,
+    *,
+    device: str = "cpu",
+    seed: int = 0,
+    policy_version: int = -1,
+    max_batch: int | None = None,
+) -> Engine:
+    """The generation engine ``cfg.rollout.engine`` names, loaded from ``model_dir``."""
+    check_engine(cfg)
+    from rollout.engine import TorchEngine
+
+    return TorchEngine(
+        model_dir,
+        max_batch=max_batch or cfg.rollout.max_batch,
+        device=device,
+        dtype=cfg.model.dtype,
+        seed=seed,
+        policy_version=policy_version,
+    )

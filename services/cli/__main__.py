@@ -1,0 +1,5 @@
+"""``python -m services.cli``: how ``rollstream run`` starts its services."""
+
+from services.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""Launchers: how a run's services are started and supervised (local processes today)."""

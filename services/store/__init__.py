@@ -1,0 +1,37 @@
+"""The store: ClickHouse reached only through clickhouse-connect.
+
+* :mod:`services.store.client` — DSNs, connecting (embedded chDB or a server), versioned DDL.
+* :mod:`services.store.server` — the read-only query server a recorder runs over its embedded
+  store, and the client other processes use to reach it.
+* :mod:`services.store.rows` — how events become rows of the typed tables.
+
+The client functions are re-exported here (``from services import store as st; st.connect(dsn)``).
+"""
+
+from services.store.client import (
+    DDL_DIR,
+    StoreError,
+    apply_ddl,
+    chdb_path,
+    check_dsn,
+    connect,
+    connect_reader,
+    ddl_files,
+    default_dsn,
+    ping,
+    split_statements,
+)
+
+__all__ = [
+    "DDL_DIR",
+    "StoreError",
+    "apply_ddl",
+    "chdb_path",
+    "check_dsn",
+    "connect",
+    "connect_reader",
+    "ddl_files",
+    "default_dsn",
+    "ping",
+    "split_statements",
+]
