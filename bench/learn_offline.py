@@ -49,7 +49,7 @@ from rollout.model_init import count_parameters, encode_prompt, init_tiny_model
 from rollout.sampling import SamplingParams
 from schemas.config import RunConfig, parse_raw
 from trainer.batch import TrainSample
-from trainer.sft import SFTExample, sft_warmup
+from trainer.sft import SFTExample
 from trainer.strategy import TorchStrategy
 
 TUNED: dict[str, Any] = {
@@ -134,13 +134,7 @@ def warm_up(strategy: TorchStrategy, source: TaskSource, cfg: RunConfig, rng: ra
                 for p in probs
             ]
 
-    return sft_warmup(
-        strategy.model,
-        batches(),
-        lr=cfg.train.warmup_lr,
-        pad_id=strategy.pad_id,
-        grad_clip=cfg.train.grad_clip,
-    )
+    return strategy.warmup(batches(), lr=cfg.train.warmup_lr, grad_clip=cfg.train.grad_clip)
 
 
 async def rollout_step(

@@ -94,9 +94,15 @@ class Completion:
 
 @runtime_checkable
 class Engine(Protocol):
-    """What the rollout service needs from a generation engine."""
+    """What the services call on a generation engine (the rollout worker, and the trainer's
+    greedy evaluation): exactly these members, nothing else."""
 
     policy_version: int
+    """Version of the weights in use (the last :meth:`load_weights`)."""
+
+    def encode(self, prompt: str) -> list[int]:
+        """Prompt token ids as this engine's tokenizer makes them (with its BOS, if any)."""
+        ...
 
     def generate(
         self, requests: Iterable[GenerationRequest] | AsyncIterable[GenerationRequest]

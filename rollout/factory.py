@@ -16,13 +16,22 @@ if TYPE_CHECKING:
     from rollout.engine import Engine
 
 
+NOT_IMPLEMENTED = {
+    "vllm": "it will need the vllm extra, pip install 'rollstream[vllm]', and a CUDA GPU",
+}
+"""Engines the config schema names that this version does not implement, and what they will need."""
+
+
 def check_engine(cfg: RunConfig) -> None:
-    """Raise :class:`ConfigError` (one line) unless ``rollout.engine`` can run here."""
+    """Raise :class:`ConfigError` (one line naming the key, the value and what to use instead)
+    unless ``rollout.engine`` can run here. Cheap: imports no engine."""
     engine = cfg.rollout.engine
     if engine == "torch":
         return
+    need = NOT_IMPLEMENTED.get(engine, "")
     raise ConfigError(
-        f"rollout.engine={engine!r} is not implemented in this version of rollstream; use rollout.engine=torch"
+        f"config: rollout.engine={engine!r} is not implemented in this version of rollstream"
+        + (f" ({need})" if need else "") + "; use rollout.engine=torch (transformers, CPU or GPU)"
     )
 
 

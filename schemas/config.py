@@ -140,7 +140,8 @@ class RolloutConfig(Section):
     """Generation."""
 
     engine: Literal["torch", "vllm"] = "torch"
-    """Engine behind ``rollout.Engine``: ``torch`` (transformers, CPU or GPU) or ``vllm``."""
+    """Engine behind ``rollout.Engine``: ``torch`` (transformers, CPU or GPU). ``vllm`` is reserved
+    for GPUs: this version refuses it, before anything starts."""
     workers: int = 1
     """Rollout worker processes (one consumer group on ``tasks``)."""
     group_size: int = 8
@@ -162,7 +163,8 @@ class TrainConfig(Section):
     """The trainer."""
 
     strategy: Literal["torch", "fsdp2", "megatron"] = "torch"
-    """Training strategy behind ``trainer.Strategy``."""
+    """Training strategy behind ``trainer.Strategy``: ``torch`` (single process, CPU or one GPU).
+    ``fsdp2`` and ``megatron`` are reserved: this version refuses them, before anything starts."""
     steps: int = 40
     """Optimizer steps of the run."""
     batch_size: int = 64
@@ -180,8 +182,8 @@ class TrainConfig(Section):
     max_staleness: int = 1
     """Accept a sample only if ``trainer_version − policy_version ≤ max_staleness``."""
     checkpoint_every: int = 10
-    """Save a resumable checkpoint every K steps (0 = only at the start and the end). ``replay
-    --train-step N`` starts from the latest checkpoint at or before N."""
+    """Save a resumable checkpoint every K steps (0 = only at the start and the end). ``rollstream
+    replay step RUN N`` starts from the latest checkpoint at or before N."""
     keep_checkpoints: int = 0
     """Keep the newest K checkpoints (0 = all; the one of step 0, the RL start, is always kept)."""
     eval_every: int = 5
@@ -435,6 +437,13 @@ class RunConfig(Section):
     reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
 
     def __post_init__(self) -> None:
+        for key, value in (("rollout.group_size", self.rollout.group_size), ("rollout.workers", self.rollout.workers),
+                           ("rollout.max_batch", self.rollout.max_batch),
+                           ("rollout.max_new_tokens", self.rollout.max_new_tokens),
+                           ("train.batch_size", self.train.batch_size),
+                           ("train.micro_batch_size", self.train.micro_batch_size)):
+            if value < 1:
+                raise ValueError(f"{key}={value} must be >= 1")
         if self.train.batch_size % self.rollout.group_size:
             raise ValueError(
                 f"train.batch_size={self.train.batch_size} must be a multiple of "

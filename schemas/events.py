@@ -279,7 +279,10 @@ class Drain(Event, frozen=True, kw_only=True):
 
 
 class DeadLetter(Event, frozen=True, kw_only=True):
-    """A message a consumer could not decode or handle; raw bytes are kept for replay."""
+    """A message a consumer could not decode or handle; raw bytes are kept for replay.
+
+    One naming a ``sample_id`` ends that sample (``dead_letter`` in the record) unless it already
+    had an outcome: the feeder frees its slot and the trainer completes its group without it."""
 
     source_topic: str
     partition: int
@@ -292,7 +295,11 @@ class DeadLetter(Event, frozen=True, kw_only=True):
     """Which service (consumer group) gave up on it."""
     stage: Literal["decode", "handle"] = "handle"
     sample_id: str = ""
-    """The sample the message was about, when it could be decoded far enough to tell."""
+    """The sample the message was about, when it could be decoded far enough to tell (from the
+    decoded event, else from a schemaless decode of the bytes, else from a ``sample_id`` key)."""
+    group_id: str = ""
+    """The group of that sample, when the message names it (a ``scored`` key is a group id; a
+    ``<group_id>/<index>`` sample id names its group). (Added after v1.)"""
 
 
 # Per-topic unions (one decoder each). A topic's union only grows.

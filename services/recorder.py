@@ -1,21 +1,27 @@
 """The recorder: every message of a run's topics into the run's ClickHouse store.
 
-It consumes ``^rs\\.<run_id>\\..*`` (or ``^rs\\..*`` for all runs) with manual commits, and per
-poll inserts one batch per table, then commits the polled offsets. Ingestion is idempotent on
+It runs on :mod:`services.kafka.runtime` as a batch service: consumer group
+``rs-recorder-<run_id or all>`` on ``^rs\\.<run_id>\\..*`` (or ``^rs\\..*`` for all runs);
+:meth:`Recorder.handle_batch` inserts each poll with one insert per table, and the runtime
+commits the poll's offsets once it returned (``commit="after_effect"``). The runtime's dedupe
+is off (every message is recorded, a redelivered duplicate too). Ingestion is idempotent on
 (topic, partition, offset): at start it reads the highest stored offset of each partition and
 skips anything at or below it (a crash between insert and commit re-delivers a batch that is
-then skipped), and the tables are ReplacingMergeTree on their natural keys besides.
+then skipped), and the tables are ReplacingMergeTree on their natural keys besides. An insert
+that fails stops the recorder with that error (nothing of the poll is committed).
 
-Undecodable messages are still recorded in ``events`` (kind ``undecodable``, raw bytes as
-base64) so nothing that crossed the bus is missing from the record.
+Undecodable messages are handed to the recorder too (``handle_undecodable``) and recorded in
+``events`` (kind ``undecodable``, raw bytes as base64) so nothing that crossed the bus is
+missing from the record; the consumer that owns them dead-letters them (``dlq``), the recorder
+does not.
 
 Batching: each poll takes at most ``batch_max_records`` messages (``store.batch_max_records``
 in the run config) and writes them with one insert per table, events last.
 
-Lag: every ``lag_report_every_s`` (and once more at a clean exit) the recorder measures its
-consumer lag (end offsets minus positions, summed over its assigned partitions = messages not
-yet recorded), logs it, keeps it in :attr:`Recorder.lag` / :attr:`Recorder.lag_reports` and
-writes it to the ``recorder_lag`` table.
+Lag (``on_tick``, after every poll): every ``lag_report_every_s`` (and once more at a clean
+exit, ``on_stop``) the recorder measures its consumer lag (end offsets minus positions, summed
+over its assigned partitions = messages not yet recorded), logs it, keeps it in
+:attr:`Recorder.lag` / :attr:`Recorder.lag_reports` and writes it to the ``recorder_lag`` table.
 
 Reads during a run: with an embedded (chDB) store, which only this process may open, the
 recorder serves read-only queries to other processes (:mod:`services.store.server`; the
@@ -41,7 +47,8 @@ from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import parse_topic
 from services import store as st
-from services.kafka.bus import Consumer, Record, TopicPartition, next_offsets
+from services.kafka.bus import Consumer, Record, TopicPartition
+from services.kafka.runtime import BatchContext, BatchService, Runner, ServiceSettings
 from services.store.rows import COLUMNS, event_row, lag_row, typed_rows
 
 log = logging.getLogger("rollstream.recorder")
@@ -90,8 +97,10 @@ class LagReport(msgspec.Struct, frozen=True, kw_only=True):
     """Messages it had skipped as already stored by then."""
 
 
-class Recorder:
-    """State of a running recorder (counters are read by tests and progress displays)."""
+class Recorder(BatchService):
+    """The recorder service and its state (counters are read by tests and progress displays)."""
+
+    name = "recorder"
 
     def __init__(self, settings: RecorderSettings) -> None:
         if settings.batch_max_records < 1:
@@ -111,6 +120,8 @@ class Recorder:
         self._client: Any = None
         self._lock = threading.Lock()  # one store call at a time: inserts and served queries
         self._stored: dict[tuple[str, int], int] = {}
+        self._quiet_since: float | None = None
+        self._next_report = 0.0
 
     def _load_stored_offsets(self) -> None:
         where = "WHERE run_id = {r:String}" if self.settings.run_id else ""
@@ -186,53 +197,68 @@ class Recorder:
         if server is not None:
             server.close()
 
-    async def run(self, stop: asyncio.Event | None = None) -> int:
+    # ----------------------------------------------------------------- the service
+
+    def service_settings(self) -> ServiceSettings:
+        """How the recorder runs on :mod:`services.kafka.runtime`: a batch handler over the
+        run's topics by pattern, commit after each insert, every message to the handler (no
+        dedupe, undecodable bytes too)."""
         s = self.settings
-        stop = stop or asyncio.Event()
+        pattern = rf"^rs\.{re.escape(s.run_id)}\..*" if s.run_id else r"^rs\..*"
+        return ServiceSettings(
+            group_id=self._group_id(), run_id=s.run_id, topic_pattern=pattern, kafka=s.kafka,
+            batch_max_records=s.batch_max_records, poll_timeout_s=s.poll_timeout_s, dedupe=False,
+            handle_undecodable=True,
+        )
+
+    async def on_start(self, runner: Runner) -> None:
+        s = self.settings
         self._client = st.connect(s.dsn)
         st.apply_ddl(self._client)
         self._load_stored_offsets()
-        pattern = rf"^rs\.{re.escape(s.run_id)}\..*" if s.run_id else r"^rs\..*"
-        consumer = Consumer(
-            s.kafka, group_id=self._group_id(), pattern=pattern, auto_offset_reset="earliest",
-            client_suffix="recorder",
-        )
         self._start_server()
-        quiet_since: float | None = None
-        next_report = 0.0  # the first poll that finds partitions assigned reports at once
+        self._quiet_since = None
+        self._next_report = 0.0  # the first poll that finds partitions assigned reports at once
+
+    async def handle_batch(self, records: list[Record], ctx: BatchContext) -> None:
+        """One insert per table for the poll's messages not stored yet (the runtime commits the
+        poll's offsets after this returns)."""
+        tables = self.rows_for(records)
+        await asyncio.to_thread(self.insert, tables)
+        self.recorded += len(tables.get("events", []))
+        for r in records:
+            self._stored[(r.topic, r.partition)] = max(r.offset, self._stored.get((r.topic, r.partition), -1))
+
+    async def on_tick(self, runner: Runner) -> None:
+        """Measure the lag when due; stop once the run finished and everything is recorded."""
+        s, consumer = self.settings, runner.consumer
+        polled = runner.last_polled
+        if polled:
+            self._quiet_since = None
+        measured = True
+        if time.monotonic() >= self._next_report and consumer.assignment():
+            measured = await self.report_lag(consumer) is not None
+            self._next_report = time.monotonic() + s.lag_report_every_s
+        elif not polled:
+            self.lag = (await _lag(consumer))[0]
+        if polled or not measured:
+            return
+        if s.stop_when_finished and self.finished_seen and self.lag == 0:
+            self._quiet_since = self._quiet_since or time.monotonic()
+            if time.monotonic() - self._quiet_since >= s.idle_exit_s:
+                runner.stop.set()
+
+    async def on_stop(self, runner: Runner) -> None:
         try:
-            await consumer.start()
-            while not stop.is_set():
-                records = await consumer.getmany(timeout_ms=int(s.poll_timeout_s * 1000),
-                                                  max_records=s.batch_max_records)
-                if records:
-                    tables = self.rows_for(records)
-                    await asyncio.to_thread(self.insert, tables)
-                    await consumer.commit(next_offsets(records))
-                    self.recorded += len(tables.get("events", []))
-                    for r in records:
-                        self._stored[(r.topic, r.partition)] = max(
-                            r.offset, self._stored.get((r.topic, r.partition), -1))
-                    quiet_since = None
-                measured = True
-                if time.monotonic() >= next_report and consumer.assignment():
-                    measured = await self.report_lag(consumer) is not None
-                    next_report = time.monotonic() + s.lag_report_every_s
-                elif not records:
-                    self.lag = (await _lag(consumer))[0]
-                if records or not measured:
-                    continue
-                if s.stop_when_finished and self.finished_seen and self.lag == 0:
-                    quiet_since = quiet_since or time.monotonic()
-                    if time.monotonic() - quiet_since >= s.idle_exit_s:
-                        break
-            if consumer.assignment():
-                await self.report_lag(consumer, timeout_s=5.0)  # the final word: normally 0
+            if runner.consumer.started and runner.consumer.assignment():
+                await self.report_lag(runner.consumer, timeout_s=5.0)  # the final word: normally 0
         finally:
-            try:
-                await consumer.stop()
-            finally:
-                self._stop_server()
+            self._stop_server()
+
+    async def run(self, stop: asyncio.Event | None = None) -> int:
+        """Record until ``stop`` (or SIGTERM/SIGINT, or the run finished with
+        ``stop_when_finished``); the number of messages this instance recorded."""
+        await Runner(self, self.service_settings(), stop).run()
         return self.recorded
 
 

@@ -1,7 +1,8 @@
 """``rollstream report``: plots and a self-contained HTML page from a run's record.
 
-Data comes from the run's store (SQL over ``train_steps``, ``evals`` and the ``samples`` view) and
-from ``runs/<run_id>/config.yaml`` and ``summary.json``. chDB lets one process open only one store
+Data comes from the run's record (SQL over ``train_steps``, ``evals`` and the ``samples`` view) and
+from ``runs/<run_id>/config.yaml`` and ``summary.json``. The record is where ``rollstream run`` wrote
+it: ``--store`` when given, else the store the run's config names, else ``runs/<run_id>/store``. chDB lets one process open only one store
 directory, so every run is *extracted in its own subprocess* (``python -m services.report dump RUN``
 prints JSON); the parent process only plots. That makes one run and two overlaid runs the same code.
 A run still in progress is read through its recorder (:func:`services.store.connect_reader`).
@@ -132,29 +133,32 @@ def _dump_main(argv: list[str]) -> int:
 # --------------------------------------------------------------------------- loading (parent process)
 
 
-def check_run(run_id: str, runs_dir: Path, store: str | None) -> None:
-    """Raise :class:`ReportError` for an unknown run or a run without a store."""
+def check_run(run_id: str, runs_dir: Path, store: str | None) -> str:
+    """The DSN of ``run_id``'s record (``store``, else the store its config names, else its embedded
+    store: :func:`services.launch.runs.record_dsn`); :class:`ReportError` for an unknown run or a run
+    without a store, :class:`services.store.StoreError` for a bad DSN."""
     from schemas.topics import check_run_id
+    from services.launch.runs import record_dsn
 
     check_run_id(run_id)
     run_dir = runs_dir / run_id
+    dsn = record_dsn(runs_dir, run_id, store)
+    scheme = st.check_dsn(dsn)
     if store:
-        st.check_dsn(store)
-        return
+        return dsn
     if not run_dir.is_dir():
         raise ReportError(f"unknown run {run_id!r}: no directory {run_dir}")
-    path = Path(st.chdb_path(st.default_dsn(runs_dir, run_id)))
-    if not path.is_dir():
-        raise ReportError(f"run {run_id} has no store at {path}")
+    if scheme == "chdb" and not Path(st.chdb_path(dsn)).is_dir():
+        raise ReportError(f"run {run_id} has no store at {st.chdb_path(dsn)}")
+    return dsn
 
 
-def _start_dump(run_id: str, runs_dir: Path, store: str | None) -> subprocess.Popen[str]:
+def _start_dump(run_id: str, runs_dir: Path, dsn: str) -> subprocess.Popen[str]:
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, "-m", "services.report", "dump", run_id, "--runs-dir", str(runs_dir.resolve())]
-    if store:
-        cmd += ["--store", store]
+    cmd = [sys.executable, "-m", "services.report", "dump", run_id, "--runs-dir", str(runs_dir.resolve()),
+           "--store", dsn]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -225,12 +229,12 @@ def load_runs(run_ids: list[str], runs_dir: Path, store: str | None = None, time
               progress: Callable[[str], None] = lambda m: None) -> list[dict[str, Any]]:
     """Extract every run (one subprocess each, concurrently) and add its config and summary.
     ``progress`` gets ``"<run>: query i/n: ..."`` as each child starts its next query."""
-    for r in run_ids:
-        check_run(r, runs_dir, store)
-    if store:  # one store for every run: a chDB store can be open in one process at a time
-        datas = [_finish_dump(r, _start_dump(r, runs_dir, store), timeout_s, progress) for r in run_ids]
+    dsns = [check_run(r, runs_dir, store) for r in run_ids]
+    if len(set(dsns)) < len(dsns):  # one store for every run: a chDB store can be open in one process at a time
+        datas = [_finish_dump(r, _start_dump(r, runs_dir, dsn), timeout_s, progress)
+                 for r, dsn in zip(run_ids, dsns, strict=True)]
     else:  # one store per run: extract them concurrently
-        procs = [(r, _start_dump(r, runs_dir, store)) for r in run_ids]
+        procs = [(r, _start_dump(r, runs_dir, dsn)) for r, dsn in zip(run_ids, dsns, strict=True)]
         try:
             datas = [_finish_dump(r, proc, timeout_s, progress) for r, proc in procs]
         finally:

@@ -7,6 +7,12 @@ in transactional mode: the scored outputs of a polled batch and the batch's cons
 are committed in one Kafka transaction, so a generation is scored exactly once even across
 crashes. A verifier that crashes or hangs yields reward 0 with the error in ``details`` (the
 sample is still trained on, and the error is visible in the record) — never a lost sample.
+
+Bad input: a generation with impossible values (:func:`services.sanity.check_generation`:
+response, logprobs and loss-mask lengths that disagree, non-finite logprobs, an impossible
+group) is rejected and, like undecodable bytes, dead-lettered inside the batch's transaction,
+naming its sample and group: the sample ends as ``dead_letter`` and its group completes
+without it.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from schemas import events as ev
 from schemas.config import RewardConfig, RunConfig
 from services.kafka.bus import Record
 from services.kafka.runtime import Context, Service, ServiceSettings, run_service
+from services.sanity import check_generation
 
 
 class RewardSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -55,11 +62,14 @@ class RewardRouter(Service):
 
     async def handle(self, rec: Record, ctx: Context) -> None:
         gen: ev.Generation = rec.event
+        why = check_generation(gen)
+        if why is not None:
+            raise ValueError(why)
         ctx.emit("scored", score(gen, self.table, self.settings.config.reward), key=gen.task.group_id)
 
 
 def score(gen: ev.Generation, table: VerifierTable, reward: RewardConfig) -> ev.ScoredSample:
-    """Score one generation as the router does (also used by ``replay --rescore``).
+    """Score one generation as the router does (also used by ``replay rescore``).
 
     The verifier is the task's own ``env`` spec when it has one, else ``table[task.domain]``; it
     runs through :func:`envs.run_verifier` bounded by ``reward.timeout_s`` with

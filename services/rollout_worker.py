@@ -6,8 +6,15 @@ awaits its completion; the runtime runs up to ``rollout.max_batch`` handler call
 finished sample frees its slot at once, a new task takes it before the next decode step).
 Offsets are committed only after the ``Generation`` is acknowledged by Kafka.
 
-Weights: a background consumer reads the run's compacted ``weights`` topic and hot-swaps every
-new ``WeightsPublished`` into the engine between decode steps. A task is not started before the
+Bad input: a task with impossible values (:func:`services.sanity.check_task`: an unknown
+domain, an index outside its group, a token cap below 1) is rejected before it waits for any
+weights, and the runtime dead-letters it — like undecodable bytes, an engine error or a weights
+timeout — naming its sample and group, so the sample ends as ``dead_letter`` and its group
+completes without it.
+
+Weights: a background consumer (no group) reads the run's compacted ``weights`` topic and
+hot-swaps every new ``WeightsPublished`` into the engine between decode steps (an undecodable
+record there is logged; the feeder dead-letters it). A task is not started before the
 engine holds a published version at least as new as the task's ``policy_version`` (and at least
 one published version: the trainer publishes version 0 after its warm-up), so with
 ``async_ratio: 0`` generation is on-policy.
@@ -33,6 +40,7 @@ from schemas.config import RunConfig
 from schemas.topics import topic_name
 from services.kafka.bus import Consumer, Record
 from services.kafka.runtime import Context, Runner, Service, ServiceSettings, run_service
+from services.sanity import check_task
 
 log = logging.getLogger("rollstream.rollout")
 
@@ -66,6 +74,7 @@ class RolloutWorker(Service):
         self.params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                      top_p=cfg.rollout.top_p)
         self.versions_used: set[int] = set()
+        self.domains = {d.name for d in cfg.data.domains}
         self.loaded_event_id = ""
         self._version_changed = asyncio.Condition()
         self._watcher: asyncio.Task[None] | None = None
@@ -88,6 +97,9 @@ class RolloutWorker(Service):
                 for rec in await consumer.getmany(timeout_ms=500):
                     if isinstance(rec.event, ev.WeightsPublished):
                         latest = rec.event  # the newest message wins (a resumed trainer may go back)
+                    elif rec.error is not None:
+                        log.error("rollout %s: undecodable record %s[%d]@%d on weights: %s", self.worker_id,
+                                  rec.topic, rec.partition, rec.offset, rec.error)
                 if latest is not None and latest.event_id != self.loaded_event_id:
                     self.loaded_event_id = latest.event_id
                     await self.engine.load_weights(latest.uri, latest.policy_version)
@@ -107,6 +119,9 @@ class RolloutWorker(Service):
 
     async def handle(self, rec: Record, ctx: Context) -> None:
         task: ev.RolloutTask = rec.event
+        why = check_task(task, self.domains)
+        if why is not None:
+            raise ValueError(why)
         queued_from = task.ts
         try:
             await self._wait_for_version(task.policy_version)

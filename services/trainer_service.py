@@ -1,314 +1,172 @@
 """The trainer service: the only barrier of a run.
 
-Start (fresh run): greedy eval of the initial model (split ``init``), supervised warm-up
-(``train.warmup_sft_steps``), the reference model (only when a KL term is on) and the critic
-(only for ``gae``), a checkpoint of step 0, export weights as version 0, publish
-``WeightsPublished(0)``, greedy eval (the RL start). Then, per step:
+It runs on :mod:`services.kafka.runtime` as a batch service in consumer group
+``rs-trainer-<run_id>`` on ``scored``, ``dlq`` and ``control``, with ``commit="by_service"``:
+the runtime commits nothing; the trainer commits the positions saved in each checkpoint.
 
-1. consume ``scored`` (manual commits) into a buffer of groups, ignoring samples already decided;
-   a group that ``algorithm.dynamic_filter`` rejects is recorded as ``filtered`` as soon as it is
-   complete and leaves the buffer;
-2. when complete groups hold ``train.batch_size`` samples, take them in arrival order, drop the
-   samples older than ``max_staleness`` versions (``SampleOutcome(dropped_stale)``; a group left
-   with fewer than 2 members is ``filtered``), and run one optimizer step
-   (:meth:`Trainer.train_batch`: advantages, masks and the loss the ``algorithm`` section
-   configures, :class:`trainer.TorchStrategy`);
-3. export the weights (``runs/<id>/weights/v<version>``), publish ``WeightsPublished(version+1)``,
-   ``TrainStep`` with every metric and the batch's sample ids in training order, one
-   ``SampleOutcome(trained)`` per sample;
-4. every ``eval_every`` steps: greedy eval on the held-out set -> ``EvalResult``;
-   every ``checkpoint_every`` steps: checkpoint the state before the next step
-   (``checkpoints/step_<k>``: model, optimizer, critic, algorithm state, RNG, the undecided buffer
-   and the consumer positions) and commit those positions to Kafka. ``replay --train-step``
-   restarts from these.
+Start (``on_start``, fresh run): greedy eval of the initial model (split ``init``), supervised
+warm-up (``train.warmup_sft_steps``, ``Strategy.warmup``), the reference model (only when a KL
+term is on) and the critic (only for ``gae``), a checkpoint of step 0, export weights as version
+0, publish ``WeightsPublished(0)``, greedy eval (the RL start). Resume: the latest checkpoint
+restores the model, optimizer, RNG, step, buffer, decided and dead-lettered ids and positions;
+the trainer re-publishes the weights of that step (rollout workers follow the newest message on
+the compacted ``weights`` topic, not only higher versions) and ``on_assigned`` seeks every
+partition to its saved position, so nothing between the checkpoint and a crash is lost or
+trained twice.
+
+Per poll (``handle_batch``, then ``on_tick`` when the poll was empty):
+
+1. a ``ScoredSample`` joins the buffer of its group (:class:`services.trainer_buffer.GroupBuffer`)
+   unless it was decided already; one with impossible values (:func:`services.sanity.check_scored`:
+   a non-finite reward, response / logprobs / loss-mask lengths that disagree, an impossible
+   group) is rejected: dead-lettered with the reason, and its sample ends as ``dead_letter``;
+2. a ``DeadLetter`` naming a sample not decided yet ends that sample (no outcome from the
+   trainer: the dead letter is its terminal record): it leaves the buffer and counts as a dead
+   member of its group;
+3. a group is complete when every member arrived or was dead-lettered
+   (:func:`trainer.batch.group_complete`); a complete group with fewer than 2 members, or one
+   that ``algorithm.dynamic_filter`` rejects, is recorded as ``filtered`` at once
+   (:func:`trainer.batch.group_reject_reason`) and leaves the buffer;
+4. when complete groups hold ``train.batch_size`` samples (:func:`trainer.batch.select_groups`,
+   arrival order), :func:`trainer.batch.assemble` drops samples older than ``max_staleness``
+   versions (``dropped_stale``; a group left with fewer than 2 members is ``filtered``) and one
+   optimizer step runs (:meth:`Trainer.train_batch`: advantages, masks and the loss the
+   ``algorithm`` section configures);
+5. the weights are exported (``runs/<id>/weights/v<version>``) and ``WeightsPublished(version+1)``,
+   ``TrainStep`` (every metric and the batch's sample ids in training order) and one
+   ``SampleOutcome(trained)`` per sample are sent;
+6. every ``eval_every`` steps: greedy eval -> ``EvalResult``; every ``checkpoint_every`` steps:
+   a checkpoint of the state before the next step (``checkpoints/step_<k>``), after every output
+   so far is acknowledged, then its positions are committed. ``replay step`` restarts
+   from these.
 
 After ``train.steps`` steps it publishes ``Drain``; samples that still arrive are recorded as
-``filtered`` ("run finished"); it exits when the feeder publishes ``RunFinished``.
-
-Restart: the latest checkpoint restores the model, optimizer, RNG, step, buffer and positions,
-and the trainer re-publishes the weights of that step; the rollout workers load it (they follow
-the newest message on the compacted ``weights`` topic, not only higher versions).
+``filtered`` ("run finished"); it exits when the feeder publishes ``RunFinished``. An
+undecodable ``scored`` record is dead-lettered by the runtime (``control`` is only observed: the
+feeder dead-letters its bad records).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
-import shutil
 import time
-from collections import Counter, OrderedDict
-from pathlib import Path
-from typing import Any
+from collections import Counter
 
-import msgspec
 import torch
 
-import envs
-from rollout.engine import GenerationRequest
-from rollout.factory import make_engine
-from rollout.model_init import encode_prompt
-from rollout.sampling import SamplingParams
 from schemas import events as ev
-from schemas.config import AlgorithmConfig, RunConfig
-from schemas.topics import topic_name
-from services.kafka.bus import Consumer, Producer, TopicPartition
-from trainer.algorithm import group_filter_reason
-from trainer.batch import samples_from_scored
-from trainer.factory import make_strategy
-from trainer.sft import SFTExample, sft_warmup
+from services.kafka.bus import Record, TopicPartition, next_offsets
+from services.kafka.runtime import BatchContext, BatchService, Runner, ServiceSettings
+from services.sanity import check_scored
+from services.trainer_core import TrainerCore, TrainerSettings
+from trainer.batch import assemble, group_reject_reason, samples_from_scored, select_groups
 
 log = logging.getLogger("rollstream.trainer")
 
-
-class TrainerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Settings of the trainer (one per run)."""
-
-    run_id: str
-    """The run to train."""
-    config: RunConfig
-    """The run config (train, algorithm, rollout.temperature, data for eval)."""
-    model_dir: str
-    """Initial model (HF directory)."""
-    run_dir: str
-    """The run directory: weights/, checkpoints/ go below it."""
-    device: str = "cpu"
-    """Torch device."""
-    poll_timeout_s: float = 0.2
-    """Longest wait for scored samples per poll, seconds."""
-    eval_batch: int = 64
-    """Concurrent sequences of the greedy evaluation engine."""
+__all__ = ["Trainer", "TrainerSettings", "run"]
 
 
-def ready_groups(groups: OrderedDict[str, list[ev.ScoredSample]], batch_size: int) -> list[str] | None:
-    """The first complete groups (arrival order) holding at least ``batch_size`` samples, or
-    ``None`` while there are not enough. A group is complete when it has ``group_size`` members."""
-    chosen, count = [], 0
-    for gid, members in groups.items():
-        if len(members) >= members[0].generation.task.group_size:
-            chosen.append(gid)
-            count += len(members)
-            if count >= batch_size:
-                return chosen
-    return None
+class Trainer(TrainerCore, BatchService):
+    """The trainer service (see the module doc)."""
 
+    name = "trainer"
 
-def assemble(
-    groups: list[list[ev.ScoredSample]], version: int, max_staleness: int, algo: AlgorithmConfig | None = None
-) -> tuple[list[ev.ScoredSample], list[tuple[ev.ScoredSample, ev.SampleStatus, str]]]:
-    """Apply the staleness rule and the dynamic filter to complete groups: ``(batch, rejected)``.
-
-    A sample is stale when ``version − policy_version > max_staleness`` (``dropped_stale``). A
-    group left with fewer than 2 members has no group baseline: its survivors are ``filtered``, and
-    so is a group that ``algorithm.dynamic_filter`` rejects (with the filter's reason).
-    """
-    batch: list[ev.ScoredSample] = []
-    rejected: list[tuple[ev.ScoredSample, ev.SampleStatus, str]] = []
-    for members in groups:
-        fresh = []
-        for smp in members:
-            gap = version - smp.generation.policy_version
-            if gap > max_staleness:
-                rejected.append((smp, "dropped_stale", f"stale: gap {gap} > {max_staleness}"))
-            else:
-                fresh.append(smp)
-        reason = group_filter_reason(algo, [s.reward for s in fresh]) if algo is not None else None
-        if len(fresh) < 2:
-            rejected += [(smp, "filtered", "group too small after the staleness filter") for smp in fresh]
-        elif reason is not None:
-            rejected += [(smp, "filtered", reason) for smp in fresh]
-        else:
-            batch += fresh
-    return batch, rejected
-
-
-class _Ckpt(msgspec.Struct):
-    step: int
-    version: int
-    positions: dict[str, int]
-    """``topic:partition`` -> next offset to read."""
-    buffer: list[ev.ScoredSample]
-    decided: list[str]
-
-
-class Trainer:
     def __init__(self, settings: TrainerSettings) -> None:
-        self.s = settings
-        cfg = self.cfg = settings.config
-        torch.manual_seed(cfg.run.seed)
-        random.seed(cfg.run.seed)
-        self.run_dir = Path(settings.run_dir)
-        self.strategy = make_strategy(cfg, settings.model_dir, device=settings.device)
-        self.tokenizer = self.strategy.tokenizer
-        self.eval_engine = make_engine(cfg, settings.model_dir, max_batch=settings.eval_batch,
-                                       device=settings.device, seed=cfg.run.seed, policy_version=0)
-        self.sources = [envs.make_source(d.source, **d.kwargs) for d in cfg.data.domains]
-        self.heldout = [
-            (d, src.heldout(cfg.data.heldout_size), d.verifier or src.default_verifier)
-            for d, src in zip(cfg.data.domains, self.sources, strict=True)
-        ]
-        self.version = 0
-        self.groups: OrderedDict[str, list[ev.ScoredSample]] = OrderedDict()
-        self.decided: set[str] = set()
-        self.positions: dict[TopicPartition, int] = {}
-        self._kept_groups: set[str] = set()
-        self.last_eval: dict[str, float] = {}
-        self._tokens_t0 = time.monotonic()
+        super().__init__(settings)
+        self.drained = False
+        self.finished = False
+        self.runner: Runner | None = None
 
-    # ----------------------------------------------------------------- evaluation
+    def service_settings(self) -> ServiceSettings:
+        """How the trainer runs on :mod:`services.kafka.runtime` (see the module doc)."""
+        return ServiceSettings(
+            group_id=f"rs-trainer-{self.s.run_id}", run_id=self.s.run_id, topics=["scored", "dlq", "control"],
+            observed_topics=["control"], kafka=self.cfg.kafka, commit="by_service", batch_max_records=500,
+            poll_timeout_s=self.s.poll_timeout_s, max_poll_interval_s=1800.0,
+            shutdown_grace_s=300.0,  # a training step under way at a stop finishes (its state is not cancellable)
+        )
 
-    async def evaluate(self, split: str) -> dict[str, float]:
-        """Greedy accuracy on the held-out problems of every domain (``eval/accuracy`` overall,
-        ``eval/<domain>/accuracy`` per domain, ``eval/response_len``)."""
-        weights = self._weights_dir(self.version)
-        if weights.exists():  # before the warm-up there are none yet: the initial model is evaluated
-            await self.eval_engine.load_weights(weights, self.version)
-        params = SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens, greedy=True)
-        metrics: dict[str, float] = {}
-        correct = total = length = 0
-        for domain, problems, verifier in self.heldout:
-            reqs = [GenerationRequest(p.prompt_id, self.eval_engine.encode(p.prompt), params) for p in problems]
-            by_id = {p.prompt_id: p for p in problems}
-            ok = 0
-            async for c in self.eval_engine.generate(reqs):
-                res = envs.run_verifier(verifier, c.text, by_id[c.request_id].reference, isolation="inline")
-                ok += int(res.correct)
-                length += len(c.token_ids)
-            metrics[f"eval/{domain.name}/accuracy"] = ok / max(1, len(problems))
-            correct += ok
-            total += len(problems)
-        metrics["eval/accuracy"] = correct / max(1, total)
-        metrics["eval/response_len"] = length / max(1, total)
-        self.last_eval = metrics
-        return metrics
+    # ----------------------------------------------------------------- hooks
 
-    # ----------------------------------------------------------------- warm-up
-
-    def warm_up(self) -> list[float]:
-        cfg = self.cfg
-        if cfg.train.warmup_sft_steps <= 0:
-            return []
-        rng = random.Random(f"{cfg.run.seed}/warmup")
-        tok = self.tokenizer
-        weights = [d.ratio for d in cfg.data.domains]
-
-        def batches() -> Any:
-            for _ in range(cfg.train.warmup_sft_steps):
-                out = []
-                for _ in range(cfg.train.warmup_batch_size):
-                    src = self.sources[rng.choices(range(len(self.sources)), weights=weights)[0]]
-                    p = src.sample(rng)
-                    demo = src.demonstration(p, rng)
-                    target = [*tok(demo, add_special_tokens=False)["input_ids"], tok.eos_token_id]
-                    out.append(SFTExample(encode_prompt(tok, p.prompt), target))
-                yield out
-
-        losses = sft_warmup(self.strategy.model, batches(), lr=cfg.train.warmup_lr, pad_id=self.strategy.pad_id,
-                            grad_clip=cfg.train.grad_clip)
-        self.strategy.model.train()
-        return losses
-
-    # ----------------------------------------------------------------- weights
-
-    def _weights_dir(self, version: int) -> Path:
-        return self.run_dir / "weights" / f"v{version:05d}"
-
-    async def publish_weights(self, producer: Producer) -> None:
-        path, checksum = await asyncio.to_thread(self.strategy.export_weights, self._weights_dir(self.version))
-        size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        await producer.send_and_wait(topic_name(self.s.run_id, "weights"), ev.WeightsPublished(
-            run_id=self.s.run_id, policy_version=self.version, step=self.strategy.step, uri=str(path),
-            checksum=checksum, num_bytes=size,
-        ), key="latest")
-        old = self._weights_dir(self.version - 3)  # keep a few versions for slow readers
-        if self.version >= 3 and old.exists():
-            shutil.rmtree(old, ignore_errors=True)
-
-    # ----------------------------------------------------------------- checkpoints
-
-    def _ckpt_root(self) -> Path:
-        return self.run_dir / "checkpoints"
-
-    def checkpoint_dir(self, step: int) -> Path:
-        """Where the checkpoint of the state *before* training step ``step`` lives."""
-        return self._ckpt_root() / f"step_{step:06d}"
-
-    def checkpoints(self) -> list[int]:
-        """Steps that have a complete checkpoint, ascending."""
-        root = self._ckpt_root()
-        if not root.exists():
-            return []
-        return sorted(int(p.name[5:]) for p in root.glob("step_*")
-                      if p.name[5:].isdigit() and (p / "stream_state.msgpack").exists())
-
-    def save_checkpoint(self) -> Path:
-        """Checkpoint the state before step ``strategy.step``: model, optimizer, critic, algorithm
-        state, RNG, the undecided buffer and the consumer positions. Older checkpoints beyond
-        ``train.keep_checkpoints`` are removed (step 0, the RL start, is always kept)."""
-        path = self.checkpoint_dir(self.strategy.step)
-        self.strategy.save_checkpoint(path)
-        meta = _Ckpt(step=self.strategy.step, version=self.version,
-                     positions={f"{tp.topic}:{tp.partition}": o for tp, o in self.positions.items()},
-                     buffer=[s for g in self.groups.values() for s in g], decided=sorted(self.decided))
-        (path / "stream_state.msgpack").write_bytes(msgspec.msgpack.encode(meta))
-        keep = self.cfg.train.keep_checkpoints
-        if keep > 0:
-            for old in [st for st in self.checkpoints() if st != 0][:-keep]:
-                shutil.rmtree(self.checkpoint_dir(old), ignore_errors=True)
-        return path
-
-    def load_checkpoint(self, step: int | None = None) -> bool:
-        """Restore the latest checkpoint (or the one of ``step``); False when there is none."""
-        steps = self.checkpoints()
-        if step is None and not steps:
-            return False
-        path = self.checkpoint_dir(steps[-1] if step is None else step)
-        if not (path / "stream_state.msgpack").exists():
-            raise FileNotFoundError(f"no checkpoint at {path}")
-        self.setup_algorithm_models(fresh=False)
-        self.strategy.load_checkpoint(path)
-        meta = msgspec.msgpack.decode((path / "stream_state.msgpack").read_bytes(), type=_Ckpt)
-        self.version = meta.version
-        self.decided = set(meta.decided)
-        self.groups.clear()
-        for s in meta.buffer:
-            self.groups.setdefault(s.generation.task.group_id, []).append(s)
-        self.positions.clear()
-        for key, off in meta.positions.items():
-            topic, _, part = key.rpartition(":")
-            self.positions[TopicPartition(topic, int(part))] = off
-        return True
-
-    def setup_algorithm_models(self, fresh: bool) -> None:
-        """Load the reference model (only when a KL term is on) and create the critic (only for
-        ``gae``). Fresh: the reference is the current policy (the RL start, after the warm-up),
-        exported once to ``<run>/reference``; on resume it is read back from there."""
-        algo = self.cfg.algorithm
-        if algo.uses_reference:
-            ref_dir = self.run_dir / "reference"
-            if fresh:
-                self.strategy.export_weights(ref_dir)
-            self.strategy.init_reference(ref_dir)
-        if fresh and algo.critic != "none":
-            self.strategy.init_critic()
-
-    # ----------------------------------------------------------------- batches
-
-    def add(self, sample: ev.ScoredSample) -> None:
-        sid = sample.generation.task.sample_id
-        if sid in self.decided:
+    async def on_start(self, runner: Runner) -> None:
+        self.runner = runner
+        if self.load_checkpoint():
+            log.info("resumed from checkpoint at step %d", self.strategy.step)
+            await runner.send("weights", await self.weights_event(), key="latest")
             return
-        group = self.groups.setdefault(sample.generation.task.group_id, [])
-        if any(s.generation.task.sample_id == sid for s in group):
-            return  # redelivered duplicate
-        group.append(sample)
+        await runner.send("metrics", await self.eval_event("init"), key="0")
+        losses = await asyncio.to_thread(self.warm_up)
+        if losses:
+            log.info("warm-up: %d steps, loss %.3f -> %.3f", len(losses), losses[0], losses[-1])
+        await asyncio.to_thread(self.setup_algorithm_models, True)
+        await asyncio.to_thread(self.save_checkpoint)  # step 0: what replay starts from
+        await runner.send("weights", await self.weights_event(), key="latest")
+        await runner.send("metrics", await self.eval_event("heldout"), key="0")
 
-    def ready_groups(self) -> list[str] | None:
-        """Group ids of the next batch (complete groups, arrival order), or None if not enough."""
-        return ready_groups(self.groups, self.cfg.train.batch_size)
+    async def on_assigned(self, runner: Runner, tps: set[TopicPartition]) -> None:
+        """Continue exactly at the trainer's own positions (the checkpoint's after a resume)."""
+        for tp in tps:
+            if tp in self.positions:
+                runner.consumer.seek(tp, self.positions[tp])
+
+    async def handle_batch(self, records: list[Record], ctx: BatchContext) -> None:
+        """Take in the poll's scored samples, dead letters and control events, then train as far
+        as complete groups allow."""
+        self.positions.update(next_offsets(ctx.polled))
+        for letter in ctx.dead_letters:  # undecodable scored records the runtime dead-lettered
+            self.buffer.dead_letter(letter.sample_id, letter.group_id)
+        for rec in records:
+            event = rec.event
+            if isinstance(event, ev.ScoredSample):
+                why = check_scored(event)
+                if why is None:
+                    self.buffer.add(event)
+                else:
+                    ctx.reject(rec, why)
+                    self.buffer.dead_letter(event.generation.task.sample_id, event.generation.task.group_id)
+            elif isinstance(event, ev.DeadLetter):
+                if self.buffer.dead_letter(event.sample_id, event.group_id):
+                    log.info("sample %s dead-lettered by %s (%s): its group completes without it",
+                             event.sample_id, event.service, event.error)
+            elif isinstance(event, ev.RunFinished):
+                self.finished = True
+        await self.advance(ctx)
+
+    async def on_tick(self, runner: Runner) -> None:
+        if self.finished:
+            runner.stop.set()
+        elif not runner.last_polled:  # e.g. a resumed buffer that already fills a batch
+            ctx = BatchContext(runner, [])
+            await self.advance(ctx)
+            await ctx.flush()
+
+    # ----------------------------------------------------------------- steps
+
+    async def advance(self, ctx: BatchContext) -> None:
+        """Filter complete groups, train while complete groups fill a batch, drain at the end."""
+        cfg = self.cfg
+        if self.drained:
+            self._close_leftovers(ctx)
+            return
+        self._filter_complete_groups(ctx)
+        while self.strategy.step < cfg.train.steps and (
+                gids := select_groups(self.buffer.groups, self.buffer.complete_ids(), cfg.train.batch_size)) is not None:
+            await self.train_once(gids, ctx)
+            step = self.strategy.step
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+                ctx.emit("metrics", await self.eval_event("heldout"), key=str(step))
+            if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
+                await self._checkpoint(ctx)
+        if self.strategy.step >= cfg.train.steps:
+            ctx.emit("metrics", await self.eval_event("heldout"), key=str(self.strategy.step))
+            await self._checkpoint(ctx)
+            ctx.emit("control", ev.Drain(run_id=self.s.run_id, reason="training complete"))
+            self.drained = True
+            self._close_leftovers(ctx)
 
     def outcome(self, s: ev.ScoredSample, status: ev.SampleStatus, reason: str = "", step: int = -1) -> ev.SampleOutcome:
-        self.decided.add(s.generation.task.sample_id)
+        self.buffer.decide(s.generation.task.sample_id)
         return ev.SampleOutcome(
             run_id=self.s.run_id, sample_id=s.generation.task.sample_id, group_id=s.generation.task.group_id,
             status=status, reason=reason, policy_version=s.generation.policy_version,
@@ -318,7 +176,7 @@ class Trainer:
     def train_batch(self, batch: list[ev.ScoredSample]) -> dict[str, float]:
         """One optimizer step on an assembled batch (no Kafka): every metric of the step.
 
-        ``replay --train-step`` calls this on a batch rebuilt from the record after restoring the
+        ``replay step`` calls this on a batch rebuilt from the record after restoring the
         checkpoint the step started from, so it must depend only on the batch and that state.
         """
         t0 = time.perf_counter()
@@ -334,140 +192,62 @@ class Trainer:
         metrics["perf/train_tokens_per_s"] = metrics.get("train/tokens", 0.0) / max(1e-9, metrics["perf/step_s"])
         return metrics
 
-    async def train_once(self, group_ids: list[str], producer: Producer) -> dict[str, float]:
+    async def train_once(self, group_ids: list[str], ctx: BatchContext) -> dict[str, float]:
+        """Assemble the batch of these groups, train one step, send its outputs (acknowledged)."""
         cfg = self.cfg
-        outcomes: list[ev.SampleOutcome] = []
-        self._kept_groups.difference_update(group_ids)
-        batch, rejected = assemble(
-            [self.groups.pop(gid) for gid in group_ids], self.version, cfg.train.max_staleness, cfg.algorithm)
-        outcomes += [self.outcome(smp, status, reason) for smp, status, reason in rejected]
-        hist = Counter(self.version - smp.generation.policy_version for smp in batch)
-        metrics: dict[str, float] = {}
+        dead = {gid: self.buffer.dead_count(gid) for gid in group_ids}
+        batch, rejected = assemble(self.buffer.take(group_ids), self.version, cfg.train.max_staleness,
+                                   cfg.algorithm, dead=dead)
         step = self.strategy.step
+        outcomes = [self.outcome(r.sample, r.status, r.reason) for r in rejected]
+        metrics: dict[str, float] = {}
         if batch:
+            hist = Counter(self.version - smp.generation.policy_version for smp in batch)
             metrics = await asyncio.to_thread(self.train_batch, batch)
             outcomes += [self.outcome(s, "trained", step=step) for s in batch]
             trained_version = self.version
             self.version += 1
-            await self.publish_weights(producer)
-            await producer.send_and_wait(topic_name(self.s.run_id, "metrics"), ev.TrainStep(
+            ctx.emit("weights", await self.weights_event(), key="latest")
+            ctx.emit("metrics", ev.TrainStep(
                 run_id=self.s.run_id, step=step, policy_version=trained_version, metrics=metrics,
                 sample_ids=[s.generation.task.sample_id for s in batch], staleness_hist=dict(hist),
             ), key=str(step))
-        metrics_topic = topic_name(self.s.run_id, "metrics")
-        futs = [await producer.send(metrics_topic, o, key=str(step)) for o in outcomes]
-        for f in futs:
-            await f
+        for o in outcomes:
+            ctx.emit("metrics", o, key=str(step))
+        await ctx.flush()
         return metrics
 
-    async def publish_eval(self, producer: Producer, split: str) -> None:
-        metrics = await self.evaluate(split)
-        await producer.send_and_wait(topic_name(self.s.run_id, "metrics"), ev.EvalResult(
-            run_id=self.s.run_id, step=self.strategy.step, policy_version=self.version, split=split, metrics=metrics,
-        ), key=str(self.strategy.step))
-        log.info("eval %s step %d: accuracy %.3f", split, self.strategy.step, metrics["eval/accuracy"])
+    def _filter_complete_groups(self, ctx: BatchContext) -> None:
+        """Reject complete groups that cannot be trained as soon as they complete (fewer than 2
+        members, or ``algorithm.dynamic_filter``): recorded as ``filtered``, out of the buffer,
+        so only kept groups count towards the next batch (the feeder issues replacements)."""
+        algo = self.cfg.algorithm if self.cfg.algorithm.dynamic_filter != "none" else None
+        for gid in [g for g in self.buffer.groups if g not in self.buffer.kept and self.buffer.complete(g)]:
+            reason = group_reject_reason(self.buffer.groups[gid], algo, self.buffer.dead_count(gid))
+            if reason is None:
+                self.buffer.kept.add(gid)
+                continue
+            for members in self.buffer.take([gid]):
+                for s in members:
+                    ctx.emit("metrics", self.outcome(s, "filtered", reason), key=gid)
 
-    # ----------------------------------------------------------------- main loop
+    def _close_leftovers(self, ctx: BatchContext) -> None:
+        for s in self.buffer.take_all():
+            ctx.emit("metrics", self.outcome(s, "filtered", "run finished: arrived after the last step"))
+
+    async def _checkpoint(self, ctx: BatchContext) -> None:
+        """Checkpoint once every output so far is acknowledged, then commit its positions."""
+        await ctx.flush()
+        await asyncio.to_thread(self.save_checkpoint)
+        if self.runner is not None:
+            await self.runner.commit(dict(self.positions))
+
+    # ----------------------------------------------------------------- running
 
     async def run(self, stop: asyncio.Event | None = None) -> int:
-        stop = stop or asyncio.Event()
-        cfg, run_id = self.cfg, self.s.run_id
-        producer = Producer(cfg.kafka, client_suffix="trainer")
-        consumer = Consumer(cfg.kafka, group_id=f"rs-trainer-{run_id}",
-                            topics=[topic_name(run_id, "scored"), topic_name(run_id, "control")],
-                            auto_offset_reset="earliest", client_suffix="trainer", max_poll_interval_ms=1_800_000)
-        await producer.start()
-        await consumer.start()
-        try:
-            resumed = self.load_checkpoint()
-            if resumed:
-                log.info("resumed from checkpoint at step %d", self.strategy.step)
-                await self.publish_weights(producer)
-            else:
-                await self.publish_eval(producer, "init")
-                losses = await asyncio.to_thread(self.warm_up)
-                if losses:
-                    log.info("warm-up: %d steps, loss %.3f -> %.3f", len(losses), losses[0], losses[-1])
-                await asyncio.to_thread(self.setup_algorithm_models, True)
-                await asyncio.to_thread(self.save_checkpoint)  # step 0: what replay starts from
-                await self.publish_weights(producer)
-                await self.publish_eval(producer, "heldout")
-            await self._seek(consumer)
-            drained = finished = False
-            while not stop.is_set() and not finished:
-                for rec in await consumer.getmany(timeout_ms=int(self.s.poll_timeout_s * 1000), max_records=500):
-                    self.positions[rec.tp] = rec.offset + 1
-                    if isinstance(rec.event, ev.RunFinished):
-                        finished = True
-                    elif isinstance(rec.event, ev.ScoredSample):
-                        self.add(rec.event)
-                if drained:
-                    await self._close_leftovers(producer)
-                    continue
-                await self._filter_complete_groups(producer)
-                while (groups := self.ready_groups()) is not None and self.strategy.step < cfg.train.steps:
-                    await self.train_once(groups, producer)
-                    step = self.strategy.step
-                    if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
-                        await self.publish_eval(producer, "heldout")
-                    if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
-                        await self._checkpoint(consumer)
-                if self.strategy.step >= cfg.train.steps and not drained:
-                    await self.publish_eval(producer, "heldout")
-                    await self._checkpoint(consumer)
-                    await producer.send_and_wait(topic_name(run_id, "control"),
-                                                 ev.Drain(run_id=run_id, reason="training complete"))
-                    drained = True
-                    await self._close_leftovers(producer)
-        finally:
-            await consumer.stop()
-            await producer.stop()
+        """Train until the run finished (or until stopped); the last step."""
+        await Runner(self, self.service_settings(), stop).run()
         return self.strategy.step
-
-    async def _filter_complete_groups(self, producer: Producer) -> None:
-        """Apply ``algorithm.dynamic_filter`` to groups as soon as they are complete: a rejected
-        group is recorded as ``filtered`` and leaves the buffer, so only kept groups count towards
-        the next batch (the feeder issues replacements; the batch still fills)."""
-        if self.cfg.algorithm.dynamic_filter == "none":
-            return
-        rejected: list[ev.SampleOutcome] = []
-        for gid in list(self.groups):
-            members = self.groups[gid]
-            if gid in self._kept_groups or len(members) < members[0].generation.task.group_size:
-                continue
-            reason = group_filter_reason(self.cfg.algorithm, [s.reward for s in members])
-            if reason is None:
-                self._kept_groups.add(gid)
-            else:
-                rejected += [self.outcome(s, "filtered", reason) for s in self.groups.pop(gid)]
-        topic = topic_name(self.s.run_id, "metrics")
-        futs = [await producer.send(topic, o, key=o.group_id) for o in rejected]
-        for f in futs:
-            await f
-
-    async def _close_leftovers(self, producer: Producer) -> None:
-        leftovers = [s for g in self.groups.values() for s in g]
-        self.groups.clear()
-        topic = topic_name(self.s.run_id, "metrics")
-        futs = [await producer.send(topic, self.outcome(s, "filtered", "run finished: arrived after the last step"))
-                for s in leftovers]
-        for f in futs:
-            await f
-
-    async def _checkpoint(self, consumer: Consumer) -> None:
-        await asyncio.to_thread(self.save_checkpoint)
-        await consumer.commit(dict(self.positions))
-
-    async def _seek(self, consumer: Consumer) -> None:
-        """After a resume, continue exactly at the checkpoint's positions."""
-        if not self.positions:
-            return
-        deadline = time.monotonic() + 30
-        while not consumer.assignment() and time.monotonic() < deadline:
-            await consumer.getmany(timeout_ms=200, max_records=1)  # joins the group; records re-read below
-        for tp, off in self.positions.items():
-            if tp in consumer.assignment():
-                consumer.seek(tp, off)
 
 
 async def run(settings: TrainerSettings, stop: asyncio.Event | None = None) -> int:

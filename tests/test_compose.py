@@ -1,6 +1,7 @@
 """compose/docker-compose.yml agrees with the code: Kafka version and listeners, the broker
-settings of the local stack, the environment variables the CLI reads, ClickHouse's HTTP port.
-Only parses files; no Docker is run."""
+settings of the local stack, ClickHouse's HTTP port, and every rollstream container's command,
+environment and volumes as the real CLI parses and needs them. Only parses files; no Docker
+is run."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import typer
+import typer.main
 import yaml
 from clickhouse_connect.driver import default_port
 
@@ -18,7 +21,8 @@ from services.store import check_dsn
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
-ROLLSTREAM_SERVICES = ("feeder", "rollout", "env", "reward", "trainer", "recorder")
+ROLLSTREAM_SERVICES = ("prepare", "feeder", "rollout", "reward", "trainer", "recorder")
+RUN_SERVICES = ROLLSTREAM_SERVICES[1:]
 
 
 @pytest.fixture(scope="module")
@@ -138,17 +142,90 @@ def test_clickhouse_http_port_and_store_dsn(compose: dict[str, Any]) -> None:
         assert check_dsn(dsn) == "http"
 
 
-def test_services_use_the_cli_and_its_environment(compose: dict[str, Any]) -> None:
+def _interpolate(arg: str) -> str:
+    """Compose's ``${VAR:-default}`` with VAR unset: the default."""
+    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", arg)
+
+
+def _parse_with_cli(argv: list[str]) -> list[Any]:
+    """Parse ``argv`` (without the program name) with the real rollstream CLI, down to the leaf
+    command, without running anything; returns the contexts from the root to the leaf. Raises
+    click's usage errors for an unknown command or option, a missing argument or a bad value."""
+    from services.cli import app
+
+    cmd: Any = typer.main.get_command(app)
+    ctx = cmd.make_context("rollstream", list(argv))
+    contexts = [ctx]
+    while hasattr(cmd, "resolve_command"):  # a group (typer ships its own click classes)
+        args = [*ctx._protected_args, *ctx.args]
+        name, sub, rest = cmd.resolve_command(ctx, args)
+        assert sub is not None and name is not None, argv
+        cmd = sub
+        ctx = sub.make_context(name, rest, parent=ctx)
+        contexts.append(ctx)
+    return contexts
+
+
+def _cli_envvars() -> set[str]:
+    from services.cli import app
+
+    root = typer.main.get_command(app)
+    names: set[str] = set()
+    for p in root.params:
+        env = getattr(p, "envvar", None)
+        names.update([env] if isinstance(env, str) else list(env or []))
+    return names
+
+
+def test_every_container_command_parses_with_the_real_cli(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    cli = (ROOT / "services" / "cli.py").read_text()
+    for name in ROLLSTREAM_SERVICES:
+        command = [_interpolate(str(a)) for a in services[name]["command"]]
+        assert command[0] == "rollstream", name
+        contexts = _parse_with_cli(command[1:])
+        leaf = contexts[-1]
+        if name == "prepare":
+            assert leaf.info_name == "run" and leaf.params["prepare_only"] is True
+            assert (ROOT / leaf.params["config"]).is_file(), f"{leaf.params['config']} is not in the repository"
+        else:
+            assert leaf.info_name == "service" and leaf.params["name"] == name, command
+            assert leaf.params["run"] == "demo"
+
+
+def test_compose_runs_every_service_the_cli_offers(compose: dict[str, Any]) -> None:
+    """No container for a service that does not exist (the old `env`), none missing."""
+    from services.cli import SERVICES
+
+    assert set(RUN_SERVICES) == set(SERVICES), f"compose: {RUN_SERVICES}, CLI: {SERVICES}"
+    assert "env" not in compose["services"]
+
+
+def test_containers_get_the_environment_and_volumes_they_need(compose: dict[str, Any]) -> None:
+    from schemas.config import RunConfig
+
+    services = compose["services"]
+    dockerfile = (ROOT / "compose" / "Dockerfile").read_text()
+    workdir = re.findall(r"^WORKDIR\s+(\S+)", dockerfile, re.M)[-1]
+    runs_dir = str(Path(workdir) / RunConfig().run.runs_dir)
+    readable = _cli_envvars()
     for name in ROLLSTREAM_SERVICES:
         svc = services[name]
         assert svc["build"]["dockerfile"] == "compose/Dockerfile" and svc["build"]["context"] == ".."
-        assert svc["command"][:3] == ["rollstream", "service", name]
-        assert "--run" in svc["command"]
-        assert {"kafka", "clickhouse"} <= set(svc["depends_on"])
-        for var in _env(svc):
+        env = _env(svc)
+        for var in ("ROLLSTREAM_BOOTSTRAP", "ROLLSTREAM_STORE"):
+            assert var in env, f"{name} lacks {var}"
+        for var in env:
             if var.startswith("ROLLSTREAM_"):
-                assert re.search(rf"envvar=[\"']{var}[\"']", cli), f"the CLI does not read {var}"
+                assert var in readable, f"{name}: the CLI does not read {var}"
+        mounts = {str(v).split(":")[1]: str(v).split(":")[0] for v in svc.get("volumes", [])}
+        # config.yaml, the model, weights and checkpoints live in the run directory, shared by all
+        assert mounts.get(runs_dir) == "runs", f"{name} does not mount the runs volume at {runs_dir}"
+        assert "runs" in compose["volumes"]
+        assert {"kafka", "clickhouse"} <= set(svc["depends_on"])
+    prepare = services["prepare"]
+    assert prepare.get("restart") == "no", "prepare is one-shot"
+    assert _env(prepare) and str(Path(workdir) / "examples") in [str(v).split(":")[1] for v in prepare["volumes"]]
+    for name in RUN_SERVICES:
+        dep = services[name]["depends_on"].get("prepare")
+        assert dep == {"condition": "service_completed_successfully"}, f"{name} must wait for prepare"
     assert stack.BOOTSTRAP_ENV == "ROLLSTREAM_BOOTSTRAP" and stack.HOME_ENV == "ROLLSTREAM_HOME"
-    assert (ROOT / "compose" / "Dockerfile").is_file()

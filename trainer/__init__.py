@@ -10,9 +10,9 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "grpo_advantages": "trainer.algos",
-    "ppo_clip_loss": "trainer.algos",
-    "masked_mean": "trainer.algos",
+    "grpo_advantages": "trainer.advantages",
+    "masked_mean": "trainer.losses",
+    "entropy_from_logits": "trainer.losses",
     **{
         name: "trainer.advantages"
         for name in (
@@ -57,7 +57,8 @@ _EXPORTS = {
     "TokenBatch": "trainer.batch",
     "collate": "trainer.batch",
     "samples_from_scored": "trainer.batch",
-    "split_stale": "trainer.batch",
+    **{name: "trainer.batch" for name in ("split_stale", "group_complete", "group_reject_reason", "select_groups",
+                                           "assemble", "Rejection")},
     "Strategy": "trainer.strategy",
     "TorchStrategy": "trainer.strategy",
     "make_strategy": "trainer.factory",

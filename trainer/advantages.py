@@ -1,6 +1,6 @@
 """Advantage estimators and reward shaping as pure tensor functions. Shapes in comments.
 
-Conventions (as in :mod:`trainer.algos`): ``B`` samples, ``T`` response-token positions, ``mask``
+Conventions (as in :mod:`trainer.losses`): ``B`` samples, ``T`` response-token positions, ``mask``
 (B, T) is 1 on trained tokens. Outcome estimators take one reward per sample ``rewards`` (B,) and
 integer ``group_ids`` (B,) (samples of the same prompt share an id; any order, any group sizes)
 and return one advantage per sample (B,), which the loss broadcasts over the sample's tokens.
@@ -15,8 +15,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-
-from trainer.algos import grpo_advantages, grpo_advantages_reference
 
 NormType = Literal["batch", "group", "none"]
 
@@ -150,6 +148,56 @@ def normalize_rewards(
 
 
 # --------------------------------------------------------------------------- outcome estimators
+
+
+def grpo_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor | None = None,
+    norm_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Group-relative advantages, one per sample.
+
+    Either ``rewards`` (N,) with integer ``group_ids`` (N,) (any order, any group sizes), or
+    ``rewards`` (G, n) with ``group_ids=None`` (row = group). Returns the same shape as
+    ``rewards``: ``(r - mean_g) / (std_g + eps)`` (or ``r - mean_g`` when ``norm_std`` is False),
+    with ``std_g`` the unbiased std of the group (0 for a group of one).
+    """
+    if group_ids is None:
+        if rewards.dim() != 2:
+            raise ValueError("rewards must be (G, n) when group_ids is None")
+        flat_ids = torch.arange(rewards.shape[0]).repeat_interleave(rewards.shape[1])  # (G*n,)
+        return grpo_advantages(rewards.reshape(-1), flat_ids, norm_std, eps).reshape(rewards.shape)
+    r = rewards.float()  # (N,)
+    _, inv = torch.unique(group_ids, return_inverse=True)  # inv (N,) in 0..K-1
+    k = int(inv.max()) + 1 if inv.numel() else 0
+    count = torch.zeros(k).index_add_(0, inv, torch.ones_like(r))  # (K,)
+    mean = torch.zeros(k).index_add_(0, inv, r) / count  # (K,)
+    centred = r - mean[inv]  # (N,)
+    if not norm_std:
+        return centred
+    sq = torch.zeros(k).index_add_(0, inv, centred**2)  # (K,)
+    std = (sq / (count - 1).clamp(min=1)).sqrt()  # (K,) unbiased; 0 for singletons
+    return centred / (std[inv] + eps)  # (N,)
+
+
+def grpo_advantages_reference(
+    rewards: list[float], group_ids: list[int] | list[str], norm_std: bool = True, eps: float = 1e-6
+) -> list[float]:
+    """Plain-loop GRPO advantages (the definition, for testing :func:`grpo_advantages`)."""
+    groups: dict[object, list[float]] = {}
+    for r, g in zip(rewards, group_ids, strict=True):
+        groups.setdefault(g, []).append(r)
+    out = []
+    for r, g in zip(rewards, group_ids, strict=True):
+        members = groups[g]
+        mean = sum(members) / len(members)
+        if not norm_std:
+            out.append(r - mean)
+            continue
+        var = sum((m - mean) ** 2 for m in members) / max(len(members) - 1, 1)
+        out.append((r - mean) / (var**0.5 + eps))
+    return out
 
 
 def dr_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:

@@ -109,7 +109,7 @@ def normalize(
     """``(r − mean) / (std + eps)`` with each statistic over the batch, the group, all batches so
     far (``running``, this batch included) or not at all.  r, group_ids (B,) -> (B,).
 
-    std is unbiased (0 for a single sample), as in :func:`trainer.algos.grpo_advantages`.
+    std is unbiased (0 for a single sample), as in :func:`trainer.advantages.grpo_advantages`.
     """
     r = r.float()
     if "running" in (mean_type, std_type):
@@ -388,7 +388,7 @@ def policy_loss(
 
 def sample_advantages(cfg: AlgorithmConfig, rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """One advantage per sample from rewards alone (B,) -> (B,), for reports such as
-    ``replay --rescore``: the outcome estimators exactly; for token-level estimators the value of
+    ``replay rescore``: the outcome estimators exactly; for token-level estimators the value of
     the sample's last token with no KL and no critic (``gae``: values 0)."""
     mask = torch.ones(rewards.shape[0], 1)
     state = initial_state(cfg)

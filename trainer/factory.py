@@ -16,13 +16,23 @@ if TYPE_CHECKING:
     from trainer.strategy import Strategy
 
 
+NOT_IMPLEMENTED = {
+    "fsdp2": "it will need only torch, already installed",
+    "megatron": "it will need the megatron extra, pip install 'rollstream[megatron]' for megatron-core, and CUDA GPUs",
+}
+"""Strategies the config schema names that this version does not implement, and what they will need."""
+
+
 def check_strategy(cfg: RunConfig) -> None:
-    """Raise :class:`ConfigError` (one line) unless ``train.strategy`` can run here."""
+    """Raise :class:`ConfigError` (one line naming the key, the value and what to use instead)
+    unless ``train.strategy`` can run here. Cheap: imports no strategy."""
     strategy = cfg.train.strategy
     if strategy == "torch":
         return
+    need = NOT_IMPLEMENTED.get(strategy, "")
     raise ConfigError(
-        f"train.strategy={strategy!r} is not implemented in this version of rollstream; use train.strategy=torch"
+        f"config: train.strategy={strategy!r} is not implemented in this version of rollstream"
+        + (f" ({need})" if need else "") + "; use train.strategy=torch (single process, CPU or one GPU)"
     )
 
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.algos import masked_mean
 from trainer.batch import TokenBatch, TrainSample, collate
-from trainer.strategy import token_logprobs
+from trainer.logprobs import token_logprobs
+from trainer.losses import masked_mean
 
 
 @dataclass(frozen=True)

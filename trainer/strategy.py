@@ -36,6 +36,7 @@ import math
 import os
 import random
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -47,53 +48,56 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from schemas.config import AlgorithmConfig
 from trainer import algorithm as alg
 from trainer import losses as L
-from trainer.algos import entropy_from_logits, masked_mean
 from trainer.batch import TokenBatch, TrainSample, collate
+from trainer.logprobs import token_logprobs
+from trainer.losses import entropy_from_logits, masked_mean
+from trainer.sft import SFTExample, sft_warmup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @runtime_checkable
 class Strategy(Protocol):
-    """What the trainer service needs from a training backend."""
+    """What the services (:mod:`services.trainer_service`, and replay through it) call on a
+    training backend: exactly these members, nothing else."""
 
     step: int
+    """Optimizer steps taken (the number of the next step)."""
 
-    def logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        """Token logprobs of ``batch`` under the current weights, (B, L - 1), no grad."""
+    tokenizer: Any
+    """The model's Hugging Face tokenizer (prompts and warm-up targets are encoded with it)."""
+
+    def warmup(self, batches: Iterable[list[SFTExample]], *, lr: float, grad_clip: float) -> list[float]:
+        """Supervised warm-up of the policy, one step per batch (own optimizer); return the
+        losses. The policy is left in training mode."""
         ...
 
-    def backward(self, micro: TokenBatch, share: float) -> dict[str, float]:
-        """Loss of one prepared micro-batch times ``share`` (its part of the batch); ``backward()``."""
+    def init_reference(self, path: str | Path | None = None) -> None:
+        """Load the frozen reference policy (the weights at ``path``, or a copy of the current ones)."""
         ...
 
-    def optimizer_step(self) -> dict[str, float]:
-        """Clip, step, zero the gradients; ``step += 1``."""
+    def init_critic(self) -> None:
+        """Create the critic the algorithm asks for (none: no-op)."""
         ...
 
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
-        """One full optimizer step over ``samples`` (micro-batched)."""
+        """One full optimizer step over ``samples`` (micro-batched); its metrics."""
         ...
 
-    def save_checkpoint(self, path: str | Path) -> Path: ...
+    def save_checkpoint(self, path: str | Path) -> Path:
+        """Everything needed to resume (weights, optimizer, critic, algorithm state, RNG, step)."""
+        ...
 
-    def load_checkpoint(self, path: str | Path) -> int: ...
+    def load_checkpoint(self, path: str | Path) -> int:
+        """Restore :meth:`save_checkpoint`'s state; return the step."""
+        ...
 
-    def export_weights(self, path: str | Path) -> tuple[Path, str]: ...
+    def export_weights(self, path: str | Path) -> tuple[Path, str]:
+        """Write the weights as a complete HF directory; return it and its sha256."""
+        ...
 
 
 # --------------------------------------------------------------------------- pure helpers
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``log_softmax(logits[:, :-1] / T)`` at the next tokens ``input_ids[:, 1:]``.
-
-    logits (B, L, V), input_ids (B, L) -> (B, L - 1) float32. Same distribution as the rollout
-    engine's behaviour logprobs (:mod:`rollout.sampling`).
-    """
-    scaled = logits[:, :-1].float() / temperature  # (B, L - 1, V)
-    targets = input_ids[:, 1:].unsqueeze(-1)  # (B, L - 1, 1)
-    return scaled.gather(-1, targets).squeeze(-1) - torch.logsumexp(scaled, dim=-1)  # (B, L - 1)
 
 
 def weights_sha256(path: str | Path) -> str:
@@ -237,6 +241,17 @@ class TorchStrategy:
         self.critic.train()
         lr = self.algo.critic_lr if self.algo.critic_lr is not None else self.base_lr * 10
         self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=lr, betas=self.betas)
+
+    # ----------------------------------------------------------------- supervised warm-up
+
+    def warmup(self, batches: Iterable[list[SFTExample]], *, lr: float, grad_clip: float) -> list[float]:
+        """Supervised warm-up of the policy (:func:`trainer.sft.sft_warmup`: its own AdamW at a
+        constant ``lr``, one step per batch); the RL optimizer's state is untouched and the
+        policy is left in training mode. Returns the loss of every step."""
+        try:
+            return sft_warmup(self.model, batches, lr=lr, pad_id=self.pad_id, grad_clip=grad_clip)
+        finally:
+            self.model.train()
 
     # ----------------------------------------------------------------- forward passes
 

@@ -2,23 +2,14 @@
 
 What this module does (and nothing at import time):
 
-* :func:`ensure_kafka_jars` runs Maven once on ``infra/kafka/pom.xml`` to copy the Apache Kafka
-  broker and its runtime dependencies into a per-user cache (``~/.cache/rollstream`` or
-  ``$ROLLSTREAM_CACHE``). A marker file written after a complete copy makes later calls return
-  at once; editing the pom invalidates it.
+* :func:`ensure_kafka_jars` (:mod:`services.kafka.jars`) runs Maven once on
+  ``infra/kafka/pom.xml`` to copy the Apache Kafka broker and its runtime dependencies into a
+  per-user cache (``~/.cache/rollstream`` or ``$ROLLSTREAM_CACHE``).
 * :func:`start_local_kafka` runs one broker+controller JVM on ``127.0.0.1`` whose state lives in
-  a "home" directory (``./.rollstream`` or ``$ROLLSTREAM_HOME``)::
-
-      <home>/kafka/state.json        the running broker (pid, ports, ...); absent when stopped
-      <home>/kafka/server.properties generated at every start (edits are overwritten)
-      <home>/kafka/server.overrides.properties   optional, yours: merged over the generated file
-      <home>/kafka/cluster.id        the KRaft cluster id, created on the first start
-      <home>/kafka/data/             the Kafka log directory (topics survive restarts)
-      <home>/logs/kafka.log          the broker's stdout+stderr (previous start: kafka.log.1)
-      <home>/logs/kafka-format.log   output of the one-time storage format
-
-* :func:`stop_local_kafka`, :func:`local_kafka`, :func:`kafka_reachable` and
-  :func:`resolve_bootstrap` manage and find it.
+  a "home" directory (``./.rollstream`` or ``$ROLLSTREAM_HOME``; its layout is described in
+  :mod:`services.kafka.home`).
+* :func:`stop_local_kafka`, :func:`local_kafka`, :func:`kafka_reachable`
+  (:mod:`services.kafka.probe`) and :func:`resolve_bootstrap` manage and find it.
 
 Every failure a user can cause or fix is a :class:`StackError` whose message is one line saying
 what failed and what to do or which log to read. Every wait is bounded. POSIX only (Linux,
@@ -29,22 +20,39 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import fcntl
-import hashlib
-import ipaddress
 import json
 import os
-import re
 import shutil
 import signal
 import socket
-import struct
 import subprocess
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from services.kafka.home import (
+    HOME_ENV,
+    HOST,
+    KAFKA_VERSION,
+    StackError,
+    exit_reason,
+    file_lock,
+    home_dir,
+    kafka_dir,
+    kafka_log_path,
+    log_error,
+    norm_home,
+    previous_ports,
+    props_path,
+    server_properties,
+    state_path,
+    write_atomic,
+    write_server_properties,
+)
+from services.kafka.home import server_properties as _server_properties  # noqa: F401  (tests/test_compose.py)
+from services.kafka.jars import CACHE_ENV, INFRA_DIR, ensure_kafka_jars, jar_cache_dir
+from services.kafka.probe import BOOTSTRAP_ENV, bootstrap_from_env, kafka_reachable
 
 __all__ = [
     "BOOTSTRAP_ENV",
@@ -63,20 +71,6 @@ __all__ = [
     "stop_local_kafka",
 ]
 
-KAFKA_VERSION = "4.1.1"
-"""Apache Kafka version of the local broker; equals ``kafka.version`` in infra/kafka/pom.xml and
-the ``apache/kafka`` image tag in compose/docker-compose.yml (tests/test_compose.py checks)."""
-
-BOOTSTRAP_ENV = "ROLLSTREAM_BOOTSTRAP"
-"""Environment variable naming the Kafka bootstrap servers (``host:port[,host:port]``)."""
-HOME_ENV = "ROLLSTREAM_HOME"
-"""Environment variable naming the local stack's state directory."""
-CACHE_ENV = "ROLLSTREAM_CACHE"
-"""Environment variable naming the per-user download cache (Kafka jars)."""
-
-HOST = "127.0.0.1"
-"""The local broker listens on loopback only."""
-
 JVM_OPTS: tuple[str, ...] = (
     "-Xms256m",
     "-Xmx512m",
@@ -89,20 +83,11 @@ JVM_OPTS: tuple[str, ...] = (
 )
 """JVM flags of the broker: a small heap for laptops and CI (Kafka's own G1 settings)."""
 
-_INFRA_DIR = Path(__file__).resolve().parents[2] / "infra" / "kafka"
-_POM = _INFRA_DIR / "pom.xml"
-_LOG4J = _INFRA_DIR / "log4j2.yaml"
-_MARKER = ".rollstream-complete"
-_MVN_TIMEOUT_S = 900.0
+_LOG4J = INFRA_DIR / "log4j2.yaml"
 _FORMAT_TIMEOUT_S = 120.0
-_CACHE_LOCK_WAIT_S = _MVN_TIMEOUT_S + 60.0
 
 # Brokers this process started, so that their exit is reaped (a zombie still "exists" for kill 0).
 _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
-
-
-class StackError(RuntimeError):
-    """A local-stack problem, as one line for the user (what failed, what to do or which log)."""
 
 
 @dataclass(frozen=True)
@@ -125,129 +110,6 @@ class KafkaProcess:
     """Unix time at which the JVM was launched."""
 
 
-# --------------------------------------------------------------------------- paths
-
-
-def home_dir(override: str | None = None) -> Path:
-    """The local stack's state directory: ``override``, else ``$ROLLSTREAM_HOME``, else
-    ``./.rollstream`` (relative to the current directory). Absolute; not created here."""
-    raw = override or os.environ.get(HOME_ENV) or ".rollstream"
-    return Path(raw).expanduser().absolute()
-
-
-def jar_cache_dir() -> Path:
-    """Where the Kafka jars go: ``$ROLLSTREAM_CACHE`` (else ``~/.cache/rollstream``) then
-    ``kafka-<KAFKA_VERSION>/libs``. Not created here."""
-    base = os.environ.get(CACHE_ENV) or str(Path.home() / ".cache" / "rollstream")
-    return Path(base).expanduser().absolute() / f"kafka-{KAFKA_VERSION}" / "libs"
-
-
-def _kafka_dir(home: Path) -> Path:
-    return home / "kafka"
-
-
-def _state_path(home: Path) -> Path:
-    return _kafka_dir(home) / "state.json"
-
-
-def _props_path(home: Path) -> Path:
-    return _kafka_dir(home) / "server.properties"
-
-
-def _log_path(home: Path) -> Path:
-    return home / "logs" / "kafka.log"
-
-
-def _norm_home(home: Path | str) -> Path:
-    return Path(home).expanduser().absolute()
-
-
-# --------------------------------------------------------------------------- small helpers
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path, wait_s: float, what: str) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``path`` (created if needed), waiting at most ``wait_s``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by children (O_CLOEXEC)
-    try:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise StackError(
-                        f"another rollstream process is busy with {what} (lock {path} held for "
-                        f"{wait_s:.0f} s); wait for it to finish and try again"
-                    ) from None
-                time.sleep(0.1)
-        yield
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _tail_lines(path: Path, max_bytes: int = 256 * 1024) -> list[str]:
-    """The last ``max_bytes`` of a text file as lines ([] if it cannot be read)."""
-    try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            data = f.read()
-    except OSError:
-        return []
-    return data.decode("utf-8", "replace").splitlines()
-
-
-_LOG4J_LINE = re.compile(r"^\[\d{4}-\d\d-\d\d [^\]]*\] ")
-_ERROR_LINE = re.compile(r"^\[[^\]]*\] (ERROR|FATAL) ")
-_EXC_LINE = re.compile(r"^(Caused by: )?[A-Za-z_$][\w$]*(\.[\w$]+)+(Exception|Error)\b")
-_JVM_ERROR = re.compile(r"^(Error: |Exception in thread |Error occurred during initialization)")
-
-
-def _log_error(path: Path) -> str | None:
-    """The last error a log shows, as one line (None if it shows none): the last log4j
-    ERROR/FATAL line (timestamp cut) joined with the deepest exception ("Caused by: ...") printed
-    under it; else the last JVM-level error or exception line. Cut to 400 characters."""
-    lines = _tail_lines(path)
-    idx = next((i for i in range(len(lines) - 1, -1, -1) if _ERROR_LINE.match(lines[i])), None)
-    if idx is not None:
-        head = _LOG4J_LINE.sub("", lines[idx]).strip()
-        cause = ""
-        for line in lines[idx + 1 :]:
-            if _LOG4J_LINE.match(line):
-                break
-            s = line.strip()
-            if _EXC_LINE.match(s):
-                cause = s.removeprefix("Caused by: ")
-        msg = f"{head} — {cause}" if cause else head
-    else:
-        cand = [s.strip() for s in lines if _JVM_ERROR.match(s.strip()) or _EXC_LINE.match(s.strip())]
-        if not cand:
-            return None
-        msg = cand[-1]
-    if any("UnsupportedClassVersionError" in line for line in lines[-200:]):
-        msg = f"Kafka {KAFKA_VERSION} needs Java 17 or newer ({msg})"
-    return msg if len(msg) <= 400 else msg[:397] + "..."
-
-
-def _exit_reason(path: Path) -> str:
-    """What a log says about why a process ended: its last error, else its last line."""
-    err = _log_error(path)
-    if err:
-        return err
-    last = next((ln.strip() for ln in reversed(_tail_lines(path)) if ln.strip()), "")
-    return f"no error logged, last line: {last[:300]}" if last else f"{path} is empty"
-
-
 def _java() -> str:
     """Path of ``java``: ``$JAVA_HOME/bin/java`` if that exists, else ``java`` on PATH."""
     java_home = os.environ.get("JAVA_HOME")
@@ -260,100 +122,6 @@ def _java() -> str:
             "(e.g. `apt-get install openjdk-17-jre-headless`) or set JAVA_HOME"
         )
     return found
-
-
-# --------------------------------------------------------------------------- jars
-
-
-def _pom_digest() -> str:
-    return hashlib.sha256(_POM.read_bytes()).hexdigest()
-
-
-def _read_marker(libs: Path) -> dict[str, object] | None:
-    try:
-        data = json.loads((libs / _MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def ensure_kafka_jars(progress: Callable[[str], None] | None = None) -> Path:
-    """Return the directory holding the Kafka broker's jars, resolving them first if needed.
-
-    Fast path (no subprocess): the marker file in :func:`jar_cache_dir` exists and records the
-    current pom's SHA-256 (or the pom is not available and the marker's Kafka version matches).
-    Otherwise runs ``mvn dependency:copy-dependencies`` into a temporary sibling directory (output
-    in ``<cache>/kafka-<version>/mvn.log``), writes the marker, and swaps it into place, under a
-    file lock so that concurrent callers resolve once. Raises :class:`StackError` if ``mvn`` is
-    missing, Maven fails or runs past 15 minutes, or the pom cannot be found.
-    """
-    libs = jar_cache_dir()
-    pom_present = _POM.is_file()
-
-    def ready() -> bool:
-        marker = _read_marker(libs)
-        if marker is None or marker.get("kafka_version") != KAFKA_VERSION:
-            return False
-        return not pom_present or marker.get("pom_sha256") == _pom_digest()
-
-    if ready():
-        return libs
-    if not pom_present:
-        raise StackError(
-            f"{_POM} not found, so the Kafka jars cannot be resolved; run rollstream from a source "
-            "checkout (pip install -e .) or point --bootstrap / ROLLSTREAM_BOOTSTRAP at a broker"
-        )
-    mvn = shutil.which("mvn")
-    if not mvn:
-        raise StackError(
-            "mvn (Apache Maven) not found; it is needed once to fetch the Kafka jars from Maven Central: "
-            "install it (e.g. `apt-get install maven`) or point --bootstrap / ROLLSTREAM_BOOTSTRAP at a broker"
-        )
-    root = libs.parent
-    root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(root / ".lock", _CACHE_LOCK_WAIT_S, "fetching the Kafka jars"):
-        if ready():  # another process finished while we waited
-            return libs
-        if progress:
-            progress(f"fetching Apache Kafka {KAFKA_VERSION} jars from Maven Central into {root} (once)")
-        tmp = root / f"libs.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        log = root / "mvn.log"
-        cmd = [
-            mvn, "-B", "-ntp", "-Dstyle.color=never", "-f", str(_POM),
-            "dependency:copy-dependencies", f"-DoutputDirectory={tmp}", "-DincludeScope=runtime",
-        ]  # fmt: skip
-        try:
-            with log.open("wb") as out:
-                rc = subprocess.run(
-                    cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    cwd=root, timeout=_MVN_TIMEOUT_S, check=False,
-                ).returncode  # fmt: skip
-        except subprocess.TimeoutExpired:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise StackError(
-                f"Maven ran past {_MVN_TIMEOUT_S:.0f} s fetching the Kafka jars (network?); see {log}"
-            ) from None
-        jars = sorted(tmp.glob("*.jar")) if tmp.is_dir() else []
-        if rc != 0 or not any(j.name.startswith("kafka_2.13-") for j in jars):
-            shutil.rmtree(tmp, ignore_errors=True)
-            errors = [
-                ln.strip().removeprefix("[ERROR]").strip()
-                for ln in _tail_lines(log)
-                if ln.startswith("[ERROR]") and ln.strip() != "[ERROR]"
-            ]
-            why = errors[0] if errors else f"exit code {rc}"
-            raise StackError(f"Maven could not fetch the Kafka jars: {why[:300]}; full output: {log}")
-        marker = {"kafka_version": KAFKA_VERSION, "pom_sha256": _pom_digest(), "jars": len(jars)}
-        (tmp / _MARKER).write_text(json.dumps(marker))
-        old = root / f"libs.old-{os.getpid()}"
-        if libs.exists():
-            os.replace(libs, old)
-        os.replace(tmp, libs)
-        shutil.rmtree(old, ignore_errors=True)
-        if progress:
-            progress(f"Kafka jars ready in {libs} ({len(jars)} jars)")
-    return libs
 
 
 # --------------------------------------------------------------------------- processes
@@ -407,14 +175,14 @@ def _is_our_broker(pid: int, home: Path) -> bool:
     argv = _cmdline(pid)
     if argv is None:
         return True
-    return "kafka.Kafka" in argv and str(_props_path(home)) in argv
+    return "kafka.Kafka" in argv and str(props_path(home)) in argv
 
 
 def local_kafka(home: Path) -> KafkaProcess | None:
     """The broker recorded in ``<home>/kafka/state.json`` if its process is alive (and is that
     broker), else None; a stale or unreadable state file is removed. Does not probe the port."""
-    home = _norm_home(home)
-    path = _state_path(home)
+    home = norm_home(home)
+    path = state_path(home)
     try:
         data = json.loads(path.read_text())
         proc = KafkaProcess(**data)
@@ -456,89 +224,6 @@ def _free_port(exclude: set[int]) -> int:
     raise StackError("could not find a free TCP port on 127.0.0.1")
 
 
-def _read_properties(path: Path) -> dict[str, str]:
-    """``key=value`` lines of a Java properties file (comments and blanks skipped; no escapes)."""
-    out: dict[str, str] = {}
-    try:
-        text = path.read_text()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        s = line.strip()
-        if not s or s[0] in "#!":
-            continue
-        key, sep, value = s.partition("=")
-        if sep:
-            out[key.strip()] = value.strip()
-    return out
-
-
-def _previous_ports(home: Path) -> tuple[int | None, int | None]:
-    """Client and controller ports of the last start in this home (from server.properties)."""
-    listeners = _read_properties(_props_path(home)).get("listeners", "")
-    ports: dict[str, int] = {}
-    for item in listeners.split(","):
-        m = re.fullmatch(r"\s*(\w+)://[^:]*:(\d+)\s*", item)
-        if m:
-            ports[m.group(1)] = int(m.group(2))
-    return ports.get("PLAINTEXT"), ports.get("CONTROLLER")
-
-
-def _server_properties(port: int, controller_port: int, data_dir: Path) -> dict[str, str]:
-    """The broker config: KRaft combined broker+controller, loopback only, replication 1,
-    small thread pools and buffers, topics created explicitly (auto-create off)."""
-    return {
-        # KRaft, single node acting as broker and controller
-        "process.roles": "broker,controller",
-        "node.id": "1",
-        "controller.quorum.voters": f"1@{HOST}:{controller_port}",
-        "listeners": f"PLAINTEXT://{HOST}:{port},CONTROLLER://{HOST}:{controller_port}",
-        "advertised.listeners": f"PLAINTEXT://{HOST}:{port}",
-        "controller.listener.names": "CONTROLLER",
-        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
-        "inter.broker.listener.name": "PLAINTEXT",
-        "log.dirs": str(data_dir),
-        # Topics are created by rollstream with their partitions and cleanup policy
-        # (schemas.topics); auto-creation would silently make e.g. a non-compacted `weights`.
-        "auto.create.topics.enable": "false",
-        "num.partitions": "1",
-        "default.replication.factor": "1",
-        "min.insync.replicas": "1",
-        # internal topics on one node
-        "offsets.topic.replication.factor": "1",
-        "offsets.topic.num.partitions": "8",
-        "transaction.state.log.replication.factor": "1",
-        "transaction.state.log.min.isr": "1",
-        "transaction.state.log.num.partitions": "8",
-        "share.coordinator.state.topic.replication.factor": "1",
-        "share.coordinator.state.topic.min.isr": "1",
-        "share.coordinator.state.topic.num.partitions": "8",
-        "group.initial.rebalance.delay.ms": "0",
-        # a small machine: fewer threads, a small log-cleaner buffer (default 128 MiB of heap)
-        "num.network.threads": "2",
-        "num.io.threads": "4",
-        "background.threads": "4",
-        "num.recovery.threads.per.data.dir": "1",
-        "num.replica.fetchers": "1",
-        "log.cleaner.threads": "1",
-        "log.cleaner.dedupe.buffer.size": str(16 * 1024 * 1024),
-    }
-
-
-def _write_server_properties(home: Path, props: dict[str, str]) -> Path:
-    overrides_path = _kafka_dir(home) / "server.overrides.properties"
-    overrides = _read_properties(overrides_path)
-    merged = {**props, **overrides}
-    lines = [
-        "# Generated by rollstream (services/stack.py) at every start; edits here are lost.",
-        f"# Put your own settings in {overrides_path.name} next to this file.",
-        *(f"{k}={v.replace(chr(92), chr(92) * 2)}" for k, v in merged.items()),
-    ]
-    path = _props_path(home)
-    _write_atomic(path, "\n".join(lines) + "\n")
-    return path
-
-
 def _new_cluster_id() -> str:
     """A KRaft cluster id as Kafka makes them: 16 random bytes, URL-safe base64, no padding."""
     while True:
@@ -555,28 +240,28 @@ def _format_storage(home: Path, java: str, libs: Path, data_dir: Path, deadline:
     """Format the KRaft storage once (kept cluster id in ``<home>/kafka/cluster.id``)."""
     if (data_dir / "meta.properties").is_file():
         return
-    id_path = _kafka_dir(home) / "cluster.id"
+    id_path = kafka_dir(home) / "cluster.id"
     cluster_id = id_path.read_text().strip() if id_path.is_file() else ""
     if not cluster_id:
         cluster_id = _new_cluster_id()
-        _write_atomic(id_path, cluster_id + "\n")
+        write_atomic(id_path, cluster_id + "\n")
     data_dir.mkdir(parents=True, exist_ok=True)
     log = home / "logs" / "kafka-format.log"
     cmd = [
         java, "-Xmx256m", *_log4j_opts(), "-cp", f"{libs}/*", "kafka.tools.StorageTool",
-        "format", "--ignore-formatted", "-t", cluster_id, "-c", str(_props_path(home)),
+        "format", "--ignore-formatted", "-t", cluster_id, "-c", str(props_path(home)),
     ]  # fmt: skip
     limit = max(1.0, min(_FORMAT_TIMEOUT_S, deadline - time.monotonic()))
     try:
         with log.open("wb") as out:
             rc = subprocess.run(
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                cwd=_kafka_dir(home), timeout=limit, check=False,
+                cwd=kafka_dir(home), timeout=limit, check=False,
             ).returncode  # fmt: skip
     except subprocess.TimeoutExpired:
         raise StackError(f"formatting Kafka storage ran past {limit:.0f} s; see {log}") from None
     if rc != 0:
-        raise StackError(f"formatting Kafka storage in {data_dir} failed: {_exit_reason(log)}; see {log}")
+        raise StackError(f"formatting Kafka storage in {data_dir} failed: {exit_reason(log)}; see {log}")
 
 
 def _kill(pid: int, sig: int) -> None:
@@ -620,15 +305,15 @@ def start_local_kafka(
     * If the JVM exits or does not answer within ``timeout_s`` (or the wait is interrupted), the
       JVM is stopped and a StackError names the log file and its last error line.
     """
-    home = _norm_home(home)
+    home = norm_home(home)
     if port is not None and not 0 < port < 65536:
         raise StackError(f"port {port} is not a TCP port (1-65535)")
     libs = ensure_kafka_jars(progress)
     java = _java()
-    kdir = _kafka_dir(home)
+    kdir = kafka_dir(home)
     kdir.mkdir(parents=True, exist_ok=True)
     (home / "logs").mkdir(parents=True, exist_ok=True)
-    with _file_lock(kdir / ".lock", 120.0, f"the local Kafka in {home}"):
+    with file_lock(kdir / ".lock", 120.0, f"the local Kafka in {home}"):
         running = local_kafka(home)
         if running is not None:
             if port is not None and port != running.port:
@@ -643,7 +328,7 @@ def start_local_kafka(
                 f"{running.bootstrap}; read {running.log_path} or restart it (`rollstream stack down`, then up)"
             )
 
-        prev_port, prev_cport = _previous_ports(home)
+        prev_port, prev_cport = previous_ports(home)
         if port is not None:
             if not _port_free(port):
                 raise StackError(
@@ -660,13 +345,13 @@ def start_local_kafka(
             cport = _free_port({port})
 
         data_dir = kdir / "data"
-        _write_server_properties(home, _server_properties(port, cport, data_dir))
+        write_server_properties(home, server_properties(port, cport, data_dir))
         deadline = time.monotonic() + timeout_s
         if not (data_dir / "meta.properties").is_file() and progress:
             progress(f"formatting Kafka storage in {data_dir}")
         _format_storage(home, java, libs, data_dir, deadline)
 
-        log_path = _log_path(home)
+        log_path = kafka_log_path(home)
         if log_path.exists():
             os.replace(log_path, log_path.with_name("kafka.log.1"))
         bootstrap = f"{HOST}:{port}"
@@ -674,7 +359,7 @@ def start_local_kafka(
             progress(f"starting Kafka {KAFKA_VERSION} on {bootstrap} (log: {log_path})")
         cmd = [
             java, *JVM_OPTS, *_log4j_opts(), f"-Dkafka.logs.dir={home / 'logs'}",
-            "-cp", f"{libs}/*", "kafka.Kafka", str(_props_path(home)),
+            "-cp", f"{libs}/*", "kafka.Kafka", str(props_path(home)),
         ]  # fmt: skip
         started_at = time.time()
         with log_path.open("ab") as out:
@@ -690,14 +375,14 @@ def start_local_kafka(
                     _CHILDREN.pop(child.pid, None)
                     raise StackError(
                         f"local Kafka exited during startup (exit code {rc}): "
-                        f"{_exit_reason(log_path)}; full log: {log_path}"
+                        f"{exit_reason(log_path)}; full log: {log_path}"
                     )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     _terminate(child.pid, 10.0)
                     raise StackError(
                         f"local Kafka did not answer on {bootstrap} within {timeout_s:.0f} s and was stopped; "
-                        f"{_log_error(log_path) or 'no error in the log'}; full log: {log_path}"
+                        f"{log_error(log_path) or 'no error in the log'}; full log: {log_path}"
                     )
                 if kafka_reachable(bootstrap, timeout_s=min(2.0, remaining)):
                     break
@@ -715,7 +400,7 @@ def start_local_kafka(
             log_path=str(log_path),
             started_at=started_at,
         )
-        _write_atomic(_state_path(home), json.dumps(asdict(proc), indent=2) + "\n")
+        write_atomic(state_path(home), json.dumps(asdict(proc), indent=2) + "\n")
         if progress:
             progress(f"Kafka {KAFKA_VERSION} is up on {bootstrap} (pid {child.pid})")
         return proc, True
@@ -726,11 +411,11 @@ def stop_local_kafka(home: Path, timeout_s: float = 30) -> bool:
     still running after ``timeout_s``; remove the state file. Also stops a broker of this home
     that no state file records (Linux). Data and logs are kept. Returns True if a broker was
     running, False if there was none (idempotent)."""
-    home = _norm_home(home)
-    kdir = _kafka_dir(home)
+    home = norm_home(home)
+    kdir = kafka_dir(home)
     if not kdir.is_dir():
         return False
-    with _file_lock(kdir / ".lock", max(timeout_s, 10.0), f"the local Kafka in {home}"):
+    with file_lock(kdir / ".lock", max(timeout_s, 10.0), f"the local Kafka in {home}"):
         proc = local_kafka(home)
         pids = {proc.pid} if proc is not None else set()
         pids.update(_unrecorded_brokers(home))
@@ -738,14 +423,14 @@ def stop_local_kafka(home: Path, timeout_s: float = 30) -> bool:
             _terminate(pid, timeout_s)
             _CHILDREN.pop(pid, None)
         with contextlib.suppress(OSError):
-            _state_path(home).unlink()
+            state_path(home).unlink()
         return bool(pids)
 
 
 def _unrecorded_brokers(home: Path) -> list[int]:
     """Brokers of this home that no state file records (their starter died between launching
     and recording them), found by command line in /proc; [] where there is no /proc."""
-    needle = str(_props_path(home))
+    needle = str(props_path(home))
     found: list[int] = []
     proc_dir = Path("/proc")
     if not proc_dir.is_dir():
@@ -761,114 +446,15 @@ def _unrecorded_brokers(home: Path) -> list[int]:
     return found
 
 
-# --------------------------------------------------------------------------- probing
+# --------------------------------------------------------------------------- finding it
 
 
 def resolve_bootstrap(explicit: str | None, home: Path | None = None) -> str | None:
-    """Kafka bootstrap servers to use: ``explicit`` if given, else ``$ROLLSTREAM_BOOTSTRAP``,
-    else the running local broker of ``home`` (default :func:`home_dir`), else None."""
-    if explicit:
-        return explicit
-    env = os.environ.get(BOOTSTRAP_ENV, "").strip()
-    if env:
-        return env
+    """Kafka bootstrap servers to use: ``explicit`` if given, else ``$ROLLSTREAM_BOOTSTRAP``
+    (:func:`services.kafka.probe.bootstrap_from_env`), else the running local broker of ``home``
+    (default :func:`home_dir`), else None."""
+    found = bootstrap_from_env(explicit)
+    if found is not None:
+        return found
     proc = local_kafka(home if home is not None else home_dir())
     return proc.bootstrap if proc else None
-
-
-def _split_hostport(item: str) -> tuple[str, int] | None:
-    s = item.strip()
-    if "://" in s:
-        s = s.split("://", 1)[1]
-    host, sep, port_s = s.rpartition(":")
-    if not sep or not port_s.isdigit():
-        return None
-    host = host.strip("[]") or "localhost"
-    return host, int(port_s)
-
-
-def _metadata_request(correlation_id: int) -> bytes:
-    """Kafka Metadata v8 request (header v1) for no topics: the broker answers with its list of
-    live (registered, unfenced) brokers. Supported by Kafka 2.3 and newer."""
-    client_id = b"rollstream-probe"
-    body = struct.pack(">hhih", 3, 8, correlation_id, len(client_id)) + client_id
-    body += struct.pack(">ibbb", 0, 0, 0, 0)  # topics=[] (not null: null = all), no auto-create, no ACL ops
-    return struct.pack(">i", len(body)) + body
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError
-        sock.settimeout(remaining)
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed")
-        buf += chunk
-    return bytes(buf)
-
-
-def _resolve(host: str, port: int, deadline: float) -> tuple[socket.AddressFamily, tuple[str, int]] | None:
-    """First TCP address of ``host:port``; the DNS lookup runs in a daemon thread so that a slow
-    resolver cannot hold the caller past ``deadline`` (None then, or when it does not resolve)."""
-    result: list[tuple[socket.AddressFamily, tuple[str, int]]] = []
-
-    def lookup() -> None:
-        with contextlib.suppress(OSError, UnicodeError):
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            if infos:
-                family, _, _, _, sockaddr = infos[0]
-                result.append((family, (str(sockaddr[0]), int(sockaddr[1]))))
-
-    try:
-        ipaddress.ip_address(host)
-        lookup()  # a literal address: no DNS
-    except ValueError:
-        worker = threading.Thread(target=lookup, name="rollstream-dns", daemon=True)
-        worker.start()
-        worker.join(max(0.0, deadline - time.monotonic()))
-    return result[0] if result else None
-
-
-def _probe(host: str, port: int, deadline: float) -> bool:
-    """One Metadata round trip; True if the response lists at least one broker."""
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        return False
-    addr = _resolve(host, port, deadline)
-    if addr is None:
-        return False
-    family, sockaddr = addr
-    try:
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-            sock.connect(sockaddr)
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-            sock.sendall(_metadata_request(0x5253))
-            size = struct.unpack(">i", _recv_exact(sock, 4, deadline))[0]
-            if not 12 <= size <= 64 * 1024 * 1024:
-                return False
-            resp = _recv_exact(sock, size, deadline)
-    except (OSError, TimeoutError, ConnectionError):
-        return False
-    correlation_id, _throttle, n_brokers = struct.unpack_from(">iii", resp, 0)
-    return correlation_id == 0x5253 and n_brokers >= 1
-
-
-def kafka_reachable(bootstrap: str, timeout_s: float = 5.0) -> bool:
-    """True if a Kafka broker at ``bootstrap`` (``host:port[,host:port]``) answers a Metadata
-    request listing at least one live broker, i.e. it is ready for clients. Plain TCP (PLAINTEXT
-    listeners only; a TLS/SASL listener reads as unreachable). Tries each address in turn and
-    returns within ``timeout_s`` (plus DNS resolution time) in every case."""
-    deadline = time.monotonic() + max(0.0, timeout_s)
-    for item in bootstrap.split(","):
-        hp = _split_hostport(item)
-        if hp is None:
-            continue
-        if _probe(hp[0], hp[1], deadline):
-            return True
-        if time.monotonic() >= deadline:
-            break
-    return False

@@ -1,11 +1,15 @@
 """``rollstream run``: prepare a run and supervise its services as OS processes.
 
-1. resolve the config and the run id, create ``runs/<run_id>/`` with ``config.yaml``;
+1. resolve the config and the run id (the CLI, which also refuses a backend that cannot run);
 2. find Kafka (``--bootstrap`` / ``kafka.bootstrap`` / ``$ROLLSTREAM_BOOTSTRAP`` / the local
-   broker, started if missing) and create the run's topics;
-3. create the tiny model (when ``model.path`` is empty) in ``runs/<run_id>/model``;
+   broker, started if missing) and create the run's topics; create ``runs/<run_id>/`` with
+   ``config.yaml``;
+3. create the tiny model (when ``model.path`` is empty) in ``runs/<run_id>/model``
+   (:func:`prepare_run`; ``rollstream run --prepare-only`` stops here);
 4. start ``rollstream service <name> --run <run_id>`` for recorder, feeder, reward,
-   rollout (× ``rollout.workers``) and trainer, each logging to ``runs/<run_id>/logs/<name>.log``;
+   rollout (× ``rollout.workers``) and trainer, each logging to ``runs/<run_id>/logs/<name>.log``,
+   with the bootstrap address and the store DSN in their environment (``ROLLSTREAM_BOOTSTRAP``,
+   ``ROLLSTREAM_STORE``);
 5. follow the run's ``metrics`` and ``control`` topics and show live progress;
 6. on ``RunFinished``: wait for the services to exit (SIGTERM the long-running ones), let the
    recorder catch up, compute ``summary.json`` from the record (SQL) and print its gist.
@@ -23,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +40,7 @@ from schemas.config import RunConfig, to_dict
 from schemas.topics import check_run_id, topic_name
 from services import store as st
 from services.kafka.bus import Consumer, TopicAdmin, message_count
+from services.launch.runs import run_dir_of, store_dsn_of
 
 LONG_RUNNING = ("rollout", "reward")
 
@@ -91,18 +97,15 @@ def new_run_id(cfg: RunConfig) -> str:
     return check_run_id(f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 1000:03d}")
 
 
-def run_dir_of(cfg: RunConfig, run_id: str) -> Path:
-    return Path(cfg.run.runs_dir).resolve() / run_id
-
-
-def store_dsn_of(cfg: RunConfig, run_id: str) -> str:
-    return cfg.store.dsn or st.default_dsn(cfg.run.runs_dir, run_id)
+def config_text(cfg: RunConfig) -> str:
+    """The run's ``config.yaml`` as written."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
 def write_run_config(cfg: RunConfig, run_dir: Path) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    path.write_text(config_text(cfg))
     return path
 
 
@@ -154,7 +157,8 @@ class Supervisor:
     def start_children(self) -> None:
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=self.bootstrap, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=self.bootstrap, PYTHONUNBUFFERED="1",
+                   ROLLSTREAM_STORE=store_dsn_of(self.cfg, self.run_id))
         names = ["recorder", "feeder", "reward", *(["rollout"] * self.cfg.rollout.workers), "trainer"]
         for i, name in enumerate(names):
             label = f"{name}{i - 3}" if name == "rollout" and self.cfg.rollout.workers > 1 else name
@@ -270,23 +274,44 @@ def summarize(cfg: RunConfig, run_id: str, progress: Progress, wall_s: float) ->
     return summary
 
 
-async def run_supervised(cfg: RunConfig, run_id: str, bootstrap: str, console: Console) -> dict[str, Any]:
-    """Everything of ``rollstream run`` after config parsing. Returns the summary."""
+async def prepare_run(cfg: RunConfig, run_id: str, bootstrap: str, console: Console, *,
+                      on_run_dir: Callable[[Path], None] | None = None,
+                      allow_prepared: bool = False) -> Path:
+    """Steps 2-3 of the module doc: the run's topics, ``runs/<run_id>/config.yaml`` and the model.
+    Returns the model directory; starts no service.
+
+    A run id whose topics already hold messages is refused unless the run directory has a
+    checkpoint to resume from, or (``allow_prepared``) it already holds this very config (an
+    earlier ``--prepare-only`` of the same run: preparing again changes nothing).
+    ``on_run_dir(run_dir)`` is called once the run directory exists.
+    """
     run_dir = run_dir_of(cfg, run_id)
     if (run_dir / "summary.json").exists():
         raise RunError(f"run {run_id} already finished ({run_dir / 'summary.json'}); pick another --run-id")
     resuming = any((run_dir / "checkpoints").glob("step_*/stream_state.msgpack"))
+    config_path = run_dir / "config.yaml"
+    prepared = allow_prepared and config_path.is_file() and config_path.read_text() == config_text(cfg)
     async with TopicAdmin(cfg.kafka, bootstrap) as admin:
         existing = {info.topic: info.partitions for info in (await admin.describe(run_id)).values()}
-        if not resuming and existing and (held := await message_count(cfg.kafka, bootstrap, existing)):
+        if not (resuming or prepared) and existing and (held := await message_count(cfg.kafka, bootstrap, existing)):
             raise RunError(f"run id {run_id} already has {held} messages on the broker (an earlier run with this id) "
                            "and no checkpoint here to resume from; pick another --run-id")
         await admin.ensure_run_topics(run_id)
     write_run_config(cfg, run_dir)
+    if on_run_dir is not None:
+        on_run_dir(run_dir)
     console.print(f"run {run_id}: dir {run_dir}, kafka {bootstrap}")
     with console.status("creating the model..."):
         model_dir = prepare_model(cfg, run_dir)
     console.print(f"model: {model_dir}")
+    return model_dir
+
+
+async def run_supervised(cfg: RunConfig, run_id: str, bootstrap: str, console: Console, *,
+                         on_run_dir: Callable[[Path], None] | None = None) -> dict[str, Any]:
+    """Everything of ``rollstream run`` after config parsing. Returns the summary."""
+    run_dir = run_dir_of(cfg, run_id)
+    await prepare_run(cfg, run_id, bootstrap, console, on_run_dir=on_run_dir)
     sup = Supervisor(cfg, run_id, bootstrap, console)
     t0 = time.monotonic()
     stop = asyncio.Event()

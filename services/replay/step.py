@@ -1,4 +1,4 @@
-"""``rollstream replay RUN --train-step N``: recompute one training step from the record.
+"""``rollstream replay step RUN N``: recompute one training step from the record.
 
 1. The run's config is read from ``runs/<id>/config.yaml``; the step's batch is rebuilt from the
    record: the ``TrainStep`` event of step N lists its samples in training order, and every
@@ -26,10 +26,9 @@ from typing import Any
 from schemas import events as ev
 from schemas.config import RunConfig
 from services import store as st
+from services.replay.record import ReplayError, decode_payload
 
-
-class ReplayError(RuntimeError):
-    """A user-facing replay problem (one line)."""
+__all__ = ["ReplayError", "StepReplay", "compare", "recorded_batch", "recorded_steps", "replay_train_step"]
 
 
 @dataclass
@@ -50,8 +49,6 @@ class StepReplay:
 
 
 def _decode(name: str, kind: str, payload: str) -> Any:
-    from services.replay import decode_payload
-
     event, _ = decode_payload(name, kind, payload)  # NaN metrics are stored as null: they come back as NaN
     return event
 
@@ -87,6 +84,8 @@ def recorded_batch(client: Any, run_id: str, sample_ids: list[str]) -> list[ev.S
 
 
 def compare(recorded: dict[str, float], replayed: dict[str, float]) -> list[tuple[str, float | None, float | None, float | None]]:
+    """``(metric, recorded, replayed, |difference|)`` for every metric of either side but the
+    timings (``perf/*``); the difference is ``None`` where a side is missing or not finite."""
     rows = []
     for key in sorted(set(recorded) | set(replayed)):
         if key.startswith("perf/"):
@@ -106,7 +105,7 @@ def replay_train_step(cfg: RunConfig, run_id: str, step: int, *, dsn: str = "", 
     run_dir = run_dir_of(cfg, run_id)
     say = progress or (lambda msg: None)
     if step < 0:
-        raise ReplayError(f"--train-step {step}: steps start at 0")
+        raise ReplayError(f"step {step}: steps start at 0")
     client = st.connect_reader(dsn or store_dsn_of(cfg, run_id))
     try:
         model_dir = Path(cfg.model.path) if cfg.model.path else run_dir / "model"

@@ -2,7 +2,8 @@
 
 * :mod:`services.store.client` — DSNs, connecting (embedded chDB or a server), versioned DDL.
 * :mod:`services.store.server` — the read-only query server a recorder runs over its embedded
-  store, and the client other processes use to reach it.
+  store, the client other processes use to reach it, and :func:`connect_reader`, which takes
+  whichever route works.
 * :mod:`services.store.rows` — how events become rows of the typed tables.
 
 The client functions are re-exported here (``from services import store as st; st.connect(dsn)``).
@@ -15,12 +16,12 @@ from services.store.client import (
     chdb_path,
     check_dsn,
     connect,
-    connect_reader,
     ddl_files,
     default_dsn,
     ping,
     split_statements,
 )
+from services.store.server import connect_reader
 
 __all__ = [
     "DDL_DIR",

@@ -8,9 +8,10 @@ time (others get :class:`StoreError` "in use"), and one process may open only on
 So each run has its own store (``runs/<run_id>/store``) and one process (the recorder) writes it.
 
 While a process holds an embedded store, others read it through that process: the recorder
-serves read-only queries (:mod:`services.store.server`) and :func:`connect_reader` goes through
-it when the store is held elsewhere, or opens the store directly when nobody holds it (a stale
-endpoint file of a crashed recorder is ignored).
+serves read-only queries (:mod:`services.store.server`) and
+:func:`services.store.server.connect_reader` goes through it when the store is held elsewhere
+(:func:`locked_elsewhere`), or opens the store directly when nobody holds it (a stale endpoint
+file of a crashed recorder is ignored).
 
 DDL lives in ``infra/clickhouse/NNN_name.sql``; :func:`apply_ddl` applies every file in order,
 idempotently (``CREATE ... IF NOT EXISTS``, ``CREATE OR REPLACE VIEW``, ``ADD COLUMN IF NOT
@@ -20,12 +21,12 @@ made by an older version gets the newer files applied when it is next opened.
 
 from __future__ import annotations
 
-import contextlib
 import re
-import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
+
+from services.errors import one_line
 
 _OPENED_HERE: set[str] = set()  # chDB directories this process holds (its own lock is not "in use")
 DDL_DIR = Path(__file__).resolve().parents[2] / "infra" / "clickhouse"
@@ -68,7 +69,7 @@ def connect(dsn: str, *, connect_timeout_s: float = 10.0) -> Any:
     if scheme == "chdb":
         path = Path(chdb_path(dsn))
         path.mkdir(parents=True, exist_ok=True)
-        if str(path) not in _OPENED_HERE and _locked_by_other_process(path):
+        if locked_elsewhere(path):
             raise StoreError(
                 f"store {path} is in use by another process (a running recorder?); "
                 "chDB lets one process open a store at a time"
@@ -88,61 +89,23 @@ def connect(dsn: str, *, connect_timeout_s: float = 10.0) -> Any:
                 raise StoreError(
                     f"this process already opened another embedded store; cannot open {path} too"
                 ) from None
-            raise StoreError(f"cannot open embedded store {path}: {_first_line(text)}") from None
+            raise StoreError(f"cannot open embedded store {path}: {one_line(text, 300)}") from None
     try:
         return clickhouse_connect.get_client(
             dsn=dsn, connect_timeout=connect_timeout_s, send_receive_timeout=max(30.0, connect_timeout_s)
         )
     except Exception as e:
-        raise StoreError(f"cannot reach ClickHouse at {_redact(dsn)}: {_first_line(str(e))}") from None
+        raise StoreError(f"cannot reach ClickHouse at {_redact(dsn)}: {one_line(str(e), 300)}") from None
 
 
-def connect_reader(dsn: str, *, wait_s: float = 3.0, timeout_s: float = 300.0) -> Any:
-    """A client for read-only queries on ``dsn``, wherever the store is open.
-
-    * A server DSN, or an embedded store nobody else holds: :func:`connect` (the caller should
-      still only read). An embedded store also gets :func:`apply_ddl`, so the record of a run
-      made by an older version has today's tables and views.
-    * An embedded store held by another process (a running recorder): a
-      :class:`services.store.server.RemoteClient` on the endpoint that process serves. Waits up
-      to ``wait_s`` for the endpoint (a recorder writes it a moment after opening the store),
-      then raises :class:`StoreError` "in use by another process". ``timeout_s`` bounds each
-      served query, the wait for the recorder's lock included.
-    """
-    from services.store import server as ss
-
-    if check_dsn(dsn) != "chdb":
-        return connect(dsn)
-    path = Path(chdb_path(dsn))
-    deadline = time.monotonic() + wait_s
-    while True:
-        if str(path) in _OPENED_HERE or not _locked_by_other_process(path):
-            try:
-                client = connect(dsn)
-            except StoreError as e:
-                if "in use by another process" not in str(e):
-                    raise
-                # a recorder opened it just now: ask its server below
-            else:
-                with contextlib.suppress(Exception):  # bring a store of an older version up to date
-                    apply_ddl(client)
-                return client
-        endpoint = ss.read_endpoint(ss.endpoint_path(path))
-        if endpoint is not None:
-            client = ss.RemoteClient(endpoint, timeout_s=timeout_s)
-            if client.ping():
-                return client
-            client.close()
-        if time.monotonic() >= deadline:
-            raise StoreError(
-                f"store {path} is in use by another process that serves no queries; "
-                "chDB lets one process open a store at a time (read it once that process has exited)"
-            )
-        time.sleep(0.1)
+def locked_elsewhere(path: str | Path) -> bool:
+    """True if another process holds the embedded store at ``path`` (ClickHouse's lock on
+    ``<path>/status``); a store this process opened is not "elsewhere"."""
+    return str(path) not in _OPENED_HERE and _locked_by_other_process(Path(path))
 
 
 def _locked_by_other_process(path: Path) -> bool:
-    """True if another process holds ClickHouse's lock on ``<path>/status``."""
+    """True if some process other than this one holds ClickHouse's lock on ``<path>/status``."""
     import fcntl
 
     status = path / "status"
@@ -197,11 +160,6 @@ def ping(client: Any) -> bool:
         return bool(client.query("SELECT 1").result_rows[0][0] == 1)
     except Exception:
         return False
-
-
-def _first_line(text: str) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else "unknown error"
-    return line[:300]
 
 
 def _redact(dsn: str) -> str:

@@ -29,7 +29,8 @@ COLUMNS: dict[str, list[str]] = {
     "train_steps": ["run_id", "step", "policy_version", "ts", "metrics", "staleness_hist", "num_samples"],
     "evals": ["run_id", "step", "policy_version", "split", "ts", "metrics"],
     "weights": ["run_id", "policy_version", "step", "uri", "format", "checksum", "num_bytes", "ts"],
-    "dlq": ["run_id", "source_topic", "partition", "offset", "sample_id", "service", "stage", "error", "ts"],
+    "dlq": ["run_id", "source_topic", "partition", "offset", "sample_id", "service", "stage", "error", "ts",
+            "group_id"],
     "env_events": ["run_id", "episode_id", "sample_id", "kind", "step", "env", "policy_version", "text", "reward",
                    "terminated", "truncated", "error", "event_id", "ts"],
     "recorder_lag": ["run_id", "group_id", "ts", "lag_records", "partitions", "recorded_total", "skipped_total"],
@@ -95,7 +96,7 @@ def typed_rows(event: ev.Event) -> dict[str, list[list[Any]]]:
                                   int(event.truncated), event.error, event.event_id, dt(event.ts)])
     elif isinstance(event, ev.DeadLetter):
         out["dlq"].append([r, event.source_topic, event.partition, event.offset, event.sample_id, event.service,
-                           event.stage, event.error, dt(event.ts)])
+                           event.stage, event.error, dt(event.ts), event.group_id])
     return out
 
 

@@ -7,9 +7,9 @@ session of its own, under the lock the recorder's inserts take too (one store ca
 Readers find it through the endpoint file next to the store (``<store>.endpoint``, e.g.
 ``runs/<run_id>/store.endpoint``: JSON with host, port, a random token and the pid; mode 0600,
 written atomically, removed at shutdown). A crashed recorder leaves the file behind, but also
-releases the store's lock: :func:`services.store.connect_reader` asks the endpoint only while
-another process holds the store, and otherwise opens it directly, so a reader never needs to
-know which route it took.
+releases the store's lock: :func:`connect_reader` (``services.store.connect_reader``) asks the
+endpoint only while another process holds the store, and otherwise opens it directly, so a
+reader never needs to know which route it took.
 
 Protocol: each message is a 4-byte big-endian length followed by a msgpack map.
 
@@ -40,10 +40,14 @@ import socket
 import socketserver
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
+
+from services.errors import one_line
+from services.store.client import StoreError, apply_ddl, chdb_path, check_dsn, connect, locked_elsewhere
 
 log = logging.getLogger("rollstream.store_server")
 
@@ -117,11 +121,6 @@ def _plain(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
     return str(v)
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0] if text else type(e).__name__)[:400]
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
@@ -209,11 +208,9 @@ class StoreServer:
 
     def __init__(self, dsn: str, lock: threading.Lock, *, host: str = "127.0.0.1",
                  max_execution_s: float = 60.0, idle_timeout_s: float = 300.0) -> None:
-        from services import store as st
-
         self.dsn = dsn
         self.lock = lock
-        self.endpoint = endpoint_path(st.chdb_path(dsn))
+        self.endpoint = endpoint_path(chdb_path(dsn))
         self.host = host
         self.max_execution_s = max_execution_s
         self.idle_timeout_s = idle_timeout_s
@@ -231,10 +228,8 @@ class StoreServer:
         return int(self._server.server_address[1]) if self._server else 0
 
     def start(self) -> StoreServer:
-        from services import store as st
-
         if self.client is None:
-            self.client = st.connect(self.dsn)
+            self.client = connect(self.dsn)
             self.client.set_client_setting("readonly", "2")  # this session: no writes, no DDL
         server = _TCPServer((self.host, 0), _Handler, bind_and_activate=True)
         server.owner = self
@@ -305,7 +300,7 @@ class StoreServer:
                 types = [getattr(t, "name", str(t)) for t in result.column_types]
                 rows = [_plain(list(r)) for r in result.result_rows]
         except Exception as e:  # ClickHouse errors: one line back to the reader
-            return {"ok": False, "error": _one_line(e)}
+            return {"ok": False, "error": one_line(e, 400, typed=False)}
         self.served += 1
         return {"ok": True, "columns": cols, "types": types, "rows": rows}
 
@@ -346,7 +341,7 @@ class RemoteClient:
                 self._sock = socket.create_connection((self.endpoint.host, self.endpoint.port), timeout=5.0)
             except OSError as e:
                 raise ServedStoreError(f"cannot reach the store server at {self.endpoint.host}:"
-                                       f"{self.endpoint.port}: {_one_line(e)}") from None
+                                       f"{self.endpoint.port}: {one_line(e, 400, typed=False)}") from None
             self._sock.settimeout(self.timeout_s)
         return self._sock
 
@@ -361,7 +356,7 @@ class RemoteClient:
         except (OSError, msgspec.DecodeError) as e:
             self.close()
             raise ServedStoreError(f"store server at {self.endpoint.host}:{self.endpoint.port} "
-                                   f"failed: {_one_line(e)}") from None
+                                   f"failed: {one_line(e, 400, typed=False)}") from None
         if not isinstance(resp, dict):
             self.close()
             raise ServedStoreError("store server closed the connection without an answer")
@@ -384,3 +379,48 @@ class RemoteClient:
 
     def __repr__(self) -> str:
         return f"RemoteClient({self.endpoint.host}:{self.endpoint.port})"
+
+
+# --------------------------------------------------------------------------- readers
+
+
+def connect_reader(dsn: str, *, wait_s: float = 3.0, timeout_s: float = 300.0) -> Any:
+    """A client for read-only queries on ``dsn``, wherever the store is open.
+
+    * A server DSN, or an embedded store nobody else holds: :func:`connect` (the caller should
+      still only read). An embedded store also gets :func:`apply_ddl`, so the record of a run
+      made by an older version has today's tables and views.
+    * An embedded store held by another process (a running recorder): a :class:`RemoteClient`
+      on the endpoint that process serves. Waits up to ``wait_s`` for the endpoint (a recorder
+      writes it a moment after opening the store), then raises :class:`StoreError` "in use by
+      another process". ``timeout_s`` bounds each served query, the wait for the recorder's
+      lock included.
+    """
+    if check_dsn(dsn) != "chdb":
+        return connect(dsn)
+    path = Path(chdb_path(dsn))
+    deadline = time.monotonic() + wait_s
+    while True:
+        if not locked_elsewhere(path):
+            try:
+                client = connect(dsn)
+            except StoreError as e:
+                if "in use by another process" not in str(e):
+                    raise
+                # a recorder opened it just now: ask its server below
+            else:
+                with contextlib.suppress(Exception):  # bring a store of an older version up to date
+                    apply_ddl(client)
+                return client
+        endpoint = read_endpoint(endpoint_path(path))
+        if endpoint is not None:
+            client = RemoteClient(endpoint, timeout_s=timeout_s)
+            if client.ping():
+                return client
+            client.close()
+        if time.monotonic() >= deadline:
+            raise StoreError(
+                f"store {path} is in use by another process that serves no queries; "
+                "chDB lets one process open a store at a time (read it once that process has exited)"
+            )
+        time.sleep(0.1)

@@ -43,5 +43,6 @@ def example_events() -> list[ev.Event]:
         ev.Resume(run_id=RUN, event_id="e-r", ts=12.0),
         ev.Drain(run_id=RUN, event_id="e-d", ts=13.0, reason="end"),
         ev.DeadLetter(run_id=RUN, event_id="e-dl", ts=14.0, source_topic="rs.x.tasks", partition=0, offset=5,
-                      key=b"k", value=b"\xff\x00", error="decode: bad bytes", service="rollout", stage="decode"),
+                      key=b"g1/0", value=b"\xff\x00", error="decode: bad bytes", service="rollout", stage="decode",
+                      sample_id="g1/0", group_id="g1"),
     ]

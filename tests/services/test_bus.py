@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import typing
 
@@ -41,8 +42,12 @@ from services.kafka.bus import (
     TopicPartition,
     kafka_kwargs,
     key_for,
+    message_count,
+    message_counts,
     next_offsets,
+    resolve_bootstrap,
 )
+from services.kafka.quiet import quiet_aiokafka
 from services.kafka.runtime import derive_event_id
 
 pytestmark = pytest.mark.timeout(60)
@@ -215,6 +220,11 @@ async def test_round_trip_every_event_type(kafka: KafkaSettings, run_id: str, to
     assert keys["Generation"] == b"g1/0"  # task.sample_id
     assert keys["ScoredSample"] == b"g1"  # generation.task.group_id
     assert keys["WeightsPublished"] == b"latest"
+    # what the topics hold, per topic and in all
+    infos = {TOPICS[n].topic(run_id): TOPICS[n].partitions for n in TOPICS}
+    per_topic = await message_counts(kafka, kafka.bootstrap or "", infos)
+    assert per_topic == {t: sum(1 for r in recs if r.topic == t) for t in infos}
+    assert await message_count(kafka, kafka.bootstrap or "", infos) == len(events)
 
 
 async def test_large_generation_fits(kafka: KafkaSettings, run_id: str, topics: list[str]) -> None:
@@ -296,6 +306,62 @@ async def test_unreachable_bootstrap_fails_fast_with_one_line() -> None:
         msg = str(err.value)
         assert "\n" not in msg
         assert msg.startswith("cannot reach Kafka at 127.0.0.1:1 within 1.5 s")
+
+
+async def test_failed_start_reports_once_and_aiokafka_logs_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+    with pytest.raises(BusError):
+        await TopicAdmin(KafkaSettings(bootstrap="127.0.0.1:1", connect_timeout_s=1.0)).start()
+    assert not [r for r in caplog.records if r.name.startswith("aiokafka")]  # the BusError said it
+
+
+async def test_clients_share_one_lifecycle(kafka: KafkaSettings) -> None:
+    for client in (Producer(kafka), Consumer(kafka, group_id=None, topics=["rs.x.tasks"])):
+        with pytest.raises(BusError, match=f"{client.what} not started"):
+            _ = client.raw
+        assert not client.started
+        async with client as same:
+            assert same is client and client.started
+            assert await client.start() is client  # idempotent
+        assert not client.started
+        await client.stop()  # idempotent
+        with pytest.raises(BusError, match=f"{client.what} was stopped"):
+            await client.start()
+
+
+def test_resolve_bootstrap_argument_then_config_then_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLLSTREAM_BOOTSTRAP", " env:1 ")
+    assert resolve_bootstrap(KafkaSettings(bootstrap="cfg:1"), " arg:1 ") == "arg:1"
+    assert resolve_bootstrap(KafkaSettings(bootstrap="cfg:1"), "  ") == "cfg:1"
+    assert resolve_bootstrap(KafkaSettings()) == "env:1"
+    monkeypatch.delenv("ROLLSTREAM_BOOTSTRAP")
+    with pytest.raises(BusError, match="no Kafka bootstrap address"):
+        resolve_bootstrap(KafkaSettings())
+
+
+async def test_quiet_aiokafka_downgrades_only_the_calling_task(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    aiokafka_log = logging.getLogger("aiokafka")
+    inside = asyncio.Event()
+
+    async def other_task() -> None:  # runs while the block below is open, outside its scope
+        await inside.wait()
+        aiokafka_log.error("other task")
+
+    async def started_inside() -> None:  # started in the scope, logs after it ended
+        await asyncio.sleep(0.05)
+        aiokafka_log.error("after the scope")
+
+    other = asyncio.create_task(other_task())
+    with quiet_aiokafka():
+        late = asyncio.create_task(started_inside())
+        inside.set()
+        aiokafka_log.error("inside the scope")
+        await other
+    aiokafka_log.error("outside the scope")
+    await late
+    errors = [r.getMessage() for r in caplog.records if r.name == "aiokafka" and r.levelno == logging.ERROR]
+    assert errors == ["other task", "outside the scope", "after the scope"]
 
 
 # --------------------------------------------------------------------------- admin

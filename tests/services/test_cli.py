@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -110,10 +111,63 @@ def test_sql_errors_are_one_line(tmp_path: Path) -> None:
     assert "has no store" in one_error_line(cli("sql", "SELECT 1", "--runs-dir", str(tmp_path)))
 
 
-def test_replay_errors_are_one_line(tmp_path: Path) -> None:
-    # replay of a recorded run is tested in test_replay.py (a real run through the real broker)
-    assert "unknown run 'r1'" in one_error_line(cli("replay", "r1", "--rescore", "--runs-dir", str(tmp_path)))
-    assert "give one of --into" in one_error_line(cli("replay", "r1", "--runs-dir", str(tmp_path)))
+def test_replay_subcommands_errors_are_one_line(tmp_path: Path) -> None:
+    # replay of a recorded run is tested in test_replay*.py (a real run through the real broker)
+    runs = str(tmp_path)
+    assert "unknown run 'r1'" in one_error_line(cli("replay", "rescore", "r1", "--runs-dir", runs))
+    assert "unknown run 'r1'" in one_error_line(cli("replay", "into", "r1", "r2", "--runs-dir", runs))
+    assert "run r1 not found" in one_error_line(cli("replay", "step", "r1", "3", "--runs-dir", runs))
+    assert "into itself" in one_error_line(cli("replay", "into", "r1", "r1", "--runs-dir", runs))
+    assert "No such option: --topics" in one_error_line(cli("replay", "rescore", "r1", "--topics", "tasks"))
+
+
+def test_usage_errors_are_one_line() -> None:
+    for args, msg in [(("nope",), "No such command 'nope'"), (("replay", "step", "r1"), "Missing argument"),
+                      (("run",), "Missing argument"), (("replay", "into", "r1"), "Missing argument")]:
+        res = cli(*args)
+        assert res.returncode == 2 and msg in one_line_only(res), res.stderr
+    assert cli().returncode == 2 and "Usage" in cli().stdout  # no arguments: the help
+
+
+def one_line_only(res: subprocess.CompletedProcess[str]) -> str:
+    """The single line a failed command printed (stdout and stderr together)."""
+    assert res.returncode != 0 and "Traceback" not in res.stderr + res.stdout
+    lines = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize(("args", "msg"), [
+    (("--bootstrap", "127.0.0.1:1", "topics", "list"), "no Kafka broker answers at 127.0.0.1:1"),
+    (("--bootstrap", "127.0.0.1:1", "run", "examples/main.yaml"), "no Kafka broker answers at 127.0.0.1:1"),
+    (("--store", "bogus://x", "sql", "SELECT 1"), "bad store DSN 'bogus://x'"),
+    (("--store", "http://127.0.0.1:1", "sql", "SELECT 1"), "cannot reach ClickHouse at http://127.0.0.1:1"),
+    (("run", "examples/main.yaml", "--set", "train.nope=1"), "unknown key 'train.nope'"),
+    (("run", "examples/main.yaml", "--set", "train.lr=fast"), "train.lr"),
+    (("run", "examples/main.yaml", "--set", "rollout.group_size=0"), "rollout.group_size=0 must be >= 1"),
+])
+def test_user_errors_are_one_line_within_15s(args: tuple[str, ...], msg: str, tmp_path: Path, repo_root: Path) -> None:
+    """Library noise (aiokafka, urllib3, clickhouse_connect) goes to the log file, not the terminal."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ROLLSTREAM_BOOTSTRAP", "ROLLSTREAM_STORE")}
+    env["ROLLSTREAM_HOME"] = str(tmp_path / "home")
+    argv = [str(repo_root / a) if a.endswith(".yaml") else a for a in args]
+    if "run" in argv:
+        argv += ["--set", f"run.runs_dir={tmp_path / 'runs'}"]
+    t0 = time.monotonic()
+    res = cli(*argv, env=env, cwd=tmp_path)
+    assert time.monotonic() - t0 < 15
+    assert msg in one_line_only(res)
+    assert not (tmp_path / "runs").exists()
+    log = (tmp_path / "home" / "logs" / "cli.log").read_text()
+    assert "user error" in log
+    if "127.0.0.1:1" in args and "sql" in args:
+        assert "urllib3" in log or "clickhouse_connect" in log  # the noise is in the log file
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    env = dict(os.environ, ROLLSTREAM_HOME=str(tmp_path / "home"))
+    res = cli("--debug", "--store", "bogus://x", "sql", "SELECT 1", env=env)
+    assert res.returncode != 0 and "Traceback" in res.stderr and "StoreError" in res.stderr
 
 
 @pytest.mark.parametrize("fmt", ["json", "csv", "table"])
@@ -137,3 +191,86 @@ def test_cli_reference_is_current(tmp_path: Path, repo_root: Path) -> None:
     assert res.returncode == 0, res.stderr
     assert out.read_text() == (repo_root / "docs" / "cli.md").read_text(), (
         "docs/cli.md is stale: run `make docs`")
+
+
+def _delete_topics(bootstrap: str, run_id: str) -> None:
+    import asyncio
+
+    from schemas.config import KafkaSettings
+    from services.kafka.bus import TopicAdmin
+
+    async def delete() -> None:
+        async with TopicAdmin(KafkaSettings(), bootstrap) as admin:
+            await admin.delete_run_topics(run_id)
+
+    asyncio.run(delete())
+
+
+def test_run_prepare_only_prepares_and_starts_nothing(bootstrap: str, tmp_path: Path, repo_root: Path) -> None:
+    env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=bootstrap, ROLLSTREAM_HOME=str(tmp_path / "home"))
+    runs = tmp_path / "runs"
+    rid = f"prep-{uuid.uuid4().hex[:8]}"
+    args = ["run", str(repo_root / "examples" / "main.yaml"), "--prepare-only", "--run-id", rid,
+            "--set", f"run.runs_dir={runs}"]
+    try:
+        res = cli(*args, env=env)
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.strip() == rid  # only the run id on stdout (for scripts and compose)
+        assert (runs / rid / "config.yaml").is_file() and (runs / rid / "model" / "config.json").is_file()
+        assert [p.name for p in (runs / rid / "logs").iterdir()] == ["cli.log"]  # no service was started
+        listed = cli("--bootstrap", bootstrap, "topics", "list", rid, env=env)
+        assert f"{rid}: 9 topics" in listed.stdout, listed.stdout + listed.stderr
+        again = cli(*args, env=env)  # preparing the same run again changes nothing
+        assert again.returncode == 0 and again.stdout.strip() == rid, again.stderr
+        other = cli(*args[:-1], f"run.runs_dir={runs}", "--set", "train.lr=0.5", env=env)
+        assert other.returncode == 0, other.stderr  # topics still empty: a different config may take the id
+    finally:
+        _delete_topics(bootstrap, rid)
+
+
+def test_service_sql_and_report_agree_on_the_store(bootstrap: str, tmp_path: Path) -> None:
+    """`service recorder` records into --store / ROLLSTREAM_STORE (not the run's own store), and
+    `sql` and `report` read it from there, as `rollstream run` does."""
+    import asyncio
+    import json
+
+    from schemas import events as ev
+    from schemas.config import KafkaSettings
+    from schemas.topics import topic_name
+    from services.kafka.bus import Producer, TopicAdmin
+
+    rid = f"store-{uuid.uuid4().hex[:8]}"
+    runs, dsn = tmp_path / "runs", f"chdb://{tmp_path / 'elsewhere'}"
+    (runs / rid).mkdir(parents=True)
+    (runs / rid / "config.yaml").write_text("{}\n")
+
+    async def publish() -> None:
+        async with TopicAdmin(KafkaSettings(), bootstrap) as admin:
+            await admin.ensure_run_topics(rid)
+        async with Producer(KafkaSettings(bootstrap=bootstrap)) as producer:
+            await producer.send_and_wait(topic_name(rid, "control"), ev.RunStarted(run_id=rid, config_json="{}"))
+            await producer.send_and_wait(topic_name(rid, "control"), ev.RunFinished(run_id=rid, status="completed"))
+
+    env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=bootstrap, ROLLSTREAM_HOME=str(tmp_path / "home"))
+    env.pop("ROLLSTREAM_STORE", None)
+    try:
+        asyncio.run(publish())
+        rec = cli("--store", dsn, "service", "recorder", "--run", rid, "--runs-dir", str(runs), env=env)
+        assert rec.returncode == 0, rec.stderr[-2000:]  # exits by itself after RunFinished
+    finally:
+        _delete_topics(bootstrap, rid)
+    assert not (runs / rid / "store").exists()  # recorded into --store, not the run's own store
+    query = ("sql", "SELECT kind FROM events WHERE run_id = {r:String} ORDER BY kind", "--param", f"r={rid}",
+             "--format", "json")
+    res = cli("--store", dsn, *query, env=env)
+    assert res.returncode == 0, res.stderr
+    assert [r["kind"] for r in json.loads(res.stdout)] == ["RunFinished", "RunStarted"]
+    with_env = cli(*query, env=dict(env, ROLLSTREAM_STORE=dsn))
+    assert with_env.returncode == 0 and with_env.stdout == res.stdout, with_env.stderr
+    report = cli("report", rid, "--runs-dir", str(runs), "--out", str(tmp_path / "rep"), env=dict(env, ROLLSTREAM_STORE=dsn))
+    assert report.returncode == 0, report.stderr
+    assert (tmp_path / "rep" / "index.html").is_file() and f"{rid}: 0 train steps" in report.stdout
+    # without --store: the store the run's config names (what `rollstream run --store` writes there)
+    (runs / rid / "config.yaml").write_text(f"store:\n  dsn: {dsn}\n")
+    from_cfg = cli(*query, "--run", rid, "--runs-dir", str(runs), env=env)
+    assert from_cfg.returncode == 0 and from_cfg.stdout == res.stdout, from_cfg.stderr

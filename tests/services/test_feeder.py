@@ -1,4 +1,5 @@
-"""The feeder's in-flight bound, version gate and deterministic groups (state machine, no Kafka)."""
+"""The feeder's in-flight bound, version gate and deterministic groups (state machine, no Kafka),
+and the feeder on the runtime against the real broker (restart, dead letters, end of run)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,73 @@ def test_groups_are_deterministic_and_drain_stops_issuing() -> None:
     a.observe(ev.WeightsPublished(run_id="r", policy_version=1, step=1, uri="/w/1"))
     a.observe(ev.Drain(run_id="r"))
     assert not a.can_issue()
+
+
+# --------------------------------------------------------------------------- on the runtime, real broker
+
+
+async def test_feeder_follows_the_run_and_rebuilds_its_state_on_restart(bootstrap: str, run_id: str) -> None:
+    """The feeder on the runtime (no group, from the beginning, commits nothing): it issues up to
+    the bound, a dead letter naming a sample frees its slot like an outcome, a restarted feeder
+    rebuilds its state from the topics (issues nothing twice), and after Drain it publishes
+    RunFinished once every sample has an outcome or a dead letter, then exits."""
+    import asyncio
+    import time
+
+    from schemas.config import KafkaSettings
+    from schemas.topics import topic_name
+    from services.kafka.bus import Consumer
+    from services.kafka.runtime import publish
+
+    kafka = KafkaSettings(bootstrap=bootstrap)
+    cfg = parse_config(f"rollout: {{group_size: 2, async_ratio: 0}}\ntrain: {{batch_size: 4, steps: 3}}\n"
+                       f"kafka: {{bootstrap: '{bootstrap}'}}")
+    settings = FeederSettings(run_id=run_id, config=cfg, poll_timeout_s=0.1, catch_up_timeout_s=10)
+    seen: list[ev.Event] = []
+
+    async def read_until(cond: object, timeout_s: float = 20) -> None:
+        async with Consumer(kafka, group_id=None, topics=[topic_name(run_id, n) for n in ("tasks", "control")],
+                            metadata_max_age_ms=300) as c:
+            deadline = time.monotonic() + timeout_s
+            seen.clear()
+            while not cond():  # type: ignore[operator]
+                assert time.monotonic() < deadline, [type(e).__name__ for e in seen]
+                seen.extend(r.event for r in await c.getmany(timeout_ms=200) if r.event is not None)
+
+    def tasks() -> list[ev.RolloutTask]:
+        return [e for e in seen if isinstance(e, ev.RolloutTask)]
+
+    stop = asyncio.Event()
+    first = asyncio.create_task(Feeder(settings).run(stop))
+    await read_until(lambda: len(tasks()) >= 4)
+    batch = tasks()
+    assert sorted(t.sample_id for t in batch) == ["g000000/0", "g000000/1", "g000001/0", "g000001/1"]
+    assert any(isinstance(e, ev.RunStarted) for e in seen)
+    # three samples trained at step 0, the fourth dead-lettered; then weights v1
+    outcomes = [ev.SampleOutcome(run_id=run_id, sample_id=t.sample_id, group_id=t.group_id, status="trained", step=0)
+                for t in batch[:3]]
+    await publish(kafka, None, "metrics", outcomes)
+    await publish(kafka, None, "dlq", [ev.DeadLetter(run_id=run_id, source_topic=topic_name(run_id, "generations"),
+                                                     partition=0, offset=0, key=None, value=None, error="bad",
+                                                     sample_id=batch[3].sample_id, group_id=batch[3].group_id)])
+    await publish(kafka, None, "weights", [ev.WeightsPublished(run_id=run_id, policy_version=1, step=1, uri="/w/1")])
+    await read_until(lambda: len(tasks()) >= 8)
+    stop.set()
+    assert await asyncio.wait_for(first, 15) == 8
+
+    # a restarted feeder reads the run back: 4 outstanding, nothing issued again
+    stop = asyncio.Event()
+    feeder = Feeder(settings)
+    second = asyncio.create_task(feeder.run(stop))
+    deadline = time.monotonic() + 20
+    while len(feeder.issued) < 8 or not feeder._caught_up:
+        assert time.monotonic() < deadline and not second.done()
+        await asyncio.sleep(0.1)
+    assert feeder.outstanding == 4 and feeder.version == 1 and feeder.steps_seen == 1
+    await publish(kafka, None, "control", [ev.Drain(run_id=run_id)])
+    newer = [t for t in tasks() if t.sample_id not in {b.sample_id for b in batch}]
+    await publish(kafka, None, "metrics", [
+        ev.SampleOutcome(run_id=run_id, sample_id=t.sample_id, group_id=t.group_id, status="trained", step=1)
+        for t in newer])
+    assert await asyncio.wait_for(second, 20) == 0  # exits by itself after RunFinished
+    await read_until(lambda: any(isinstance(e, ev.RunFinished) for e in seen))

@@ -1,9 +1,9 @@
 """``rollstream replay``: unit tests of the pure parts, then a short real run (real broker, real
 chDB) replayed with the CLI in subprocesses, as a user runs it.
 
-The original run's topics stay on the broker, so what ``--into`` re-published is checked against
-them directly (not against the store replay read from), and the ``--rescore`` numbers against a
-computation from the original ``scored`` / ``metrics`` topics in this test.
+The original run's topics stay on the broker, so what ``replay into`` re-published is checked
+against them directly (not against the store replay read from), and the ``replay rescore`` numbers
+against a computation from the original ``scored`` / ``metrics`` topics in this test.
 """
 
 from __future__ import annotations
@@ -147,8 +147,9 @@ class Recorded:
     env: dict[str, str]
     bootstrap: str
 
-    def replay(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return rollstream("replay", self.run_id, "--runs-dir", str(self.runs), *args, env=self.env)
+    def replay(self, mode: str, *args: str) -> subprocess.CompletedProcess[str]:
+        """``rollstream replay MODE RUN ARGS...`` on the recorded run."""
+        return rollstream("replay", mode, self.run_id, *args, "--runs-dir", str(self.runs), env=self.env)
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +244,7 @@ def sample_of(e: Any) -> str:
 @pytest.mark.slow
 def test_into_republishes_the_whole_record_in_order(recorded: Recorded) -> None:
     into = f"{recorded.run_id}-copy"
-    res = recorded.replay("--into", into, "--format", "json")
+    res = recorded.replay("into", into, "--format", "json")
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout)
     original, copy = consume(recorded, recorded.run_id), consume(recorded, into)
@@ -272,7 +273,7 @@ def test_into_republishes_the_whole_record_in_order(recorded: Recorded) -> None:
     assert cfg["model"]["path"] == str((recorded.runs / recorded.run_id / "model").resolve())
     assert cfg["run"]["runs_dir"] == str(recorded.runs.resolve())
 
-    again = recorded.replay("--into", into)
+    again = recorded.replay("into", into)
     assert f"run {into} already has {len(copy)} messages" in one_error_line(again)
 
 
@@ -280,7 +281,7 @@ def test_into_republishes_the_whole_record_in_order(recorded: Recorded) -> None:
 def test_into_a_step_slice_republishes_exactly_that_slice(recorded: Recorded) -> None:
     into = f"{recorded.run_id}-s12"
     names = ["tasks", "generations", "scored", "weights", "metrics"]
-    res = recorded.replay("--into", into, "--from-step", "1", "--to-step", "2", "--topics", ",".join(names),
+    res = recorded.replay("into", into, "--from-step", "1", "--to-step", "2", "--topics", ",".join(names),
                           "--format", "json")
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout)
@@ -314,7 +315,7 @@ def test_into_a_step_slice_republishes_exactly_that_slice(recorded: Recorded) ->
 def _expected_rescore(r: Recorded, verifier: str | None) -> dict[str, Any]:
     """The rescore numbers, computed here from the original topics (GRPO: group mean and std)."""
     from envs.verifiers import format_check
-    from trainer.algos import grpo_advantages_reference
+    from trainer.advantages import grpo_advantages_reference
 
     records = consume(r, r.run_id, ["scored", "metrics"])
     scored = {sample_of(x.event): x.event for x in records if isinstance(x.event, ev.ScoredSample)}
@@ -353,7 +354,7 @@ def _check(report: dict[str, Any], want: dict[str, Any]) -> None:
 
 @pytest.mark.slow
 def test_rescore_with_the_recorded_config_changes_nothing(recorded: Recorded) -> None:
-    res = recorded.replay("--rescore", "--format", "json")
+    res = recorded.replay("rescore", "--format", "json")
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     want = _expected_rescore(recorded, None)
@@ -366,7 +367,7 @@ def test_rescore_with_the_recorded_config_changes_nothing(recorded: Recorded) ->
 
 @pytest.mark.slow
 def test_rescore_with_another_verifier_reports_consistent_changes(recorded: Recorded) -> None:
-    res = recorded.replay("--rescore", "--set", "data.domains.0.verifier=format", "--format", "json",
+    res = recorded.replay("rescore", "--set", "data.domains.0.verifier=format", "--format", "json",
                           "--examples", "3")
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
@@ -379,7 +380,7 @@ def test_rescore_with_another_verifier_reports_consistent_changes(recorded: Reco
         assert (x["verifier_old"], x["verifier_new"]) == ("final_number", "format")
         assert x["reward_new"] == (1.0 if x["response"].strip().lstrip("-").isdigit() else 0.0)
 
-    table = recorded.replay("--rescore", "--set", "data.domains.0.verifier=format")
+    table = recorded.replay("rescore", "--set", "data.domains.0.verifier=format")
     assert table.returncode == 0, table.stderr
     assert "data.domains.0.verifier=format" in table.stdout and "examples:" in table.stdout
     arith = next(ln.split() for ln in table.stdout.splitlines() if ln.startswith("arith "))
@@ -388,21 +389,21 @@ def test_rescore_with_another_verifier_reports_consistent_changes(recorded: Reco
 
 @pytest.mark.slow
 def test_replay_errors_on_a_recorded_run_are_one_line(recorded: Recorded) -> None:
-    assert "none >= 99" in one_error_line(recorded.replay("--into", "x1", "--from-step", "99"))
-    assert "unknown key 'reward.nope'" in one_error_line(recorded.replay("--rescore", "--set", "reward.nope=1"))
-    bad_verifier = recorded.replay("--rescore", "--set", "data.domains.0.verifier=nope")
+    assert "none >= 99" in one_error_line(recorded.replay("into", "x1", "--from-step", "99"))
+    assert "unknown key 'reward.nope'" in one_error_line(recorded.replay("rescore", "--set", "reward.nope=1"))
+    bad_verifier = recorded.replay("rescore", "--set", "data.domains.0.verifier=nope")
     assert "unknown verifier 'nope'" in one_error_line(bad_verifier)
-    assert "--topics applies to --into only" in one_error_line(recorded.replay("--rescore", "--topics", "tasks"))
+    usage = recorded.replay("rescore", "--topics", "tasks")  # --topics belongs to `replay into`
+    assert usage.returncode == 2 and "No such option: --topics" in usage.stderr
 
 
 def test_replay_input_errors_are_one_line(tmp_path: Path) -> None:
     env = dict(os.environ)
     runs = str(tmp_path)
-    assert "unknown run 'nope'" in one_error_line(rollstream("replay", "nope", "--into", "x", "--runs-dir", runs, env=env))
+    assert "unknown run 'nope'" in one_error_line(rollstream("replay", "into", "nope", "x", "--runs-dir", runs, env=env))
     assert "unknown topic 'bogus'" in one_error_line(
-        rollstream("replay", "r1", "--into", "x", "--topics", "tasks,bogus", "--runs-dir", runs, env=env))
+        rollstream("replay", "into", "r1", "x", "--topics", "tasks,bogus", "--runs-dir", runs, env=env))
     assert "--from-step 5 is after --to-step 2" in one_error_line(
-        rollstream("replay", "r1", "--rescore", "--from-step", "5", "--to-step", "2", "--runs-dir", runs, env=env))
-    assert "give one of --into" in one_error_line(rollstream("replay", "r1", "--runs-dir", runs, env=env))
-    assert "give one of --into" in one_error_line(rollstream("replay", "r1", "--into", "x", "--rescore", env=env))
-    assert "run id" in one_error_line(rollstream("replay", "r1", "--into", "bad id!", env=env))
+        rollstream("replay", "rescore", "r1", "--from-step", "5", "--to-step", "2", "--runs-dir", runs, env=env))
+    assert "run id" in one_error_line(rollstream("replay", "into", "r1", "bad id!", env=env))
+    assert "cannot replay run r1 into itself" in one_error_line(rollstream("replay", "into", "r1", "r1", env=env))

@@ -25,6 +25,8 @@ from services.kafka.bus import (
     next_offsets,
 )
 from services.kafka.runtime import (
+    BatchContext,
+    BatchService,
     Context,
     Counters,
     FunctionService,
@@ -235,7 +237,8 @@ async def test_handler_error_is_retried_then_dead_lettered(
     assert len(dlq) == 1
     d: DeadLetter = dlq[0].event
     assert d.stage == "handle"
-    assert d.error == "RuntimeError: engine exploded on p1 second line"
+    assert (d.sample_id, d.group_id) == ("g1/0", "g1")  # named from the decoded task
+    assert d.error.startswith("RuntimeError: engine exploded on p1") and "\n" not in d.error
     rec_value = d.value
     assert rec_value is not None
     # the raw bytes are kept: the dead letter decodes back to the original task
@@ -603,3 +606,192 @@ async def test_stop_does_not_start_fetched_records(
     counters = await run_until(Runner(rest, s), lambda c: c.processed >= 4)
     assert counters == Counters(processed=4, emitted=4)
     assert rest.started == [t.sample_id for t in tasks[1:]]
+
+
+# --------------------------------------------------------------------------- dead letters name their sample
+
+
+async def test_dead_letters_name_sample_and_group(kafka: KafkaSettings, run_id: str, topics: list[str]) -> None:
+    """From the decoded event when the handler fails, else from a schemaless decode of the bytes,
+    else from the record key (tasks are keyed by sample id, scored by group id)."""
+    tasks_t, scored_t = topic_name(run_id, "tasks"), topic_name(run_id, "scored")
+    good = task(run_id, 1)
+    wrong_shape = msgspec.msgpack.encode({"kind": "RolloutTask", "run_id": run_id, "sample_id": "g7/2",
+                                          "group_id": "g7", "index": "two"})  # a mistyped field
+    async with Producer(kafka) as p:
+        await (await p.send_raw(tasks_t, b"\xc1 junk", "g5/3"))
+        await (await p.send_raw(tasks_t, wrong_shape, "other-key"))
+        await (await p.send_raw(scored_t, b"\xc1 junk", "g9"))
+    await publish(kafka, None, "tasks", [good])
+    svc = Rollout(fail_on={"p1"})
+    s = settings(kafka, run_id, topics=["tasks", "scored"])
+    counters = await run_until(Runner(svc, s), lambda c: c.failed >= 4)
+    assert counters == Counters(failed=4, dead_lettered=4)
+    letters = {(d.stage, d.sample_id, d.group_id) for d in
+               (r.event for r in await read_topic(kafka, topic_name(run_id, "dlq"), 4))}
+    assert letters == {("decode", "g5/3", "g5"), ("decode", "g7/2", "g7"), ("decode", "", "g9"),
+                       ("handle", good.sample_id, good.group_id)}
+
+
+# --------------------------------------------------------------------------- batch handlers
+
+
+class Collect(BatchService):
+    """Batch handler: one output per task, rejects prompts in ``reject``; records the batches."""
+
+    name = "collect"
+
+    def __init__(self, reject: set[str] | None = None, fail: bool = False) -> None:
+        self.reject = reject or set()
+        self.fail = fail
+        self.batches: list[list[Record]] = []
+        self.ticks = 0
+        self.assigned: set[TopicPartition] = set()
+
+    async def handle_batch(self, records: list[Record], ctx: BatchContext) -> None:
+        if self.fail:
+            raise RuntimeError("store is down")
+        self.batches.append(records)
+        for rec in records:
+            if rec.event is None:
+                continue
+            if rec.event.prompt_id in self.reject:
+                ctx.reject(rec, f"no such prompt {rec.event.prompt_id}")
+            else:
+                ctx.emit("generations", generate(rec.event), parent=rec)
+
+    async def on_tick(self, runner: Runner) -> None:
+        self.ticks += 1
+
+    async def on_assigned(self, runner: Runner, tps: set[TopicPartition]) -> None:
+        self.assigned |= tps
+
+
+async def test_batch_handler_commits_after_its_outputs_and_dead_letters_rejects(
+    kafka: KafkaSettings, run_id: str, topics: list[str]
+) -> None:
+    n = 30
+    tasks = [task(run_id, i) for i in range(n)]
+    await publish(kafka, None, "tasks", tasks)
+    async with Producer(kafka) as p:
+        await (await p.send_raw(topic_name(run_id, "tasks"), b"\xc1", "g99/0"))
+    svc = Collect(reject={"p3"})
+    s = settings(kafka, run_id, batch_max_records=8)
+    runner = Runner(svc, s)
+    counters = await run_until(runner, lambda c: c.processed + c.failed >= n + 1)
+    assert counters == Counters(processed=n - 1, failed=2, dead_lettered=2, emitted=n - 1)
+    assert all(len(b) <= 8 for b in svc.batches) and sum(len(b) for b in svc.batches) == n
+    assert svc.ticks >= len(svc.batches) - 1 and runner.polls >= len(svc.batches)  # a tick after each poll
+    gens = await read_topic(kafka, topic_name(run_id, "generations"), n - 1)
+    assert {r.event.event_id for r in gens} == {derive_event_id(t.event_id, "collect", 0) for t in tasks
+                                                 if t.prompt_id != "p3"}
+    dlq = {(r.event.stage, r.event.sample_id) for r in await read_topic(kafka, topic_name(run_id, "dlq"), 2)}
+    assert dlq == {("handle", "g3/0"), ("decode", "g99/0")}
+    await assert_committed_to_end(kafka, s.group_id, topic_name(run_id, "tasks"), 4)
+
+
+async def test_failing_batch_handler_stops_the_service_uncommitted(
+    kafka: KafkaSettings, run_id: str, topics: list[str]
+) -> None:
+    await publish(kafka, None, "tasks", [task(run_id, 1)])
+    s = settings(kafka, run_id)
+    with pytest.raises(RuntimeError, match="store is down"):
+        await asyncio.wait_for(Runner(Collect(fail=True), s).run(install_signal_handlers=False), 20)
+    assert await committed(kafka, s.group_id, topic_name(run_id, "tasks"), 4) == dict.fromkeys(range(4))
+
+
+async def test_commit_by_service_resumes_at_the_services_positions(
+    kafka: KafkaSettings, run_id: str, topics: list[str]
+) -> None:
+    """commit="by_service": the runtime commits nothing; the service commits what its state
+    covers, and after a restart it seeks to its own positions in on_assigned."""
+    tasks_t = topic_name(run_id, "tasks")
+    async with Producer(kafka) as p:  # one partition, fixed order
+        for i in range(6):
+            await p.send_and_wait(tasks_t, task(run_id, i), key="same")
+    tp = next(iter(await _partition_of(kafka, tasks_t, "same")))
+    s = settings(kafka, run_id, commit="by_service")
+
+    class Saver(Collect):
+        async def on_tick(self, runner: Runner) -> None:
+            seen = sum(len(b) for b in self.batches)
+            if seen >= 6:
+                await runner.commit({tp: 2})  # "the checkpoint covers the first two"
+                runner.stop.set()
+
+    first = Saver()
+    await asyncio.wait_for(Runner(first, s).run(install_signal_handlers=False), 30)
+    assert await committed(kafka, s.group_id, tasks_t, 4) == {**dict.fromkeys(range(4)), tp.partition: 2}
+
+    class Resume(Collect):
+        async def on_assigned(self, runner: Runner, tps: set[TopicPartition]) -> None:
+            if tp in tps:
+                runner.consumer.seek(tp, 4)  # the service's own position wins over the committed one
+
+    again = Resume()
+    counters = await run_until(Runner(again, s), lambda c: c.processed >= 2)
+    assert [r.event.prompt_id for b in again.batches for r in b] == ["p4", "p5"]
+    assert counters.processed == 2
+    assert await committed(kafka, s.group_id, tasks_t, 4) == {**dict.fromkeys(range(4)), tp.partition: 2}
+
+
+async def _partition_of(kafka: KafkaSettings, topic: str, key: str) -> set[TopicPartition]:
+    async with Consumer(kafka, group_id=None, topics=[topic]) as c:
+        out: set[TopicPartition] = set()
+        deadline = time.monotonic() + 10
+        while not out and time.monotonic() < deadline:
+            out = {r.tp for r in await c.getmany(timeout_ms=200) if r.key == key.encode()}
+    return out
+
+
+async def test_no_group_reads_everything_each_start_and_commits_nothing(
+    kafka: KafkaSettings, run_id: str, topics: list[str]
+) -> None:
+    await publish(kafka, None, "tasks", [task(run_id, i) for i in range(5)])
+    s = settings(kafka, run_id, group_id=None, topics=["tasks", "dlq"])
+    for _ in range(2):
+        svc = Collect()
+        runner = Runner(svc, s)
+        await run_until(runner, lambda c: c.processed >= 5)
+        assert sorted(r.event.prompt_id for b in svc.batches for r in b) == [f"p{i}" for i in range(5)]
+        assert svc.assigned == set()  # no group: no rebalance hooks
+    with pytest.raises(ValueError, match="transactional needs a group_id"):
+        settings(kafka, run_id, group_id=None, transactional=True)
+
+
+async def test_idle_tick_can_stop_the_service(kafka: KafkaSettings, run_id: str, topics: list[str]) -> None:
+    class Ticker(Collect):
+        async def on_tick(self, runner: Runner) -> None:
+            self.ticks += 1
+            assert runner.last_polled == 0
+            if self.ticks == 3:
+                runner.stop.set()
+
+    svc = Ticker()
+    t0 = time.monotonic()
+    assert await asyncio.wait_for(Runner(svc, settings(kafka, run_id)).run(install_signal_handlers=False), 20) \
+        == Counters()
+    assert svc.ticks == 3 and svc.batches == [] and time.monotonic() - t0 < 15
+
+
+async def test_undecodable_records_to_the_handler_or_left_to_their_owner(
+    kafka: KafkaSettings, run_id: str, topics: list[str]
+) -> None:
+    """handle_undecodable: the handler gets the bytes (the recorder); observed_topics: a bad
+    record there is the owning group's to dead-letter (the feeder on tasks); dedupe=False: a
+    repeated event_id reaches the handler again."""
+    t = task(run_id, 1)
+    await publish(kafka, None, "tasks", [t, t])
+    async with Producer(kafka) as p:
+        await (await p.send_raw(topic_name(run_id, "tasks"), b"\xc1", "g8/0"))
+    raw = Collect()
+    counters = await run_until(Runner(raw, settings(kafka, run_id, handle_undecodable=True, dedupe=False,
+                                                    group_id=f"raw-{run_id}")), lambda c: c.processed >= 3)
+    assert counters.processed == 3 and counters.failed == 0 and counters.duplicates == 0
+    got = [r for b in raw.batches for r in b]
+    assert sum(r.event is None and r.error is not None for r in got) == 1
+    observer = Collect()
+    counters = await run_until(Runner(observer, settings(kafka, run_id, group_id=None, observed_topics=["tasks"])),
+                               lambda c: c.processed + c.ignored + c.duplicates >= 3)
+    assert counters == Counters(processed=1, duplicates=1, ignored=1, emitted=1)
+    assert await read_topic(kafka, topic_name(run_id, "dlq"), 1, timeout_s=1.0) == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -19,6 +20,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from services.kafka import broker as stack
 from services.kafka.broker import StackError
+from services.kafka.probe import bootstrap_from_env, split_hostport
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +285,39 @@ def test_kafka_reachable_rejects_garbage_addresses() -> None:
     assert stack.kafka_reachable("", timeout_s=0.5) is False
     assert stack.kafka_reachable("no-port-here", timeout_s=0.5) is False
     assert stack.kafka_reachable("host.invalid:9092", timeout_s=0.5) is False
+
+
+def test_kafka_reachable_logs_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    assert stack.kafka_reachable("127.0.0.1:1,localhost:1", timeout_s=2) is False
+    assert not [r for r in caplog.records if r.name.startswith("aiokafka")]
+
+
+def test_kafka_reachable_from_inside_a_running_loop() -> None:
+    async def probe() -> bool:
+        return stack.kafka_reachable("127.0.0.1:1", timeout_s=1)
+
+    assert asyncio.run(probe()) is False
+
+
+def test_split_hostport() -> None:
+    assert split_hostport(" broker:9092 ") == ("broker", 9092)
+    assert split_hostport("PLAINTEXT://h:1") == ("h", 1)
+    assert split_hostport("[::1]:9092") == ("::1", 9092)
+    assert split_hostport(":9092") == ("localhost", 9092)
+    assert split_hostport("no-port") is None and split_hostport("h:port") is None
+
+
+def test_bootstrap_rule_is_shared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # explicit value, else $ROLLSTREAM_BOOTSTRAP, stripped: the rule of both resolve_bootstrap
+    assert bootstrap_from_env(None, "  ") is None
+    assert bootstrap_from_env(" a:1 ", "b:1") == "a:1"
+    monkeypatch.setenv(stack.BOOTSTRAP_ENV, " env:1 ")
+    assert bootstrap_from_env(None, "") == "env:1"
+    assert stack.resolve_bootstrap(None, tmp_path) == "env:1"
+    assert stack.resolve_bootstrap(" arg:1 ", tmp_path) == "arg:1"
+    monkeypatch.delenv(stack.BOOTSTRAP_ENV)
+    assert stack.resolve_bootstrap(None, tmp_path) is None  # no local broker in this home
 
 
 def test_home_and_cache_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

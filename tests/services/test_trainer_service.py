@@ -1,16 +1,22 @@
-"""Group assembly and the staleness filter of the trainer service (pure functions)."""
+"""The trainer service without Kafka: its buffer (dead letters complete groups, nothing is decided
+twice), the impossible values it rejects, one pass of its batch handler over scored samples and
+dead letters (in-memory context), and its checkpoints."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from pathlib import Path
+from typing import Any
 
 import msgspec
+import pytest
 
 from schemas import events as ev
-from services.trainer_service import assemble, ready_groups
+from services.kafka.bus import Record, TopicPartition
+from services.sanity import check_generation, check_scored, check_task
+from services.trainer_buffer import GroupBuffer
 
 
-def scored(group: str, index: int, version: int, size: int = 4, reward: float = 1.0) -> ev.ScoredSample:
+def scored(group: str, index: int, version: int = 0, size: int = 4, reward: float = 1.0) -> ev.ScoredSample:
     task = ev.RolloutTask(run_id="r", sample_id=f"{group}/{index}", group_id=group, index=index, group_size=size,
                           prompt_id="p", domain="arith", prompt="1+1=", reference="2")
     gen = ev.Generation(run_id="r", task=task, prompt_ids=[1], response_ids=[2], response_text="2", logprobs=[-0.1],
@@ -18,52 +24,149 @@ def scored(group: str, index: int, version: int, size: int = 4, reward: float = 
     return ev.ScoredSample(run_id="r", generation=gen, reward=reward, policy_version=version)
 
 
-def test_only_complete_groups_in_arrival_order() -> None:
-    groups: OrderedDict[str, list[ev.ScoredSample]] = OrderedDict()
-    groups["a"] = [scored("a", i, 0) for i in range(3)]  # incomplete (3 of 4)
-    groups["b"] = [scored("b", i, 0) for i in range(4)]
-    assert ready_groups(groups, batch_size=8) is None  # only 4 complete samples
-    groups["c"] = [scored("c", i, 0) for i in range(4)]
-    assert ready_groups(groups, batch_size=8) == ["b", "c"]
-    groups["a"].append(scored("a", 3, 0))
-    assert ready_groups(groups, batch_size=8) == ["a", "b"]
-    assert ready_groups(groups, batch_size=4) == ["a"]
+def dead_letter(sample_id: str, group_id: str = "") -> ev.DeadLetter:
+    return ev.DeadLetter(run_id="r", source_topic="rs.r.generations", partition=0, offset=0, key=None, value=None,
+                         error="ValueError: bad", sample_id=sample_id, group_id=group_id)
 
 
-def test_staleness_filter_drops_and_records_reasons() -> None:
-    fresh = [scored("f", i, 5) for i in range(4)]
-    mixed = [scored("m", 0, 3), scored("m", 1, 4), scored("m", 2, 5), scored("m", 3, 5)]
-    lone = [scored("l", 0, 1), scored("l", 1, 1), scored("l", 2, 1), scored("l", 3, 5)]
-    batch, rejected = assemble([fresh, mixed, lone], version=5, max_staleness=1)
-    assert [s.generation.task.sample_id for s in batch] == ["f/0", "f/1", "f/2", "f/3", "m/1", "m/2", "m/3"]
-    by_id = {s.generation.task.sample_id: (status, reason) for s, status, reason in rejected}
-    assert by_id["m/0"] == ("dropped_stale", "stale: gap 2 > 1")
-    assert by_id["l/0"][0] == "dropped_stale"
-    assert by_id["l/3"] == ("filtered", "group too small after the staleness filter")
-    # every sample is either in the batch or rejected, exactly once
-    assert len(batch) + len(rejected) == 12
+# --------------------------------------------------------------------------- the buffer
 
 
-def test_on_policy_batch_keeps_everything() -> None:
-    groups = [[scored("g", i, 7) for i in range(4)]]
-    batch, rejected = assemble(groups, version=7, max_staleness=0)
-    assert len(batch) == 4 and rejected == []
+def test_dead_letters_complete_groups_and_end_their_samples_once() -> None:
+    buf = GroupBuffer()
+    for i in range(3):
+        assert buf.add(scored("a", i))
+    assert not buf.complete("a")
+    assert buf.dead_letter("a/3", "a")  # before the sample arrived
+    assert buf.complete("a") and buf.dead_count("a") == 1
+    assert not buf.add(scored("a", 3))  # the real sample after its dead letter: ignored
+    assert not buf.dead_letter("a/3")  # a second dead letter changes nothing
+    # a dead letter for a buffered sample takes it out; the group name comes from the sample id
+    assert buf.add(scored("b", 0)) and buf.add(scored("b", 1))
+    assert buf.dead_letter("b/1")
+    assert [s.generation.task.sample_id for s in buf.groups["b"]] == ["b/0"] and buf.dead["b"] == {"b/1"}
+    # a dead letter naming no sample, or a decided one, is not counted
+    buf.decide("c/0")
+    assert not buf.dead_letter("") and not buf.dead_letter("c/0")
+    assert buf.complete_ids() == {"a"}
+    assert [len(g) for g in buf.take(["a"])] == [3] and "a" not in buf.dead
 
 
-def test_checkpoint_restores_model_buffer_and_positions(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    import torch
+def test_buffer_snapshot_round_trips() -> None:
+    buf = GroupBuffer()
+    buf.add(scored("a", 0))
+    buf.dead_letter("a/1")
+    buf.decide("z/0")
+    again = GroupBuffer()
+    again.restore(*buf.snapshot())
+    assert again.snapshot() == buf.snapshot() and again.dead == {"a": {"a/1"}}
+    assert again.decided == {"a/1", "z/0"}
 
-    from rollout.model_init import init_tiny_model
-    from schemas.config import TinyModelSpec, parse_config
-    from services.kafka.bus import TopicPartition
+
+# --------------------------------------------------------------------------- impossible values
+
+
+def test_impossible_values_are_named() -> None:
+    ok = scored("g", 0)
+    assert check_scored(ok) is None
+    nan = msgspec.structs.replace(ok, reward=float("nan"))
+    assert "reward is nan" in str(check_scored(nan))
+    gen = msgspec.structs.replace(ok.generation, logprobs=[-0.1, -0.2])
+    assert "lengths differ" in str(check_generation(gen))
+    assert "lengths differ" in str(check_scored(msgspec.structs.replace(ok, generation=gen)))
+    task = msgspec.structs.replace(ok.generation.task, group_size=0)
+    assert "impossible in a group of 0" in str(check_task(task))
+    assert "unknown domain 'arith'" in str(check_task(ok.generation.task, domains={"math"}))
+    assert check_task(ok.generation.task, domains={"arith"}) is None
+
+
+# --------------------------------------------------------------------------- the handler
+
+
+class FakeContext:
+    """What the trainer's batch handler uses of a BatchContext, in memory."""
+
+    def __init__(self, polled: list[Record]) -> None:
+        self.polled = polled
+        self.sent: list[tuple[str, ev.Event]] = []
+        self.rejected: list[tuple[Record, str]] = []
+        self.dead_letters: list[ev.DeadLetter] = []
+
+    def emit(self, topic: str, event: ev.Event, key: Any = None, parent: Any = None) -> ev.Event:
+        self.sent.append((topic, event))
+        return event
+
+    def reject(self, rec: Record, error: str) -> None:
+        self.rejected.append((rec, error))
+
+    async def flush(self) -> list[Any]:
+        return []
+
+
+def record(event: ev.Event, topic: str, offset: int) -> Record:
+    return Record(f"rs.r.{topic}", 0, offset, None, b"", event, None, 0.0)
+
+
+@pytest.fixture
+def trainer(tmp_path: Path, model_dir: Path) -> Any:
+    from schemas.config import parse_config
     from services.trainer_service import Trainer, TrainerSettings
 
-    model = init_tiny_model(tmp_path / "m", TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2,
-                                                         intermediate_size=64, max_position_embeddings=32))
+    cfg = parse_config("rollout: {group_size: 4}\ntrain: {batch_size: 8, micro_batch_size: 8, eval_every: 0, "
+                       "checkpoint_every: 0, steps: 5}\ndata: {heldout_size: 2}")
+    return Trainer(TrainerSettings(run_id="r", config=cfg, model_dir=str(model_dir), run_dir=str(tmp_path / "run")))
+
+
+async def test_handler_trains_groups_completed_by_dead_letters(trainer: Any) -> None:
+    events: list[tuple[ev.Event, str]] = [(scored("a", i, reward=float(i % 2)), "scored") for i in range(4)]
+    events += [(scored("b", i, reward=float(i % 2)), "scored") for i in range(3)]
+    events += [(dead_letter("b/3"), "dlq")]  # b completes without b/3
+    events += [(scored("c", 0), "scored"), (dead_letter("c/1", "c"), "dlq"), (dead_letter("c/2"), "dlq"),
+               (dead_letter("c/3"), "dlq")]  # c completes with one member: filtered
+    events += [(scored("e", i, reward=float(i % 2)), "scored") for i in range(4)]
+    bad = msgspec.structs.replace(scored("d", 0), reward=float("inf"))
+    events += [(bad, "scored")]
+    events += [(scored("f", i, reward=float(i % 2)), "scored") for i in range(3)]
+    recs = [record(e, topic, i) for i, (e, topic) in enumerate(events)]
+    ctx = FakeContext(recs)
+    ctx.dead_letters.append(dead_letter("f/3", "f"))  # an undecodable f/3 the runtime dead-lettered in this poll
+    await trainer.handle_batch(recs, ctx)
+
+    assert [error for _, error in ctx.rejected] == ["scored d/0: reward is inf (not finite)"]
+    outcomes = {e.sample_id: e for t, e in ctx.sent if isinstance(e, ev.SampleOutcome)}
+    trained = {sid for sid, o in outcomes.items() if o.status == "trained"}
+    assert trained == {"a/0", "a/1", "a/2", "a/3", "b/0", "b/1", "b/2", "e/0", "e/1", "e/2", "e/3"}
+    assert outcomes["c/0"].status == "filtered" and "group too small" in outcomes["c/0"].reason
+    # dead-lettered samples get no outcome from the trainer: their dead letter is their record
+    assert not {"b/3", "c/1", "c/2", "c/3", "d/0", "f/3"} & set(outcomes)
+    steps = [e for _, e in ctx.sent if isinstance(e, ev.TrainStep)]
+    assert len(steps) == 1 and len(steps[0].sample_ids) == 11  # a, b (3 left) and e fill the batch of 8
+    assert [e.policy_version for _, e in ctx.sent if isinstance(e, ev.WeightsPublished)] == [1]
+    last_dlq = max(r.offset for r in recs if r.topic == "rs.r.dlq")
+    assert trainer.positions == {TopicPartition("rs.r.scored", 0): len(recs), TopicPartition("rs.r.dlq", 0): last_dlq + 1}
+
+    # the real b/3 (and d/0) arriving later change nothing
+    late = [record(scored("b", 3), "scored", 100), record(scored("d", 0), "scored", 101)]
+    ctx2 = FakeContext(late)
+    await trainer.handle_batch(late, ctx2)
+    assert ctx2.sent == [] and ctx2.rejected == []
+    assert list(trainer.buffer.groups) == ["f"] and trainer.buffer.complete("f")  # f waits for a batch to fill
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_restores_model_buffer_dead_letters_and_positions(tmp_path: Path, model_dir: Path) -> None:
+    import torch
+
+    from schemas.config import parse_config
+    from services.trainer_service import Trainer, TrainerSettings
+
     cfg = parse_config("rollout: {group_size: 4}\ntrain: {batch_size: 4}\ndata: {heldout_size: 2}")
-    settings = TrainerSettings(run_id="r", config=cfg, model_dir=str(model), run_dir=str(tmp_path / "run"))
+    settings = TrainerSettings(run_id="r", config=cfg, model_dir=str(model_dir), run_dir=str(tmp_path / "run"))
     a = Trainer(settings)
-    a.add(scored("g", 0, 0))
+    a.buffer.add(scored("g", 0))
+    a.buffer.dead_letter("g/3")
     a.decided.add("old/0")
     a.positions[TopicPartition("rs.r.scored", 2)] = 17
     a.version = 3
@@ -73,47 +176,29 @@ def test_checkpoint_restores_model_buffer_and_positions(tmp_path) -> None:  # ty
 
     b = Trainer(settings)
     assert b.load_checkpoint()
-    assert b.version == 3 and b.decided == {"old/0"}
-    assert [s.generation.task.sample_id for s in b.groups["g"]] == ["g/0"]
+    assert b.version == 3 and b.decided == {"old/0", "g/3"} and b.buffer.dead == {"g": {"g/3"}}
+    assert [s.generation.task.sample_id for s in b.buffer.groups["g"]] == ["g/0"]
     assert b.positions == {TopicPartition("rs.r.scored", 2): 17}
     for pa, pb in zip(a.strategy.model.parameters(), b.strategy.model.parameters(), strict=True):
         assert torch.equal(pa, pb)
     # a redelivered sample of a decided or buffered id is ignored
-    b.add(scored("g", 0, 0))
-    b.add(scored("old", 0, 0))
-    assert len(b.groups["g"]) == 1 and "old" not in b.groups
+    assert not b.buffer.add(scored("g", 0)) and not b.buffer.add(scored("old", 0))
+    assert len(b.buffer.groups["g"]) == 1 and "old" not in b.buffer.groups
 
 
-def test_dynamic_filter_drops_groups_without_signal() -> None:
-    from schemas.config import AlgorithmConfig
-
-    def grp(gid: str, rewards: list[float]) -> list[ev.ScoredSample]:
-        return [msgspec.structs.replace(scored(gid, i, 0), reward=r) for i, r in enumerate(rewards)]
-
-    algo = AlgorithmConfig(dynamic_filter="all_equal")
-    batch, rejected = assemble([grp("a", [1, 1, 1, 1]), grp("b", [1, 0, 0, 1])], version=0, max_staleness=0,
-                               algo=algo)
-    assert [s.generation.task.group_id for s in batch] == ["b"] * 4
-    assert {(s.generation.task.group_id, st) for s, st, _ in rejected} == {("a", "filtered")}
-    assert all("all 4 rewards equal" in why for _, _, why in rejected)
-
-
-def test_reference_model_loaded_only_when_a_kl_term_is_on(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from rollout.model_init import init_tiny_model
-    from schemas.config import TinyModelSpec, parse_config
+def test_reference_model_loaded_only_when_a_kl_term_is_on(tmp_path: Path, model_dir: Path) -> None:
+    from schemas.config import parse_config
     from services.trainer_service import Trainer, TrainerSettings
 
-    model = init_tiny_model(tmp_path / "m", TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2,
-                                                         intermediate_size=64, max_position_embeddings=32))
     for text, wants_ref in [("", False), ("algorithm: {use_kl_loss: true}", True),
                             ("algorithm: {add_token_level_kl: true}", True)]:
         cfg = parse_config("rollout: {group_size: 4}\ntrain: {batch_size: 4}\ndata: {heldout_size: 2}\n" + text)
         run_dir = tmp_path / f"run{int(wants_ref)}{len(text)}"
-        t = Trainer(TrainerSettings(run_id="r", config=cfg, model_dir=str(model), run_dir=str(run_dir)))
+        t = Trainer(TrainerSettings(run_id="r", config=cfg, model_dir=str(model_dir), run_dir=str(run_dir)))
         t.setup_algorithm_models(fresh=True)
         assert (t.strategy.ref_model is not None) == wants_ref, text
         assert (run_dir / "reference").exists() == wants_ref
         t.save_checkpoint()
-        again = Trainer(TrainerSettings(run_id="r", config=cfg, model_dir=str(model), run_dir=str(run_dir)))
+        again = Trainer(TrainerSettings(run_id="r", config=cfg, model_dir=str(model_dir), run_dir=str(run_dir)))
         assert again.load_checkpoint()
         assert (again.strategy.ref_model is not None) == wants_ref

@@ -14,6 +14,8 @@ from trainer.advantages import (
     gae_advantages_reference,
     gigpo_advantages,
     gigpo_advantages_reference,
+    grpo_advantages,
+    grpo_advantages_reference,
     normalize_rewards,
     raft_advantages,
     raft_mask,
@@ -27,7 +29,6 @@ from trainer.advantages import (
     step_reinforce_returns_reference,
     whiten,
 )
-from trainer.algos import grpo_advantages
 
 REWARD = st.sampled_from([0.0, 0.5, 1.0, -1.0, 2.5])
 FLOAT = st.floats(-5, 5, allow_nan=False, width=32)
@@ -239,3 +240,37 @@ def test_step_returns_discount_by_step_index_gap() -> None:
     # episode 5: step 0 sees step 3 three steps later -> 0.5**3 ; episode 9 alone
     assert step_reinforce_returns(r, e, t, 0.5).tolist() == [1.0, 0.125, 4.0]
     assert step_reinforce_returns_reference([1.0, 0.0, 4.0], [5, 5, 9], [3, 0, 2], 0.5) == [1.0, 0.125, 4.0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    groups=st.lists(
+        st.lists(st.sampled_from([0.0, 0.5, 1.0, -1.0, 2.5]), min_size=1, max_size=6), min_size=1, max_size=6
+    ),
+    norm_std=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_grpo_vectorised_equals_loop(groups: list[list[float]], norm_std: bool, seed: int) -> None:
+    rewards = [r for g in groups for r in g]
+    ids = [i for i, g in enumerate(groups) for _ in g]
+    perm = torch.randperm(len(rewards), generator=torch.Generator().manual_seed(seed)).tolist()
+    rewards, ids = [rewards[i] for i in perm], [ids[i] * 7 + 3 for i in perm]  # any order, any ids
+    got = grpo_advantages(torch.tensor(rewards), torch.tensor(ids), norm_std=norm_std)
+    want = grpo_advantages_reference(rewards, ids, norm_std=norm_std)
+    assert torch.allclose(got, torch.tensor(want, dtype=torch.float), atol=1e-5)
+
+
+def test_grpo_group_layout_equals_ids_layout() -> None:
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
+    by_rows = grpo_advantages(rewards)
+    by_ids = grpo_advantages(rewards.reshape(-1), torch.arange(3).repeat_interleave(4)).reshape(3, 4)
+    assert torch.allclose(by_rows, by_ids)
+    assert torch.equal(by_rows[1], torch.zeros(4))  # all-equal group: no signal
+    std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std()  # unbiased
+    assert by_rows[0, 0].item() == pytest.approx(0.5 / (std.item() + 1e-6))
+
+
+def test_grpo_singleton_group_and_dr_grpo() -> None:
+    assert grpo_advantages(torch.tensor([3.0]), torch.tensor([0])).tolist() == [0.0]
+    adv = grpo_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0]]), norm_std=False)
+    assert adv.tolist() == [[0.75, -0.25, -0.25, -0.25]]

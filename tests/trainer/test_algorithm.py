@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 
 from schemas.config import AlgorithmConfig, ConfigError, parse_config
 from trainer import algorithm as alg
-from trainer.advantages import whiten
-from trainer.algos import grpo_advantages_reference
+from trainer.advantages import grpo_advantages_reference, whiten
 from trainer.batch import TrainSample, collate
 from trainer.strategy import TorchStrategy
 

@@ -7,15 +7,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.algos import ppo_clip_loss
 from trainer.losses import (
     aggregate,
     cispo_loss,
+    entropy_from_logits,
     entropy_loss,
     gspo_loss,
     kl_loss,
     kl_penalty,
     masked_is,
+    masked_mean,
     pg_loss,
     ppo_loss,
     tis_weights,
@@ -55,18 +56,13 @@ def test_aggregate_ignores_masked_positions(mode: str, m: list[list[int]], seed:
     assert aggregate(x, mt, mode).item() == pytest.approx(aggregate(junk, mt, mode).item())  # type: ignore[arg-type]
 
 
-def test_ppo_ratio_one_is_minus_mean_advantage_and_matches_algos() -> None:
+def test_ppo_ratio_one_is_minus_mean_advantage() -> None:
     lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -9.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     adv = torch.tensor([2.0, -1.0])
     loss, m = ppo_loss(lp, lp.clone(), adv, mask, dual_clip=True)
     assert loss.item() == pytest.approx(-(2 + 2 + 2 - 1 - 1) / 5)
     assert m["loss/clipfrac"] == 0.0 and m["loss/clipfrac_dual"] == 0.0 and m["actor/ratio_mean"] == 1.0
-    old = lp - torch.tensor([[0.3, -0.4, 0.1], [0.9, -0.2, 0.0]])
-    a, ma = ppo_loss(lp, old, adv, mask, 0.2, 0.28)
-    b, mb = ppo_clip_loss(lp, old, adv, mask, 0.2, 0.28)
-    assert a.item() == pytest.approx(b.item())
-    assert ma["loss/clipfrac"] == pytest.approx(mb["loss/clipfrac"])
 
 
 def test_ppo_dual_clip_bound_for_large_ratio_negative_advantage() -> None:
@@ -191,3 +187,44 @@ def test_masked_is_levels() -> None:
     assert nm.tolist() == [[0, 1, 1], [1, 1, 0]] and m["offpolicy/masked_frac"] == pytest.approx(1 / 5)
     nm, m = masked_is(old, beh, mask, "sequence", low=0.8, high=1.2)  # seq 0 ratio 1.5 -> dropped
     assert nm.tolist() == [[0, 0, 0], [1, 1, 0]] and m["offpolicy/masked_frac"] == pytest.approx(3 / 5)
+
+
+def test_ppo_ratio_one_gives_minus_mean_advantage() -> None:
+    lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv = torch.tensor([2.0, -1.0])
+    loss, m = ppo_loss(lp, lp.clone(), adv, mask)
+    # token mean: (2 + 2 + 2 - 1 - 1) / 5 advantages, negated
+    assert loss.item() == pytest.approx(-(2 + 2 + 2 - 1 - 1) / 5)
+    assert m["loss/clipfrac"] == 0.0
+    assert m["actor/ratio_mean"] == m["actor/ratio_min"] == m["actor/ratio_max"] == 1.0
+    assert m["actor/approx_kl"] == 0.0
+
+
+def test_ppo_hand_computed_clipping() -> None:
+    old = torch.zeros(1, 4)
+    ratios = torch.tensor([[1.5, 0.5, 1.5, 0.5]])
+    lp = ratios.log()
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    mask = torch.ones(1, 4)
+    loss, m = ppo_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    # per token: max(-A r, -A clip(r, 0.8, 1.28))
+    #   A=+1, r=1.5: max(-1.5, -1.28) = -1.28 (clipped)   A=+1, r=0.5: max(-0.5, -0.8) = -0.5
+    #   A=-1, r=1.5: max(1.5, 1.28) = 1.5                 A=-1, r=0.5: max(0.5, 0.8) = 0.8 (clipped)
+    assert loss.item() == pytest.approx((-1.28 - 0.5 + 1.5 + 0.8) / 4)
+    assert m["loss/clipfrac"] == pytest.approx(0.5)
+    assert m["actor/ratio_max"] == pytest.approx(1.5)
+    assert m["actor/ratio_min"] == pytest.approx(0.5)
+    k3 = sum((r - 1) - math.log(r) for r in (1.5, 0.5, 1.5, 0.5)) / 4
+    assert m["actor/approx_kl"] == pytest.approx(k3)
+    # gradient flows only through the unclipped tokens: d/dlp of (-A r) = -A r
+    lp.requires_grad_(True)
+    ppo_loss(lp, old, adv, mask, 0.2, 0.28)[0].backward()
+    assert torch.allclose(lp.grad, torch.tensor([[0.0, -0.5, 1.5, 0.0]]) / 4)
+
+
+def test_masked_mean_and_entropy() -> None:
+    assert masked_mean(torch.ones(2, 2), torch.zeros(2, 2)).item() == 0.0
+    uniform = entropy_from_logits(torch.zeros(1, 1, 8))
+    assert uniform.item() == pytest.approx(math.log(8))
+    assert entropy_from_logits(torch.tensor([[[0.0, -1e9]]])).item() == pytest.approx(0.0, abs=1e-6)

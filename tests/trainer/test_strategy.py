@@ -133,6 +133,28 @@ def test_sft_warmup_learns_a_fixed_set(model_dir: Path) -> None:
     assert losses[-1] < 0.5 * start
 
 
+def test_strategy_warmup_trains_its_own_model_and_leaves_it_in_train_mode(model_dir: Path) -> None:
+    strategy = TorchStrategy(model_dir)
+    examples = [SFTExample([1, 5 + i], [20 + i, 2]) for i in range(4)]
+    strategy.model.eval()
+    losses = strategy.warmup([examples] * 30, lr=3e-3, grad_clip=1.0)
+    assert len(losses) == 30 and losses[-1] < 0.7 * losses[0]
+    assert strategy.model.training
+    assert strategy.step == 0 and not strategy.optimizer.state  # the RL optimizer is untouched
+
+
+def test_protocols_hold_exactly_what_services_call() -> None:
+    """The members services call (trainer_service, replay, rollout worker): keep in sync with them."""
+    from rollout.engine import Engine
+
+    def members(proto: type) -> set[str]:
+        return {n for n in vars(proto) if not n.startswith("_")} | set(getattr(proto, "__annotations__", {}))
+
+    assert members(Strategy) == {"step", "tokenizer", "warmup", "init_reference", "init_critic", "train_step",
+                                 "save_checkpoint", "load_checkpoint", "export_weights"}
+    assert members(Engine) == {"policy_version", "encode", "generate", "load_weights"}
+
+
 def test_cosine_lr_schedule(model_dir: Path) -> None:
     constant = TorchStrategy(model_dir, lr=1e-3)
     assert constant.lr_at(0) == constant.lr_at(500) == 1e-3

@@ -1,0 +1,205 @@
+"""``rollstream run`` (a whole run, or ``--prepare-only``) and ``rollstream service NAME`` (one
+service of a run in this process)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from services.cli.app import (
+    UserError,
+    app,
+    console,
+    friendly,
+    home,
+    log_to,
+    opt,
+    out,
+    quiet_transformers,
+    setup_logging,
+)
+
+SERVICES = ("feeder", "rollout", "reward", "trainer", "recorder")
+
+
+def read_config(path: Path, overrides: list[str]) -> Any:
+    """The run config of ``path`` plus ``--set`` overrides; a missing file is a user error."""
+    from schemas.config import parse_config
+
+    if not path.exists():
+        raise UserError(f"config file not found: {path}")
+    return parse_config(path.read_text(), overrides, source=str(path))
+
+
+def check_backends(cfg: Any) -> None:
+    """Refuse a generation engine or training strategy that cannot run here, in one line,
+    before anything starts (:func:`rollout.factory.check_engine`, :func:`trainer.factory.check_strategy`)."""
+    from rollout.factory import check_engine
+    from trainer.factory import check_strategy
+
+    check_engine(cfg)
+    check_strategy(cfg)
+
+
+def with_store(cfg: Any) -> Any:
+    """``cfg`` with ``store.dsn`` set from ``--store`` / ``$ROLLSTREAM_STORE`` (checked) when given."""
+    dsn = opt("store")
+    if not dsn:
+        return cfg
+    import msgspec
+
+    from services import store as st
+
+    st.check_dsn(dsn)
+    return msgspec.structs.replace(cfg, store=msgspec.structs.replace(cfg.store, dsn=dsn))
+
+
+def bootstrap_for_run(cfg: Any) -> str:
+    """--bootstrap / kafka.bootstrap / $ROLLSTREAM_BOOTSTRAP / the local broker (started if missing)."""
+    from services.kafka import broker as stack
+
+    explicit = opt("bootstrap") or cfg.kafka.bootstrap
+    if explicit:
+        if cfg.kafka.security_protocol == "PLAINTEXT" and not stack.kafka_reachable(explicit, timeout_s=10):
+            raise UserError(f"no Kafka broker answers at {explicit}")
+        return str(explicit)
+    local = stack.local_kafka(home())
+    if local is not None and stack.kafka_reachable(local.bootstrap, timeout_s=5):
+        return local.bootstrap
+    with console.status("starting the local Kafka broker...") as status:
+        stack.ensure_kafka_jars(progress=lambda m: status.update(m))
+        proc, _ = stack.start_local_kafka(home(), progress=lambda m: status.update(m))
+    console.print(f"kafka: started at {proc.bootstrap} (stop it with `rollstream stack down`)")
+    return proc.bootstrap
+
+
+@app.command("run")
+@friendly
+def run_cmd(
+    config: Path = typer.Argument(..., help="Run config (YAML)."),
+    set_: list[str] = typer.Option([], "--set", help="Override a config key: section.key=value (repeatable)."),
+    run_id: str = typer.Option("", "--run-id", help="Run id (default: <run.name>-<timestamp>-<pid>)."),
+    prepare_only: bool = typer.Option(
+        False, "--prepare-only",
+        help="Only prepare the run: create its topics, runs/<id>/config.yaml and the model (when "
+             "model.path is empty), print the run id on stdout and exit; start no service. Then start "
+             "each service with `rollstream service NAME --run ID` (e.g. one container each). Preparing "
+             "the same run again with the same config changes nothing.",
+    ),
+) -> None:
+    """Run a whole training run: broker, topics, model, every service; live progress; summary.json.
+
+    The config is checked first (keys, values, and that the generation engine and training strategy it names can run here): a bad one stops the command before anything starts.
+    """
+    import asyncio
+    import json
+
+    from schemas.topics import check_run_id
+    from services.launch import supervisor
+
+    cfg = read_config(config, set_)
+    check_backends(cfg)
+    cfg = with_store(cfg)
+    rid = check_run_id(run_id) if run_id else supervisor.new_run_id(cfg)
+    bootstrap = bootstrap_for_run(cfg)
+    quiet_transformers()  # the model is created in this process
+
+    def on_run_dir(run_dir: Path) -> None:
+        log_to(run_dir / "logs" / "cli.log")
+
+    try:
+        if prepare_only:
+            asyncio.run(supervisor.prepare_run(cfg, rid, bootstrap, console, on_run_dir=on_run_dir,
+                                               allow_prepared=True))
+            out.print(rid)
+            return
+        summary = asyncio.run(supervisor.run_supervised(cfg, rid, bootstrap, console, on_run_dir=on_run_dir))
+    except supervisor.RunError as e:
+        raise UserError(str(e)) from None
+    ev_ = summary["eval"]
+    out.print(json.dumps({k: summary[k] for k in ("run_id", "steps", "wall_s", "samples", "throughput")}))
+    out.print(f"held-out accuracy: init {ev_['init']['accuracy']}, start {ev_['start']['accuracy']}, "
+              f"final {ev_['final']['accuracy']}")
+    out.print(f"summary: {supervisor.run_dir_of(cfg, rid) / 'summary.json'}")
+
+
+@app.command("service")
+@friendly
+def service_cmd(
+    name: str = typer.Argument(..., help="One of: " + ", ".join(SERVICES)),
+    run: str = typer.Option(..., "--run", help="Run id (its config is read from <runs-dir>/<run>/config.yaml)."),
+    runs_dir: str = typer.Option("runs", "--runs-dir", help="Directory of run folders."),
+    set_: list[str] = typer.Option([], "--set", help="Override a config key: section.key=value (repeatable)."),
+    log_level: str = typer.Option("INFO", "--log-level", help="Logging level of the service's log (its stderr): "
+                                  "DEBUG, INFO, WARNING or ERROR."),
+) -> None:
+    """Start one service of a run in this process (`rollstream run` starts them all; `rollstream run --prepare-only` prepares a run for services started one by one).
+
+    The service logs to stderr. It records to / reads the store of --store / ROLLSTREAM_STORE when given (as `rollstream run` does), else store.dsn of the run's config, else <runs-dir>/<run>/store.
+    """
+    import asyncio
+
+    import msgspec
+
+    from schemas.topics import check_run_id
+    from services.launch import supervisor
+
+    if name not in SERVICES:
+        raise UserError(f"unknown service {name!r}; one of: {', '.join(SERVICES)}")
+    check_run_id(run)
+    level = logging.getLevelName(log_level.upper())
+    if not isinstance(level, int):
+        raise UserError(f"--log-level {log_level!r}: one of DEBUG, INFO, WARNING, ERROR")
+    try:
+        cfg = supervisor.load_run_config(runs_dir, run, set_)
+    except supervisor.RunError as e:
+        raise UserError(str(e)) from None
+    check_backends(cfg)
+    cfg = with_store(cfg)
+    # the run's folder is where its config was found (the default store lives there too)
+    cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, runs_dir=runs_dir))
+    setup_logging(debug=bool(opt("debug")), log_file=None, stderr_level=level)
+    if not opt("debug"):
+        logging.getLogger("aiokafka").setLevel(max(logging.WARNING, level))
+    run_dir = Path(runs_dir).resolve() / run
+    model_dir = str(Path(cfg.model.path) if cfg.model.path else run_dir / "model")
+    asyncio.run(_run_service(name, cfg, run, run_dir, model_dir))
+
+
+async def _run_service(name: str, cfg: Any, run: str, run_dir: Path, model_dir: str) -> None:
+    import asyncio
+    import signal
+
+    from services.launch.runs import store_dsn_of
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if name == "feeder":
+        from services import feeder
+
+        n = await feeder.run(feeder.FeederSettings(run_id=run, config=cfg), stop)
+        logging.getLogger("rollstream").info("feeder: issued %d tasks", n)
+    elif name == "rollout":
+        from services import rollout_worker
+
+        await rollout_worker.run(rollout_worker.RolloutSettings(run_id=run, config=cfg, model_dir=model_dir), stop)
+    elif name == "reward":
+        from services import reward_router as reward
+
+        await reward.run(reward.RewardSettings(run_id=run, config=cfg), stop)
+    elif name == "trainer":
+        from services import trainer_service
+
+        await trainer_service.run(trainer_service.TrainerSettings(
+            run_id=run, config=cfg, model_dir=model_dir, run_dir=str(run_dir)), stop)
+    elif name == "recorder":
+        from services import recorder
+
+        await recorder.run(recorder.RecorderSettings(
+            run_id=run, dsn=store_dsn_of(cfg, run), kafka=cfg.kafka, stop_when_finished=True,
+            batch_max_records=cfg.store.batch_max_records, lag_report_every_s=cfg.store.lag_report_every_s), stop)

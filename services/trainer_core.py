@@ -1,0 +1,251 @@
+"""The trainer's work that needs no Kafka: model setup, warm-up, evaluation, weights, checkpoints.
+
+:class:`TrainerCore` holds the training backend (:func:`trainer.factory.make_strategy`), the
+greedy evaluation engine (:func:`rollout.factory.make_engine`), the version counter, the
+buffer of undecided samples (:class:`services.trainer_buffer.GroupBuffer`) and the consumer
+positions it covers; :class:`services.trainer_service.Trainer` drives it from the run's topics.
+
+* :meth:`TrainerCore.warm_up` — the supervised warm-up on the task sources' demonstrations
+  (``Strategy.warmup``);
+* :meth:`TrainerCore.evaluate` — greedy accuracy on every domain's held-out problems;
+* :meth:`TrainerCore.weights_event` — export the weights of the current version to
+  ``<run>/weights/v<version>`` and describe them (``WeightsPublished``);
+* :meth:`TrainerCore.save_checkpoint` / :meth:`TrainerCore.load_checkpoint` —
+  ``<run>/checkpoints/step_<k>``: the strategy's state before step ``k`` plus
+  ``stream_state.msgpack`` (version, consumer positions, the undecided buffer, the decided ids
+  and the dead-lettered members of open groups).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import torch
+
+import envs
+from rollout.engine import GenerationRequest
+from rollout.factory import make_engine
+from rollout.model_init import encode_prompt
+from rollout.sampling import SamplingParams
+from schemas import events as ev
+from schemas.config import RunConfig
+from services.kafka.bus import TopicPartition
+from services.trainer_buffer import GroupBuffer
+from trainer.factory import make_strategy
+from trainer.sft import SFTExample
+
+__all__ = ["StreamState", "TrainerCore", "TrainerSettings"]
+
+KEEP_WEIGHT_VERSIONS = 3
+"""Exported weight versions kept on disk (slow rollout workers may still be loading one)."""
+
+
+class TrainerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Settings of the trainer (one per run)."""
+
+    run_id: str
+    """The run to train."""
+    config: RunConfig
+    """The run config (train, algorithm, rollout.temperature, data for eval)."""
+    model_dir: str
+    """Initial model (HF directory)."""
+    run_dir: str
+    """The run directory: weights/, checkpoints/ go below it."""
+    device: str = "cpu"
+    """Torch device."""
+    poll_timeout_s: float = 0.2
+    """Longest wait for scored samples per poll, seconds."""
+    eval_batch: int = 64
+    """Concurrent sequences of the greedy evaluation engine."""
+
+
+class StreamState(msgspec.Struct):
+    """What a checkpoint keeps of the stream (``stream_state.msgpack``)."""
+
+    step: int
+    version: int
+    positions: dict[str, int]
+    """``topic:partition`` -> next offset to read."""
+    buffer: list[ev.ScoredSample]
+    """Undecided samples, groups in arrival order."""
+    decided: list[str]
+    """Sample ids with a terminal status (dead-lettered ones included)."""
+    dead: dict[str, list[str]] = {}
+    """Open group id -> its dead-lettered members. (Checkpoints before it read as none.)"""
+
+
+class TrainerCore:
+    """Model-side state of the trainer (see the module doc)."""
+
+    def __init__(self, settings: TrainerSettings) -> None:
+        self.s = settings
+        cfg = self.cfg = settings.config
+        torch.manual_seed(cfg.run.seed)
+        random.seed(cfg.run.seed)
+        self.run_dir = Path(settings.run_dir)
+        self.strategy = make_strategy(cfg, settings.model_dir, device=settings.device)
+        self.tokenizer = self.strategy.tokenizer
+        self.eval_engine = make_engine(cfg, settings.model_dir, max_batch=settings.eval_batch,
+                                       device=settings.device, seed=cfg.run.seed, policy_version=0)
+        self.sources = [envs.make_source(d.source, **d.kwargs) for d in cfg.data.domains]
+        self.heldout = [
+            (d, src.heldout(cfg.data.heldout_size), d.verifier or src.default_verifier)
+            for d, src in zip(cfg.data.domains, self.sources, strict=True)
+        ]
+        self.version = 0
+        """The policy version being trained (weights of ``version`` are the latest published)."""
+        self.buffer = GroupBuffer()
+        self.positions: dict[TopicPartition, int] = {}
+        """Next offset to read per consumed partition: what the buffer and ``decided`` cover."""
+        self.last_eval: dict[str, float] = {}
+
+    @property
+    def decided(self) -> set[str]:
+        """Sample ids with a terminal status (the buffer's)."""
+        return self.buffer.decided
+
+    # ----------------------------------------------------------------- evaluation
+
+    async def evaluate(self, split: str) -> dict[str, float]:
+        """Greedy accuracy on the held-out problems of every domain (``eval/accuracy`` overall,
+        ``eval/<domain>/accuracy`` per domain, ``eval/response_len``)."""
+        weights = self._weights_dir(self.version)
+        if weights.exists():  # before the warm-up there are none yet: the initial model is evaluated
+            await self.eval_engine.load_weights(weights, self.version)
+        params = SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens, greedy=True)
+        metrics: dict[str, float] = {}
+        correct = total = length = 0
+        for domain, problems, verifier in self.heldout:
+            reqs = [GenerationRequest(p.prompt_id, self.eval_engine.encode(p.prompt), params) for p in problems]
+            by_id = {p.prompt_id: p for p in problems}
+            ok = 0
+            async for c in self.eval_engine.generate(reqs):
+                res = envs.run_verifier(verifier, c.text, by_id[c.request_id].reference, isolation="inline")
+                ok += int(res.correct)
+                length += len(c.token_ids)
+            metrics[f"eval/{domain.name}/accuracy"] = ok / max(1, len(problems))
+            correct += ok
+            total += len(problems)
+        metrics["eval/accuracy"] = correct / max(1, total)
+        metrics["eval/response_len"] = length / max(1, total)
+        self.last_eval = metrics
+        return metrics
+
+    async def eval_event(self, split: str) -> ev.EvalResult:
+        """:meth:`evaluate` as the ``EvalResult`` to publish."""
+        metrics = await self.evaluate(split)
+        return ev.EvalResult(run_id=self.s.run_id, step=self.strategy.step, policy_version=self.version, split=split,
+                             metrics=metrics)
+
+    # ----------------------------------------------------------------- warm-up
+
+    def warm_up(self) -> list[float]:
+        """``train.warmup_sft_steps`` supervised steps on the sources' worked solutions (prompt ->
+        demonstration + eos); the loss of every step."""
+        cfg = self.cfg
+        if cfg.train.warmup_sft_steps <= 0:
+            return []
+        rng = random.Random(f"{cfg.run.seed}/warmup")
+        tok = self.tokenizer
+        weights = [d.ratio for d in cfg.data.domains]
+
+        def batches() -> Iterator[list[SFTExample]]:
+            for _ in range(cfg.train.warmup_sft_steps):
+                out = []
+                for _ in range(cfg.train.warmup_batch_size):
+                    src = self.sources[rng.choices(range(len(self.sources)), weights=weights)[0]]
+                    p = src.sample(rng)
+                    demo = src.demonstration(p, rng)
+                    target = [*tok(demo, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+                    out.append(SFTExample(encode_prompt(tok, p.prompt), target))
+                yield out
+
+        return self.strategy.warmup(batches(), lr=cfg.train.warmup_lr, grad_clip=cfg.train.grad_clip)
+
+    # ----------------------------------------------------------------- weights
+
+    def _weights_dir(self, version: int) -> Path:
+        return self.run_dir / "weights" / f"v{version:05d}"
+
+    async def weights_event(self) -> ev.WeightsPublished:
+        """Export the weights of ``version`` and describe them; versions older than the last
+        :data:`KEEP_WEIGHT_VERSIONS` are removed from disk."""
+        path, checksum = await asyncio.to_thread(self.strategy.export_weights, self._weights_dir(self.version))
+        size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        old = self._weights_dir(self.version - KEEP_WEIGHT_VERSIONS)
+        if self.version >= KEEP_WEIGHT_VERSIONS and old.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        return ev.WeightsPublished(run_id=self.s.run_id, policy_version=self.version, step=self.strategy.step,
+                                   uri=str(path), checksum=checksum, num_bytes=size)
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def _ckpt_root(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def checkpoint_dir(self, step: int) -> Path:
+        """Where the checkpoint of the state *before* training step ``step`` lives."""
+        return self._ckpt_root() / f"step_{step:06d}"
+
+    def checkpoints(self) -> list[int]:
+        """Steps that have a complete checkpoint, ascending."""
+        root = self._ckpt_root()
+        if not root.exists():
+            return []
+        return sorted(int(p.name[5:]) for p in root.glob("step_*")
+                      if p.name[5:].isdigit() and (p / "stream_state.msgpack").exists())
+
+    def save_checkpoint(self) -> Path:
+        """Checkpoint the state before step ``strategy.step``: model, optimizer, critic, algorithm
+        state, RNG, the undecided buffer, the decided and dead-lettered ids and the consumer
+        positions. Older checkpoints beyond ``train.keep_checkpoints`` are removed (step 0, the
+        RL start, is always kept)."""
+        path = self.checkpoint_dir(self.strategy.step)
+        self.strategy.save_checkpoint(path)
+        buffer, decided, dead = self.buffer.snapshot()
+        meta = StreamState(step=self.strategy.step, version=self.version,
+                           positions={f"{tp.topic}:{tp.partition}": o for tp, o in self.positions.items()},
+                           buffer=buffer, decided=decided, dead=dead)
+        (path / "stream_state.msgpack").write_bytes(msgspec.msgpack.encode(meta))
+        keep = self.cfg.train.keep_checkpoints
+        if keep > 0:
+            for old in [st for st in self.checkpoints() if st != 0][:-keep]:
+                shutil.rmtree(self.checkpoint_dir(old), ignore_errors=True)
+        return path
+
+    def load_checkpoint(self, step: int | None = None) -> bool:
+        """Restore the latest checkpoint (or the one of ``step``); False when there is none."""
+        steps = self.checkpoints()
+        if step is None and not steps:
+            return False
+        path = self.checkpoint_dir(steps[-1] if step is None else step)
+        if not (path / "stream_state.msgpack").exists():
+            raise FileNotFoundError(f"no checkpoint at {path}")
+        self.setup_algorithm_models(fresh=False)
+        self.strategy.load_checkpoint(path)
+        meta = msgspec.msgpack.decode((path / "stream_state.msgpack").read_bytes(), type=StreamState)
+        self.version = meta.version
+        self.buffer.restore(meta.buffer, meta.decided, meta.dead)
+        self.positions.clear()
+        for key, off in meta.positions.items():
+            topic, _, part = key.rpartition(":")
+            self.positions[TopicPartition(topic, int(part))] = off
+        return True
+
+    def setup_algorithm_models(self, fresh: bool) -> None:
+        """Load the reference model (only when a KL term is on) and create the critic (only for
+        ``gae``). Fresh: the reference is the current policy (the RL start, after the warm-up),
+        exported once to ``<run>/reference``; on resume it is read back from there."""
+        algo = self.cfg.algorithm
+        if algo.uses_reference:
+            ref_dir = self.run_dir / "reference"
+            if fresh:
+                self.strategy.export_weights(ref_dir)
+            self.strategy.init_reference(ref_dir)
+        if fresh and algo.critic != "none":
+            self.strategy.init_critic()

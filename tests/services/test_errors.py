@@ -1,0 +1,36 @@
+"""services.errors.one_line: the one way errors become one line (pure unit tests)."""
+
+from __future__ import annotations
+
+from services.errors import one_line
+from services.kafka import bus
+
+
+class KafkaLikeError(Exception):
+    pass
+
+
+def test_exception_gets_its_type_and_first_line() -> None:
+    assert one_line(ValueError("bad value\nsecond line")) == "ValueError: bad value"
+    assert one_line(ValueError("\n  first   real\tline \n")) == "ValueError: first real line"
+    assert one_line(RuntimeError()) == "RuntimeError"
+    # a message that already names its class (aiokafka's) is not prefixed twice
+    assert one_line(KafkaLikeError("KafkaLikeError: broker down")) == "KafkaLikeError: broker down"
+
+
+def test_untyped_exception_is_its_message_alone() -> None:
+    err = RuntimeError("Code: 47. DB::Exception: Unknown identifier\nstack trace")
+    assert one_line(err, typed=False) == "Code: 47. DB::Exception: Unknown identifier"
+    assert one_line(RuntimeError(), typed=False) == "RuntimeError"
+
+
+def test_text_and_limit() -> None:
+    assert one_line("\n\n  Cannot lock file   x \nmore") == "Cannot lock file x"
+    assert one_line("") == "unknown error"
+    long = one_line("x" * 1000, limit=300)
+    assert len(long) == 300 and long.endswith("...")
+    assert len(one_line(ValueError("y" * 1000))) == 500
+
+
+def test_the_bus_uses_it() -> None:
+    assert bus.one_line is one_line
