@@ -9,6 +9,7 @@ This module does no I/O: callers read the file and pass its text.
 
 from __future__ import annotations
 
+import math
 import re
 import typing
 from typing import Any, Literal
@@ -41,7 +42,13 @@ class KafkaSettings(Section):
     sasl_username: str = ""
     """SASL user (PLAIN / SCRAM)."""
     sasl_password: str = ""
-    """SASL password (PLAIN / SCRAM); prefer ``$ROLLSTREAM_SASL_PASSWORD`` over the file."""
+    """Refused in config files and ``--set`` (it would be copied into ``runs/<id>/config.yaml`` and
+    the run's record): give the SASL password as ``$ROLLSTREAM_SASL_PASSWORD`` or in
+    ``sasl_password_file``. Only code that builds settings itself may set it; ``***`` (a redacted
+    config) counts as unset."""
+    sasl_password_file: str = ""
+    """File holding the SASL password (PLAIN / SCRAM; its first line); empty =
+    ``$ROLLSTREAM_SASL_PASSWORD``. The path is recorded, never the password."""
     ssl_cafile: str = ""
     """CA bundle (PEM) to verify the brokers, for ``SSL`` / ``SASL_SSL``."""
     ssl_certfile: str = ""
@@ -54,14 +61,20 @@ class KafkaSettings(Section):
     """Kafka request timeout, seconds."""
     connect_timeout_s: float = 10.0
     """How long to wait for the first connection before failing with a clear error, seconds."""
+    outage_timeout_s: float = 300.0
+    """How long a running service keeps retrying while Kafka is unavailable (a broker restart, a
+    network outage: sends, transactions, commits and polls that fail with retriable errors)
+    before it fails, seconds."""
 
 
 class StoreSettings(Section):
     """Where the record of runs goes (ClickHouse through clickhouse-connect)."""
 
     dsn: str = ""
-    """``chdb:///path`` (embedded engine, on disk) or ``http(s)://user:pass@host:8123/db``.
-    Empty = ``chdb:///<runs_dir>/<run_id>/store``."""
+    """``chdb:///path`` (embedded engine, on disk) or ``http(s)://user@host:8123/db`` with the
+    password in ``$ROLLSTREAM_STORE_PASSWORD`` (or the file ``$ROLLSTREAM_STORE_PASSWORD_FILE``
+    names); a password written in the DSN works too but is shown as ``***`` in
+    ``runs/<id>/config.yaml``, the record and every message. Empty = ``chdb:///<runs_dir>/<run_id>/store``."""
     batch_max_records: int = 2000
     """Most messages the recorder takes per poll; each poll is written with one insert per table
     (larger = fewer, bigger inserts; smaller = fresher record)."""
@@ -84,6 +97,20 @@ class RunSection(Section):
     """Seed of every random generator of the run."""
     max_wall_s: float = 3600.0
     """Stop the run (status ``stopped``) when it has run this long, seconds."""
+    max_restarts: int = 3
+    """How often ``rollstream run`` restarts one service whose process exited unexpectedly (a
+    crash, a signal, or exit 0 of a service that should still be running) before the run fails;
+    0 = the first unexpected exit fails the run. A restarted service resumes from its committed
+    offsets (the trainer from its latest checkpoint)."""
+    restart_backoff_s: float = 1.0
+    """Wait before the first restart of a service, seconds; doubles with each further restart of
+    that service (1, 2, 4 ...) up to ``restart_backoff_max_s``."""
+    restart_backoff_max_s: float = 30.0
+    """Longest wait before a restart, seconds."""
+    stall_after_s: float = 120.0
+    """``rollstream run`` and ``rollstream status`` call a run stalled when no training step
+    (new weights version) happened for this long, seconds (before the first weights version,
+    during the trainer's warm-up, five times as long), and say what they see."""
 
 
 class TinyModelSpec(Section):
@@ -107,7 +134,7 @@ class ModelConfig(Section):
     path: str = ""
     """Local HF model directory; empty = create a tiny model in the run directory."""
     init: TinyModelSpec = msgspec.field(default_factory=TinyModelSpec)
-    """Used only when ``path`` is empty or does not exist yet."""
+    """Used only when ``path`` is empty (a ``path`` that is not a model directory is refused)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype for rollout and training."""
 
@@ -457,6 +484,13 @@ class RunConfig(Section):
             raise ValueError(f"rollout.top_p={self.rollout.top_p} must be in (0, 1]")
         if not 0 < self.train.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio={self.train.min_lr_ratio} must be in (0, 1]")
+        if self.run.max_restarts < 0:
+            raise ValueError(f"run.max_restarts={self.run.max_restarts} must be >= 0")
+        if self.run.restart_backoff_s < 0 or self.run.restart_backoff_max_s < self.run.restart_backoff_s:
+            raise ValueError(f"run.restart_backoff_s={self.run.restart_backoff_s:g} must be >= 0 and <= "
+                             f"run.restart_backoff_max_s={self.run.restart_backoff_max_s:g}")
+        if self.run.stall_after_s <= 0:
+            raise ValueError(f"run.stall_after_s={self.run.stall_after_s:g} must be > 0")
         if self.reward.timeout_s <= 0:
             raise ValueError(f"reward.timeout_s={self.reward.timeout_s} must be > 0")
         if self.train.max_staleness < 0:
@@ -466,11 +500,108 @@ class RunConfig(Section):
         if self.store.lag_report_every_s < 0:
             raise ValueError(f"store.lag_report_every_s={self.store.lag_report_every_s} must be >= 0")
         self.algorithm.validate()
+        check_values(self)
 
     @property
     def max_inflight(self) -> int:
         """Samples the feeder keeps outstanding: ``batch_size × (1 + async_ratio)``."""
         return int(self.train.batch_size * (1 + self.rollout.async_ratio) * (1 + self.algorithm.oversample_ratio))
+
+
+# --------------------------------------------------------------------------- value checks
+
+_RUN_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
+
+_BOUNDS: tuple[tuple[str, str, float], ...] = (
+    # (key, comparison, bound): values the code cannot honour are refused (None = off is fine)
+    ("run.max_wall_s", ">", 0),
+    ("kafka.request_timeout_s", ">", 0),
+    ("kafka.connect_timeout_s", ">", 0),
+    ("kafka.outage_timeout_s", ">", 0),
+    ("data.heldout_size", ">=", 0),
+    ("train.steps", ">=", 1),
+    ("train.lr", ">", 0),
+    ("train.weight_decay", ">=", 0),
+    ("train.grad_clip", ">=", 0),
+    ("train.checkpoint_every", ">=", 0),
+    ("train.keep_checkpoints", ">=", 0),
+    ("train.eval_every", ">=", 0),
+    ("train.warmup_sft_steps", ">=", 0),
+    ("train.warmup_lr", ">", 0),
+    ("train.warmup_batch_size", ">=", 1),
+    ("algorithm.init_kl_coef", ">=", 0),
+    ("algorithm.kl_loss_coef", ">=", 0),
+    ("algorithm.kl_horizon", ">=", 1),
+    ("algorithm.vf_coef", ">=", 0),
+    ("algorithm.critic_lr", ">", 0),
+    ("algorithm.target_kl", ">", 0),
+)
+
+
+def _non_finite(obj: Any, prefix: str) -> str | None:
+    """The first key below ``obj`` (a Struct, list or dict) holding NaN or ±inf, else None."""
+    if isinstance(obj, msgspec.Struct):
+        items: Any = ((f, getattr(obj, f)) for f in obj.__struct_fields__)
+    elif isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, list):
+        items = enumerate(obj)
+    else:
+        return None
+    for name, value in items:
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{key}={value}"
+        found = _non_finite(value, key)
+        if found:
+            return found
+    return None
+
+
+def check_tiny_spec(spec: TinyModelSpec, prefix: str = "") -> None:
+    """``ValueError`` naming the key unless ``spec`` describes a model that can be built."""
+    for name in spec.__struct_fields__:
+        if getattr(spec, name) < 1:
+            raise ValueError(f"{prefix}{name}={getattr(spec, name)} must be >= 1")
+    if spec.hidden_size % spec.num_heads:
+        raise ValueError(f"{prefix}hidden_size={spec.hidden_size} must be a multiple of "
+                         f"{prefix}num_heads={spec.num_heads}")
+
+
+def check_values(cfg: RunConfig) -> None:
+    """Values no part of a run can honour: ``ValueError`` naming the key, the value and the rule
+    (called by :class:`RunConfig` after the cross-field checks)."""
+    bad = _non_finite(cfg, "")
+    if bad:
+        raise ValueError(f"{bad} must be a finite number")
+    for key, op, bound in _BOUNDS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is not None and not (value > bound if op == ">" else value >= bound):
+            raise ValueError(f"{key}={value:g} must be {op} {bound:g}")
+    if not _RUN_NAME_RE.match(cfg.run.name):
+        raise ValueError(f"run.name={cfg.run.name!r} must be 1-100 characters of A-Z a-z 0-9 _ - "
+                         "(it starts every run id)")
+    if not cfg.run.runs_dir:
+        raise ValueError("run.runs_dir must not be empty")
+    domains = cfg.data.domains
+    if not domains:
+        raise ValueError("data.domains is empty: a run needs at least one domain")
+    names = [d.name for d in domains]
+    for i, d in enumerate(domains):
+        if not d.name or d.name in names[:i]:
+            raise ValueError(f"data.domains[{i}].name={d.name!r} must be non-empty and unique")
+        if d.ratio < 0:
+            raise ValueError(f"data.domains[{i}].ratio={d.ratio:g} must be >= 0")
+    if not sum(d.ratio for d in domains) > 0:
+        raise ValueError("data.domains: the ratios must not all be 0")
+    if not cfg.model.path:
+        check_tiny_spec(cfg.model.init, "model.init.")
+        if cfg.rollout.max_new_tokens >= cfg.model.init.max_position_embeddings:
+            raise ValueError(
+                f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} must be < "
+                f"model.init.max_position_embeddings={cfg.model.init.max_position_embeddings} (the prompt needs room too)"
+            )
 
 
 # --------------------------------------------------------------------------- parsing
@@ -538,7 +669,7 @@ def format_validation_error(err: Exception, raw: dict[str, Any], root: type = Ru
     extra = _allowed(_field_type(root, path))
     parts = [f"config: {key}: {problem}"]
     if value is not None:
-        parts.append(f"got {value!r}")
+        parts.append(f"got {redact_text(repr(value))}")
     if extra:
         parts.append(f"allowed {extra}")
     return parts[0] + (" (" + "; ".join(parts[1:]) + ")" if len(parts) > 1 else "")
@@ -556,12 +687,20 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
         raise ConfigError(f"--set {key}: value {text!r} is not valid YAML ({e.__class__.__name__})") from None
     node: Any = raw
     parts = key.split(".")
-    for part in parts[:-1]:
-        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+    for i, part in enumerate(parts):
+        if part.isdigit() and not (isinstance(node, list) and int(part) < len(node)):
+            if i == 0:
+                raise ConfigError(f"--set {key}: '{part}' is not a config key")
+            where = ".".join(parts[:i])
+            raise ConfigError(f"--set {key}: the config has no item {part} in {where or 'the top level'} "
+                              f"(set the whole list instead: --set '{where}=[...]')")
+        if i == len(parts) - 1:
+            break
+        if isinstance(node, list):
             node = node[int(part)]
             continue
         if not isinstance(node, dict):
-            raise ConfigError(f"--set {key}: '{part}' is not a section")
+            raise ConfigError(f"--set {key}: '{parts[i - 1]}' is not a section")
         node = node.setdefault(part, {})
     last = parts[-1]
     if isinstance(node, list) and last.isdigit() and int(last) < len(node):
@@ -569,7 +708,7 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     elif isinstance(node, dict):
         node[last] = value
     else:
-        raise ConfigError(f"--set {key}: parent is not a section")
+        raise ConfigError(f"--set {key}: '{parts[-2] if len(parts) > 1 else key}' is not a section")
 
 
 def parse_raw(raw: Any, overrides: list[str] | tuple[str, ...] = (), root: type = RunConfig) -> Any:
@@ -581,11 +720,18 @@ def parse_raw(raw: Any, overrides: list[str] | tuple[str, ...] = (), root: type 
     for assignment in overrides:
         apply_override(raw, assignment)
     try:
-        return msgspec.convert(raw, root, strict=False)
+        parsed: Any = msgspec.convert(raw, root, strict=False)
     except msgspec.ValidationError as e:
         raise ConfigError(format_validation_error(e, raw, root)) from None
     except ValueError as e:  # __post_init__ cross-field checks
         raise ConfigError(f"config: {e}") from None
+    kafka = getattr(parsed, "kafka", None)
+    if isinstance(kafka, KafkaSettings) and kafka.sasl_password not in ("", REDACTED):
+        raise ConfigError(
+            "config: kafka.sasl_password: a password in the config would be copied into runs/<id>/config.yaml "
+            "and the run's record; set $ROLLSTREAM_SASL_PASSWORD or kafka.sasl_password_file instead"
+        )
+    return parsed
 
 
 def parse_config(text: str, overrides: list[str] | tuple[str, ...] = (), source: str = "<config>") -> RunConfig:
@@ -599,6 +745,52 @@ def parse_config(text: str, overrides: list[str] | tuple[str, ...] = (), source:
     return typing.cast(RunConfig, parse_raw(raw, overrides))
 
 
-def to_dict(cfg: msgspec.Struct) -> dict[str, Any]:
-    """The config as plain builtins (for JSON / YAML output)."""
-    return typing.cast(dict[str, Any], msgspec.to_builtins(cfg))
+def to_dict(cfg: msgspec.Struct, *, reveal_secrets: bool = False) -> dict[str, Any]:
+    """The config as plain builtins (for JSON / YAML output), secrets shown as ``***``
+    (:func:`redacted_dict`) unless ``reveal_secrets``."""
+    raw = typing.cast(dict[str, Any], msgspec.to_builtins(cfg))
+    return raw if reveal_secrets else typing.cast(dict[str, Any], _redact_builtins(raw))
+
+
+# --------------------------------------------------------------------------- secrets
+
+REDACTED = "***"
+"""What a secret is shown as in ``runs/<id>/config.yaml``, ``RunStarted.config_json``, summaries and
+messages. As a config value it means "given elsewhere" (the environment or a file)."""
+
+SECRET_KEYS = frozenset({"sasl_password", "password"})
+"""Config keys whose values are secrets."""
+
+_URL_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s:/@]*:)(?P<pw>[^\s/]*)@")
+_ASSIGNED_PASSWORD = re.compile(r"(?P<head>\b(?:sasl_)?password\s*[=:]\s*)(?P<pw>[^\s,;]+)", re.IGNORECASE)
+
+
+def redact_url(text: str) -> str:
+    """``text`` with the password of every ``scheme://user:password@host`` in it shown as ``***``
+    (a store DSN, a bootstrap address written as a URL)."""
+    return _URL_PASSWORD.sub(lambda m: f"{m['head']}{REDACTED if m['pw'] else ''}@", text)
+
+
+def redact_text(text: str) -> str:
+    """``text`` (a command line, a message) with URL passwords and ``password=...`` /
+    ``sasl_password=...`` assignments shown as ``***``."""
+    return _ASSIGNED_PASSWORD.sub(lambda m: f"{m['head']}{REDACTED}", redact_url(text))
+
+
+def _redact_builtins(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: (REDACTED if k in SECRET_KEYS and obj[k] else _redact_builtins(v)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_redact_builtins(v) for v in obj]
+    return redact_url(obj) if isinstance(obj, str) else obj
+
+
+def redacted_dict(cfg: msgspec.Struct | dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` (a config Struct or its builtins) as plain builtins with every secret shown as
+    ``***``: ``kafka.sasl_password`` and the password of ``store.dsn`` (of any URL). What is
+    written to ``runs/<id>/config.yaml`` and ``summary.json`` and published as
+    ``RunStarted.config_json``; services that read it get the secrets from the environment or a
+    file again (``$ROLLSTREAM_SASL_PASSWORD`` / ``kafka.sasl_password_file``,
+    ``$ROLLSTREAM_STORE_PASSWORD`` / ``$ROLLSTREAM_STORE_PASSWORD_FILE``)."""
+    raw = cfg if isinstance(cfg, dict) else msgspec.to_builtins(cfg)
+    return typing.cast(dict[str, Any], _redact_builtins(raw))

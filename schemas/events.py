@@ -302,6 +302,57 @@ class DeadLetter(Event, frozen=True, kw_only=True):
     ``<group_id>/<index>`` sample id names its group). (Added after v1.)"""
 
 
+# --------------------------------------------------------------------------- service lifecycle
+
+
+class ServiceStarted(Event, frozen=True, kw_only=True):
+    """The supervisor started a service process (the first start; a restart is
+    :class:`ServiceRestarted`). (Added after v2.)"""
+
+    service: str
+    """Service label: ``recorder``, ``feeder``, ``reward``, ``rollout`` (``rollout0``... with
+    several workers), ``trainer``."""
+    pid: int
+    """OS process id of the started process."""
+    host: str = ""
+    """Host the process runs on."""
+
+
+class ServiceRestarted(Event, frozen=True, kw_only=True):
+    """The supervisor restarted a service whose process exited unexpectedly. (Added after v2.)"""
+
+    service: str
+    """Service label (see :class:`ServiceStarted`)."""
+    pid: int
+    """OS process id of the new process."""
+    exit_code: int
+    """Exit status of the process that ended (negative: killed by that signal, e.g. -9)."""
+    restarts: int
+    """Restarts of this service so far, this one included."""
+    reason: str = ""
+    """One line: how the process ended and the last error line of its log."""
+    backoff_s: float = 0.0
+    """How long the supervisor waited before restarting it, seconds."""
+    previous_pid: int = 0
+    """OS process id of the process that ended."""
+
+
+class ServiceFailed(Event, frozen=True, kw_only=True):
+    """A service exited unexpectedly once more than ``run.max_restarts`` allows: the supervisor
+    gives up and stops the run. (Added after v2.)"""
+
+    service: str
+    """Service label (see :class:`ServiceStarted`)."""
+    pid: int
+    """OS process id of the process that ended."""
+    exit_code: int
+    """Its exit status (negative: killed by that signal)."""
+    restarts: int
+    """Restarts of this service before it failed for good."""
+    reason: str = ""
+    """One line: how the process ended and the last error line of its log."""
+
+
 # Per-topic unions (one decoder each). A topic's union only grows.
 TaskEvent = RolloutTask
 EnvRequestEvent = EnvReset | EnvStep
@@ -310,7 +361,7 @@ GenerationEvent = Generation
 ScoredEvent = ScoredSample
 WeightsEvent = WeightsPublished
 MetricsEvent = TrainStep | SampleOutcome | EvalResult
-ControlEvent = RunStarted | RunFinished | Pause | Resume | Drain
+ControlEvent = RunStarted | RunFinished | Pause | Resume | Drain | ServiceStarted | ServiceRestarted | ServiceFailed
 DlqEvent = DeadLetter
 
 ALL_EVENT_TYPES: tuple[type[Event], ...] = (
@@ -330,4 +381,7 @@ ALL_EVENT_TYPES: tuple[type[Event], ...] = (
     Resume,
     Drain,
     DeadLetter,
+    ServiceStarted,
+    ServiceRestarted,
+    ServiceFailed,
 )

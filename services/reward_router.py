@@ -17,6 +17,7 @@ without it.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import msgspec
@@ -37,7 +38,12 @@ class RewardSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     config: RunConfig
     """The run config (domains -> verifiers, ``reward`` section, Kafka settings)."""
     transactional_id: str = ""
-    """Stable transactional id (fences a zombie instance after restart); empty = per-start id."""
+    """Transactional id; empty = ``rs-reward-<run_id>``, stable across restarts: a restarted
+    instance fences the one it replaces and aborts the transaction that one left open at once
+    (with a per-start id, ``read_committed`` readers of ``scored`` would wait for the broker's
+    transaction timeout). A second instance running at the same time needs its own id."""
+    concurrency: int = 4
+    """Verifier calls at once (each in a worker thread, bounded by ``reward.timeout_s``)."""
 
 
 VerifierTable = dict[str, tuple[str, dict[str, str | int | float | bool]]]
@@ -65,7 +71,10 @@ class RewardRouter(Service):
         why = check_generation(gen)
         if why is not None:
             raise ValueError(why)
-        ctx.emit("scored", score(gen, self.table, self.settings.config.reward), key=gen.task.group_id)
+        # off the event loop: a slow or hanging verifier (bounded by reward.timeout_s) must not stop
+        # the consumer's heartbeats or the other calls
+        scored = await asyncio.to_thread(score, gen, self.table, self.settings.config.reward)
+        ctx.emit("scored", scored, key=gen.task.group_id)
 
 
 def score(gen: ev.Generation, table: VerifierTable, reward: RewardConfig) -> ev.ScoredSample:
@@ -105,6 +114,7 @@ async def run(settings: RewardSettings, stop: object = None) -> object:
     s = settings
     service_settings = ServiceSettings(
         group_id=f"rs-reward-{s.run_id}", run_id=s.run_id, topics=["generations"], kafka=s.config.kafka,
-        transactional=True, transactional_id=s.transactional_id, batch_max_records=64,
+        transactional=True, transactional_id=s.transactional_id or f"rs-reward-{s.run_id}", batch_max_records=64,
+        max_concurrency=max(1, s.concurrency),
     )
     return await run_service(RewardRouter(s), service_settings, stop=stop)  # type: ignore[arg-type]

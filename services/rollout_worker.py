@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import msgspec
+from aiokafka.errors import KafkaError
 
 from rollout.engine import GenerationRequest
 from rollout.factory import make_engine
@@ -38,6 +39,7 @@ from rollout.sampling import SamplingParams
 from schemas import events as ev
 from schemas.config import RunConfig
 from schemas.topics import topic_name
+from services.errors import one_line
 from services.kafka.bus import Consumer, Record
 from services.kafka.runtime import Context, Runner, Service, ServiceSettings, run_service
 from services.sanity import check_task
@@ -82,6 +84,13 @@ class RolloutWorker(Service):
     async def on_start(self, runner: Runner) -> None:
         self._watcher = asyncio.create_task(self._watch_weights())
 
+        def ended(task: asyncio.Task[None]) -> None:  # tasks would wait for weights forever: fail instead
+            err = None if task.cancelled() else task.exception()
+            if err is not None:
+                runner.fail(RuntimeError(f"rollout: the weights follower failed: {one_line(err)}"))
+
+        self._watcher.add_done_callback(ended)
+
     async def on_stop(self, runner: Runner) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
@@ -92,20 +101,35 @@ class RolloutWorker(Service):
                             auto_offset_reset="earliest", client_suffix="rollout-weights")
         await consumer.start()
         try:
+            latest: ev.WeightsPublished | None = None
             while True:
-                latest: ev.WeightsPublished | None = None
-                for rec in await consumer.getmany(timeout_ms=500):
+                try:
+                    recs = await consumer.getmany(timeout_ms=500)
+                except KafkaError as e:  # a broker outage: aiokafka reconnects, ask again
+                    log.warning("rollout %s: reading weights failed (%s); retrying", self.worker_id, one_line(e))
+                    await asyncio.sleep(1.0)
+                    continue
+                for rec in recs:
                     if isinstance(rec.event, ev.WeightsPublished):
                         latest = rec.event  # the newest message wins (a resumed trainer may go back)
                     elif rec.error is not None:
                         log.error("rollout %s: undecodable record %s[%d]@%d on weights: %s", self.worker_id,
                                   rec.topic, rec.partition, rec.offset, rec.error)
-                if latest is not None and latest.event_id != self.loaded_event_id:
-                    self.loaded_event_id = latest.event_id
+                if latest is None or latest.event_id == self.loaded_event_id:
+                    continue
+                try:
                     await self.engine.load_weights(latest.uri, latest.policy_version)
-                    log.info("rollout %s: now at policy version %d", self.worker_id, latest.policy_version)
-                    async with self._version_changed:
-                        self._version_changed.notify_all()
+                except (OSError, RuntimeError, ValueError) as e:
+                    # e.g. removed meanwhile (the trainer keeps the newest few versions): a newer
+                    # message follows; tasks wait for it
+                    log.warning("rollout %s: cannot load weights v%d from %s (%s); waiting for newer ones",
+                                self.worker_id, latest.policy_version, latest.uri, one_line(e))
+                    self.loaded_event_id = latest.event_id
+                    continue
+                self.loaded_event_id = latest.event_id
+                log.info("rollout %s: now at policy version %d", self.worker_id, latest.policy_version)
+                async with self._version_changed:
+                    self._version_changed.notify_all()
         finally:
             await consumer.stop()
 

@@ -2,47 +2,99 @@
 handling them: the rollout worker checks each ``RolloutTask``, the reward router each
 ``Generation``, the trainer each ``ScoredSample`` (every check of the stages before included).
 
-Each check returns one line saying what is wrong, or ``None`` when the event is sound.
+An event that decoded is type-valid, not sound: its numbers can still be NaN or infinite, its
+counts negative or absurdly large, its per-token lists of different lengths. Each check returns
+one line saying what is wrong, or ``None`` when the event is sound; none raises.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 from schemas import events as ev
 
-__all__ = ["check_generation", "check_scored", "check_task"]
+__all__ = ["MAX_GROUP_SIZE", "MAX_TOKENS", "MAX_TOKEN_ID", "check_generation", "check_scored", "check_task"]
+
+MAX_GROUP_SIZE = 1 << 16
+"""Most samples one group can have (far above any real ``rollout.group_size``)."""
+MAX_TOKENS = 1 << 20
+"""Most tokens one sample can have, prompt and response together (and a task's token cap)."""
+MAX_TOKEN_ID = (1 << 31) - 1
+"""Largest token id (int32, what every engine and trainer indexes with)."""
+_LOGPROB_SLACK = 1e-3
+"""A log-probability above this is impossible (``log p <= 0``; a little float error allowed)."""
+
+
+def _first_bad(values: Iterable[float]) -> float | None:
+    return next((x for x in values if not math.isfinite(x)), None)
 
 
 def check_task(task: ev.RolloutTask, domains: Collection[str] = ()) -> str | None:
-    """A task's group must be possible (``0 <= index < group_size``), its token cap positive, and
-    (when ``domains`` is given and the task names no ``env``) its domain one of the run's."""
-    if task.group_size < 1 or not 0 <= task.index < task.group_size:
-        return f"task {task.sample_id}: index {task.index} impossible in a group of {task.group_size}"
-    if task.max_new_tokens is not None and task.max_new_tokens < 1:
-        return f"task {task.sample_id}: max_new_tokens {task.max_new_tokens} < 1"
+    """A task's group must be possible (``0 <= index < group_size <= MAX_GROUP_SIZE``), its token
+    cap positive and sane, its ids non-empty, its policy version >= 0, and (when ``domains`` is given
+    and the task names no ``env``) its domain one of the run's."""
+    sid = task.sample_id
+    if not sid or not task.group_id:
+        return f"task {sid!r}: sample_id and group_id must not be empty"
+    if task.group_size < 1 or task.group_size > MAX_GROUP_SIZE or not 0 <= task.index < task.group_size:
+        return f"task {sid}: index {task.index} impossible in a group of {task.group_size}"
+    if task.max_new_tokens is not None and not 1 <= task.max_new_tokens <= MAX_TOKENS:
+        return f"task {sid}: max_new_tokens {task.max_new_tokens} not in [1, {MAX_TOKENS}]"
+    if task.policy_version < 0:
+        return f"task {sid}: policy_version {task.policy_version} < 0"
+    if task.env is not None and _first_bad(v for v in task.env.kwargs.values() if isinstance(v, float)) is not None:
+        return f"task {sid}: env.kwargs hold a non-finite number"
     if domains and task.env is None and task.domain not in domains:
-        return f"task {task.sample_id}: unknown domain {task.domain!r} (this run has: {', '.join(sorted(domains))})"
+        return f"task {sid}: unknown domain {task.domain!r} (this run has: {', '.join(sorted(domains))})"
     return None
 
 
 def check_generation(gen: ev.Generation) -> str | None:
     """A generation's per-token lists must line up (``response_ids``, ``logprobs``,
-    ``loss_mask``), its logprobs be finite, and its task be possible."""
+    ``loss_mask``), its prompt be non-empty, its token ids in ``[0, MAX_TOKEN_ID]`` and its length
+    at most ``MAX_TOKENS``, its logprobs finite and ``<= 0``, its loss mask 0/1, its policy versions
+    ordered (``0 <= policy_version <= policy_version_end``), its timings finite, and its task
+    possible."""
     sid = gen.task.sample_id
     if not len(gen.response_ids) == len(gen.logprobs) == len(gen.loss_mask):
         return (f"generation {sid}: response_ids ({len(gen.response_ids)}), logprobs ({len(gen.logprobs)}) and "
                 f"loss_mask ({len(gen.loss_mask)}) lengths differ")
-    if not all(math.isfinite(x) for x in gen.logprobs):
-        return f"generation {sid}: logprobs hold non-finite values"
+    if not gen.prompt_ids:
+        return f"generation {sid}: prompt_ids is empty"
+    if len(gen.prompt_ids) + len(gen.response_ids) > MAX_TOKENS:
+        return f"generation {sid}: {len(gen.prompt_ids) + len(gen.response_ids)} tokens (more than {MAX_TOKENS})"
+    if any(not 0 <= t <= MAX_TOKEN_ID for t in gen.prompt_ids) or any(not 0 <= t <= MAX_TOKEN_ID
+                                                                       for t in gen.response_ids):
+        return f"generation {sid}: token ids outside [0, {MAX_TOKEN_ID}]"
+    bad = _first_bad(gen.logprobs)
+    if bad is not None:
+        return f"generation {sid}: logprobs hold non-finite values ({bad})"
+    if any(x > _LOGPROB_SLACK for x in gen.logprobs):
+        return f"generation {sid}: logprobs above 0 (log-probabilities are <= 0)"
+    if any(m not in (0, 1) for m in gen.loss_mask):
+        return f"generation {sid}: loss_mask holds values other than 0 and 1"
     if gen.policy_version < 0:
         return f"generation {sid}: policy_version {gen.policy_version} < 0"
+    if gen.policy_version_end < gen.policy_version:
+        return f"generation {sid}: policy_version_end {gen.policy_version_end} < policy_version {gen.policy_version}"
+    if gen.num_turns < 1:
+        return f"generation {sid}: num_turns {gen.num_turns} < 1"
+    bad = _first_bad((gen.queued_s, gen.gen_s, gen.env_s))
+    if bad is not None:
+        return f"generation {sid}: timings hold non-finite values ({bad})"
     return check_task(gen.task)
 
 
 def check_scored(s: ev.ScoredSample) -> str | None:
-    """A scored sample's reward must be finite, and its generation sound."""
+    """A scored sample's rewards (``reward``, ``rewards``, ``step_rewards``) and ``reward_s`` must be
+    finite, its policy version >= 0, and its generation sound."""
+    sid = s.generation.task.sample_id
     if not math.isfinite(s.reward):
-        return f"scored {s.generation.task.sample_id}: reward is {s.reward} (not finite)"
+        return f"scored {sid}: reward is {s.reward} (not finite)"
+    bad = _first_bad([*s.rewards.values(), *s.step_rewards, s.reward_s])
+    if bad is not None:
+        return f"scored {sid}: rewards, step_rewards or reward_s hold non-finite values ({bad})"
+    if s.policy_version < 0:
+        return f"scored {sid}: policy_version {s.policy_version} < 0"
     return check_generation(s.generation)

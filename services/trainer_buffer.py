@@ -86,6 +86,20 @@ class GroupBuffer:
             self.kept.discard(gid)
         return out
 
+    def remove(self, sample_ids: set[str]) -> list[ev.ScoredSample]:
+        """Take these samples out of the buffer (not decided by that); groups left empty go, with
+        their dead-lettered members. Returns the samples removed (arrival order)."""
+        out: list[ev.ScoredSample] = []
+        for gid in list(self.groups):
+            members = self.groups[gid]
+            out += [s for s in members if s.generation.task.sample_id in sample_ids]
+            members[:] = [s for s in members if s.generation.task.sample_id not in sample_ids]
+            if not members:
+                del self.groups[gid]
+                self.dead.pop(gid, None)
+                self.kept.discard(gid)
+        return out
+
     def take_all(self) -> list[ev.ScoredSample]:
         """Every buffered sample (arrival order of groups); the buffer is left empty."""
         out = [s for g in self.groups.values() for s in g]

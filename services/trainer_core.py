@@ -102,6 +102,9 @@ class TrainerCore:
         self.buffer = GroupBuffer()
         self.positions: dict[TopicPartition, int] = {}
         """Next offset to read per consumed partition: what the buffer and ``decided`` cover."""
+        self.pool: dict[str, ev.ScoredSample] = {}
+        """After a resume: samples of steps an earlier instance trained (on the topic) that this
+        one re-runs from their recorded batch (checkpointed with the buffer)."""
         self.last_eval: dict[str, float] = {}
 
     @property
@@ -120,14 +123,19 @@ class TrainerCore:
         params = SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens, greedy=True)
         metrics: dict[str, float] = {}
         correct = total = length = 0
+        reward = self.cfg.reward
         for domain, problems, verifier in self.heldout:
             reqs = [GenerationRequest(p.prompt_id, self.eval_engine.encode(p.prompt), params) for p in problems]
             by_id = {p.prompt_id: p for p in problems}
-            ok = 0
-            async for c in self.eval_engine.generate(reqs):
-                res = envs.run_verifier(verifier, c.text, by_id[c.request_id].reference, isolation="inline")
-                ok += int(res.correct)
-                length += len(c.token_ids)
+            done = [c async for c in self.eval_engine.generate(reqs)]
+            # as the reward router runs them: bounded by reward.timeout_s, off the event loop (a
+            # verifier that hangs or crashes scores 0 and cannot stall the trainer)
+            results = await asyncio.gather(*(
+                asyncio.to_thread(envs.run_verifier, verifier, c.text, by_id[c.request_id].reference,
+                                  timeout_s=reward.timeout_s, isolation=reward.isolation)
+                for c in done))
+            ok = sum(int(res.correct) for res in results)
+            length += sum(len(c.token_ids) for c in done)
             metrics[f"eval/{domain.name}/accuracy"] = ok / max(1, len(problems))
             correct += ok
             total += len(problems)
@@ -208,6 +216,7 @@ class TrainerCore:
         path = self.checkpoint_dir(self.strategy.step)
         self.strategy.save_checkpoint(path)
         buffer, decided, dead = self.buffer.snapshot()
+        buffer += list(self.pool.values())  # undecided here too: a later resume re-runs their steps
         meta = StreamState(step=self.strategy.step, version=self.version,
                            positions={f"{tp.topic}:{tp.partition}": o for tp, o in self.positions.items()},
                            buffer=buffer, decided=decided, dead=dead)

@@ -7,12 +7,27 @@ the runtime commits nothing; the trainer commits the positions saved in each che
 Start (``on_start``, fresh run): greedy eval of the initial model (split ``init``), supervised
 warm-up (``train.warmup_sft_steps``, ``Strategy.warmup``), the reference model (only when a KL
 term is on) and the critic (only for ``gae``), a checkpoint of step 0, export weights as version
-0, publish ``WeightsPublished(0)``, greedy eval (the RL start). Resume: the latest checkpoint
-restores the model, optimizer, RNG, step, buffer, decided and dead-lettered ids and positions;
-the trainer re-publishes the weights of that step (rollout workers follow the newest message on
-the compacted ``weights`` topic, not only higher versions) and ``on_assigned`` seeks every
-partition to its saved position, so nothing between the checkpoint and a crash is lost or
-trained twice.
+0, publish ``WeightsPublished(0)``, greedy eval (the RL start); an evaluation already on the
+record (an earlier instance died before its checkpoint of step 0) is not published again.
+
+Resume (a checkpoint exists): the latest checkpoint restores the model, optimizer, RNG, step,
+buffer, decided and dead-lettered ids and positions, and ``on_assigned`` seeks every partition to
+its saved position. The run's topics may hold more than the checkpoint knows — an earlier
+instance trained, decided and evaluated after it, up to its crash — so the trainer first reads
+that history (:mod:`services.trainer_history`) and never decides anything twice:
+
+* every step on the record after the checkpoint is *re-run* from its recorded batch (the
+  ``TrainStep``'s sample ids, in training order; the samples are read again from the saved
+  positions and wait in :attr:`~services.trainer_core.TrainerCore.pool`), which brings the model
+  back to where the earlier instance left it; no second ``TrainStep`` or outcome is published
+  (the record keeps one row per step: the first instance's), only outcomes the earlier instance
+  did not get out;
+* samples decided after the checkpoint (filtered, dropped, closed) stay decided;
+* evaluations, the trainer's ``Drain`` and a user's ``Drain`` on the record hold;
+* once caught up, the weights of the current version are published unless the newest
+  ``WeightsPublished`` already is them (rollout workers follow the newest message on the
+  compacted ``weights`` topic; a new version is announced only after its ``TrainStep`` is
+  acknowledged, so the newest weights are never ahead of the recorded steps).
 
 Per poll (``handle_batch``, then ``on_tick`` when the poll was empty):
 
@@ -32,16 +47,19 @@ Per poll (``handle_batch``, then ``on_tick`` when the poll was empty):
    versions (``dropped_stale``; a group left with fewer than 2 members is ``filtered``) and one
    optimizer step runs (:meth:`Trainer.train_batch`: advantages, masks and the loss the
    ``algorithm`` section configures);
-5. the weights are exported (``runs/<id>/weights/v<version>``) and ``WeightsPublished(version+1)``,
-   ``TrainStep`` (every metric and the batch's sample ids in training order) and one
-   ``SampleOutcome(trained)`` per sample are sent;
+5. the weights are exported (``runs/<id>/weights/v<version>``); ``TrainStep`` (every metric and
+   the batch's sample ids in training order) and one ``SampleOutcome(trained)`` per sample are
+   sent, then, once acknowledged, ``WeightsPublished(version+1)``;
 6. every ``eval_every`` steps: greedy eval -> ``EvalResult``; every ``checkpoint_every`` steps:
    a checkpoint of the state before the next step (``checkpoints/step_<k>``), after every output
    so far is acknowledged, then its positions are committed. ``replay step`` restarts
    from these.
 
-After ``train.steps`` steps it publishes ``Drain``; samples that still arrive are recorded as
-``filtered`` ("run finished"); it exits when the feeder publishes ``RunFinished``. An
+After ``train.steps`` steps it publishes ``Drain("training complete")``. A ``Drain`` it did not
+publish (``rollstream stop``) ends training early: no step starts after it (the one under way
+finishes), then the final eval, a checkpoint and its own ``Drain("trainer stopped after k of N
+steps: <reason>")``. Either way samples that still arrive are recorded as ``filtered`` ("run
+finished"), and it exits when the feeder publishes ``RunFinished``. An
 undecodable ``scored`` record is dead-lettered by the runtime (``control`` is only observed: the
 feeder dead-letters its bad records).
 """
@@ -52,6 +70,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from pathlib import Path
 
 import torch
 
@@ -60,6 +79,7 @@ from services.kafka.bus import Record, TopicPartition, next_offsets
 from services.kafka.runtime import BatchContext, BatchService, Runner, ServiceSettings
 from services.sanity import check_scored
 from services.trainer_core import TrainerCore, TrainerSettings
+from services.trainer_history import STOPPED_PREFIX, TRAINING_COMPLETE, History, is_own_drain, read_history
 from trainer.batch import assemble, group_reject_reason, samples_from_scored, select_groups
 
 log = logging.getLogger("rollstream.trainer")
@@ -76,7 +96,17 @@ class Trainer(TrainerCore, BatchService):
         super().__init__(settings)
         self.drained = False
         self.finished = False
+        self.stop_reason = ""
+        """Why to stop before ``train.steps`` (a ``Drain`` this trainer did not publish); empty: train on."""
         self.runner: Runner | None = None
+        self.history = History()
+        """What earlier instances of this run's trainer published (read on a resume)."""
+        self.replay: dict[int, list[str]] = {}
+        """Steps an earlier instance trained after the checkpoint resumed from: step -> batch ids."""
+        self.replay_ids: set[str] = set()
+        self.replayed = 0
+        """Steps re-run from their recorded batch by this instance."""
+        self._evaluated: set[int] = set()
 
     def service_settings(self) -> ServiceSettings:
         """How the trainer runs on :mod:`services.kafka.runtime` (see the module doc)."""
@@ -91,18 +121,52 @@ class Trainer(TrainerCore, BatchService):
 
     async def on_start(self, runner: Runner) -> None:
         self.runner = runner
+        self.history = await read_history(self.cfg.kafka, self.s.run_id)
         if self.load_checkpoint():
-            log.info("resumed from checkpoint at step %d", self.strategy.step)
-            await runner.send("weights", await self.weights_event(), key="latest")
+            self.resume_from(self.history)
+            log.info("resumed from the checkpoint of step %d; %d later step(s) on the record to re-run from their "
+                     "batches", self.strategy.step, len(self.replay))
+            if not self.replay and (weights := await self.weights_if_behind()) is not None:
+                await runner.send("weights", weights, key="latest")
             return
-        await runner.send("metrics", await self.eval_event("init"), key="0")
+        if ("init", 0) not in self.history.evals:
+            await runner.send("metrics", await self.eval_event("init"), key="0")
         losses = await asyncio.to_thread(self.warm_up)
         if losses:
             log.info("warm-up: %d steps, loss %.3f -> %.3f", len(losses), losses[0], losses[-1])
         await asyncio.to_thread(self.setup_algorithm_models, True)
         await asyncio.to_thread(self.save_checkpoint)  # step 0: what replay starts from
         await runner.send("weights", await self.weights_event(), key="latest")
-        await runner.send("metrics", await self.eval_event("heldout"), key="0")
+        if ("heldout", 0) not in self.history.evals:
+            await runner.send("metrics", await self.eval_event("heldout"), key="0")
+        self._evaluated.add(0)
+
+    def resume_from(self, history: History) -> None:
+        """After :meth:`load_checkpoint`: take in what earlier instances published after that
+        checkpoint. Steps on the record are re-run from their batches (:meth:`_replay`; their
+        samples wait in :attr:`pool`); samples decided meanwhile stay decided; a user ``Drain``
+        or ``RunFinished`` on the record still holds."""
+        self.history = history
+        self.replay = history.steps_from(self.strategy.step)
+        self.replay_ids = {sid for ids in self.replay.values() for sid in ids}
+        decided = {sid for sid in history.outcomes if sid not in self.replay_ids}
+        for s in self.buffer.remove(self.replay_ids | decided):
+            if s.generation.task.sample_id in self.replay_ids:
+                self.pool[s.generation.task.sample_id] = s
+        self.buffer.decided |= decided
+        if history.user_drain is not None:
+            self.stop_reason = history.user_drain.reason or "drained"
+        elif history.trainer_drained and self.strategy.step + len(self.replay) < self.cfg.train.steps:
+            self.stop_reason = "drained before the restart"
+        self.finished = history.finished
+
+    async def weights_if_behind(self) -> ev.WeightsPublished | None:
+        """The ``WeightsPublished`` of the current version (exported now) unless the newest one
+        on the topic already is it (rollout workers follow the newest message)."""
+        w = self.history.weights
+        if w is not None and w.policy_version == self.version and Path(w.uri).is_dir():
+            return None
+        return await self.weights_event()
 
     async def on_assigned(self, runner: Runner, tps: set[TopicPartition]) -> None:
         """Continue exactly at the trainer's own positions (the checkpoint's after a resume)."""
@@ -121,16 +185,25 @@ class Trainer(TrainerCore, BatchService):
             if isinstance(event, ev.ScoredSample):
                 why = check_scored(event)
                 if why is None:
-                    self.buffer.add(event)
+                    if event.generation.task.sample_id in self.replay_ids:
+                        self.pool.setdefault(event.generation.task.sample_id, event)
+                    else:
+                        self.buffer.add(event)
                 else:
                     ctx.reject(rec, why)
                     self.buffer.dead_letter(event.generation.task.sample_id, event.generation.task.group_id)
             elif isinstance(event, ev.DeadLetter):
+                if event.sample_id in self.replay_ids:
+                    continue  # trained at a recorded step: that stands
                 if self.buffer.dead_letter(event.sample_id, event.group_id):
                     log.info("sample %s dead-lettered by %s (%s): its group completes without it",
                              event.sample_id, event.service, event.error)
             elif isinstance(event, ev.RunFinished):
                 self.finished = True
+            elif isinstance(event, ev.Drain) and not is_own_drain(event.reason) and not self.stop_reason:
+                self.stop_reason = event.reason or "drained"
+                log.info("drain (%s): no new step after step %d; final eval, checkpoint, then done",
+                         self.stop_reason, self.strategy.step)
         await self.advance(ctx)
 
     async def on_tick(self, runner: Runner) -> None:
@@ -149,21 +222,84 @@ class Trainer(TrainerCore, BatchService):
         if self.drained:
             self._close_leftovers(ctx)
             return
+        if self.replay:
+            await self._replay(ctx)
+            if self.replay:
+                return  # the samples of a recorded step are still being read
         self._filter_complete_groups(ctx)
-        while self.strategy.step < cfg.train.steps and (
+        while not self.stop_reason and self.strategy.step < cfg.train.steps and (
                 gids := select_groups(self.buffer.groups, self.buffer.complete_ids(), cfg.train.batch_size)) is not None:
             await self.train_once(gids, ctx)
-            step = self.strategy.step
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
-                ctx.emit("metrics", await self.eval_event("heldout"), key=str(step))
-            if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
-                await self._checkpoint(ctx)
-        if self.strategy.step >= cfg.train.steps:
-            ctx.emit("metrics", await self.eval_event("heldout"), key=str(self.strategy.step))
+            await self._after_step(ctx)
+        if self.strategy.step >= cfg.train.steps or self.stop_reason:
+            await self._finish(ctx)
+
+    async def _after_step(self, ctx: BatchContext, replaying: bool = False) -> None:
+        """The evaluation and checkpoint due after a step (an evaluation already on the record is
+        not repeated)."""
+        cfg, step = self.cfg, self.strategy.step
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+            await self._evaluate(ctx, export=replaying)
+        if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
             await self._checkpoint(ctx)
-            ctx.emit("control", ev.Drain(run_id=self.s.run_id, reason="training complete"))
-            self.drained = True
-            self._close_leftovers(ctx)
+
+    async def _evaluate(self, ctx: BatchContext, export: bool = False) -> None:
+        step = self.strategy.step
+        if step in self._evaluated or ("heldout", step) in self.history.evals:
+            return
+        if export:  # re-run steps publish no weights: the evaluation reads this version's from disk
+            await asyncio.to_thread(self.strategy.export_weights, self._weights_dir(self.version))
+        ctx.emit("metrics", await self.eval_event("heldout"), key=str(step))
+        self._evaluated.add(step)
+
+    async def _finish(self, ctx: BatchContext) -> None:
+        """After the last step (or a user ``Drain``): final evaluation, checkpoint, ``Drain``,
+        leftovers closed as "run finished". What the record already has is not repeated."""
+        step = self.strategy.step
+        await self._evaluate(ctx)
+        if self.checkpoints()[-1:] != [step]:
+            await self._checkpoint(ctx)
+        if not self.history.trainer_drained:
+            reason = (TRAINING_COMPLETE if step >= self.cfg.train.steps and not self.stop_reason
+                      else f"{STOPPED_PREFIX} after {step} of {self.cfg.train.steps} steps: {self.stop_reason}")
+            ctx.emit("control", ev.Drain(run_id=self.s.run_id, reason=reason))
+        self.drained = True
+        self._close_leftovers(ctx)
+
+    async def _replay(self, ctx: BatchContext) -> None:
+        """Re-run the recorded steps whose samples are all here, in order, from their batches
+        (the ``TrainStep``'s sample ids, in training order): the model comes back to where the
+        earlier instance left it. Nothing of these steps is published again (only outcomes the
+        earlier instance did not get out); once caught up, the current weights are published
+        unless the topic's newest already are them."""
+        while (ids := self.replay.get(self.strategy.step)) is not None and all(i in self.pool for i in ids):
+            step = self.strategy.step
+            recorded = self.history.steps[step]
+            if recorded.policy_version != self.version:
+                log.warning("step %d trained version %d on the record, re-run at version %d", step,
+                            recorded.policy_version, self.version)
+            batch = [self.pool.pop(i) for i in ids]
+            await asyncio.to_thread(self.train_batch, batch)
+            outcomes = [self.outcome(s, "trained", step=step) for s in batch]
+            self.version += 1
+            for o in outcomes:
+                if o.sample_id not in self.history.outcomes:
+                    ctx.emit("metrics", o, key=str(step))
+            del self.replay[step]
+            self.replay_ids.difference_update(ids)
+            self.replayed += 1
+            await self._after_step(ctx, replaying=True)
+        if self.replay and min(self.replay) < self.strategy.step:  # cannot happen: steps are contiguous
+            log.error("recorded steps %s are behind step %d; ignored", sorted(self.replay), self.strategy.step)
+            self.replay.clear()
+        if not self.replay:
+            for s in self.pool.values():  # not in any recorded batch any more: an ordinary sample
+                self.buffer.add(s)
+            self.pool.clear()
+            self.replay_ids.clear()
+            log.info("caught up with the record at step %d (%d step(s) re-run)", self.strategy.step, self.replayed)
+            if (weights := await self.weights_if_behind()) is not None:
+                ctx.emit("weights", weights, key="latest")
 
     def outcome(self, s: ev.ScoredSample, status: ev.SampleStatus, reason: str = "", step: int = -1) -> ev.SampleOutcome:
         self.buffer.decide(s.generation.task.sample_id)
@@ -201,13 +337,14 @@ class Trainer(TrainerCore, BatchService):
         step = self.strategy.step
         outcomes = [self.outcome(r.sample, r.status, r.reason) for r in rejected]
         metrics: dict[str, float] = {}
+        weights: ev.WeightsPublished | None = None
         if batch:
             hist = Counter(self.version - smp.generation.policy_version for smp in batch)
             metrics = await asyncio.to_thread(self.train_batch, batch)
             outcomes += [self.outcome(s, "trained", step=step) for s in batch]
             trained_version = self.version
             self.version += 1
-            ctx.emit("weights", await self.weights_event(), key="latest")
+            weights = await self.weights_event()
             ctx.emit("metrics", ev.TrainStep(
                 run_id=self.s.run_id, step=step, policy_version=trained_version, metrics=metrics,
                 sample_ids=[s.generation.task.sample_id for s in batch], staleness_hist=dict(hist),
@@ -215,6 +352,11 @@ class Trainer(TrainerCore, BatchService):
         for o in outcomes:
             ctx.emit("metrics", o, key=str(step))
         await ctx.flush()
+        if weights is not None:
+            # after the step's record: a new version is never announced before its TrainStep, so
+            # a trainer resuming from an older checkpoint re-runs every step behind the newest weights
+            ctx.emit("weights", weights, key="latest")
+            await ctx.flush()
         return metrics
 
     def _filter_complete_groups(self, ctx: BatchContext) -> None:

@@ -28,7 +28,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from schemas.config import ConfigError
+from schemas.config import ConfigError, redact_text
 from schemas.topics import BadRunId
 from services.errors import one_line
 
@@ -57,7 +57,8 @@ class UserError(RuntimeError):
 
 
 def opt(name: str) -> Any:
-    """A global option's value: ``bootstrap``, ``store``, ``home`` (None when not given) or ``debug``."""
+    """A global option's value: ``bootstrap``, ``store``, ``home`` (None when not given) or ``debug``;
+    ``bootstrap_given``: whether ``--bootstrap`` was on the command line (not from the environment)."""
     return _state.get(name)
 
 
@@ -117,7 +118,7 @@ def setup_logging(*, debug: bool, log_file: Path | None, stderr_level: int | Non
 def log_to(path: Path) -> None:
     """Move this process's log file to ``path`` (``run``: the run's ``logs/cli.log``)."""
     setup_logging(debug=bool(opt("debug")), log_file=path)
-    log.info("rollstream %s", " ".join(sys.argv[1:]))
+    log.info("rollstream %s", redact_text(" ".join(sys.argv[1:])))
 
 
 def log_file() -> Path | None:
@@ -143,7 +144,19 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from services.kafka.bus import BusError
     from services.store import StoreError
 
-    return (UserError, ConfigError, StoreError, FileNotFoundError, BadRunId, StackError, BusError)
+    return (UserError, ConfigError, StoreError, BadRunId, StackError, BusError, *_PATH_ERRORS)
+
+
+_PATH_ERRORS = (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError, FileExistsError)
+"""OS errors about a path the user named (a file, a directory, a chdb store): user errors."""
+
+
+def _user_message(e: BaseException) -> str:
+    if isinstance(e, _PATH_ERRORS):
+        if isinstance(e, FileNotFoundError):
+            return f"file not found: {e.filename or e}"
+        return f"{e.strerror or type(e).__name__}: {e.filename}" if e.filename else str(e)
+    return str(e)
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
@@ -168,9 +181,9 @@ def friendly(fn: F) -> F:
         except _user_error_types() as e:
             if opt("debug"):
                 raise
-            log.info("user error: %s", one_line(e))
-            msg = str(e) if not isinstance(e, FileNotFoundError) else f"file not found: {e.filename or e}"
-            raise fail(msg) from None
+            if log_file() is not None:  # a service logs to its stderr, where the error line says it once
+                log.info("user error: %s", one_line(e))
+            raise fail(_user_message(e)) from None
         except Exception as e:
             if opt("debug"):
                 raise
@@ -207,7 +220,8 @@ def main_options(
     ),
 ) -> None:
     """Global options (also from ROLLSTREAM_BOOTSTRAP / ROLLSTREAM_STORE / ROLLSTREAM_HOME / ROLLSTREAM_DEBUG)."""
-    _state.update(bootstrap=bootstrap or None, store=store or None, home=home_ or None, debug=debug)
+    _state.update(bootstrap=bootstrap or None, store=store or None, home=home_ or None, debug=debug,
+                  bootstrap_given=getattr(ctx.get_parameter_source("bootstrap"), "name", "") == "COMMANDLINE")
     if ctx.invoked_subcommand != "service":  # a service logs to its stderr (see the module doc)
         log_to(home() / "logs" / "cli.log")
 

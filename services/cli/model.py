@@ -18,11 +18,17 @@ def init_model(
     force: bool = typer.Option(False, "--force", help="Overwrite an existing model directory."),
 ) -> None:
     """Create a tiny causal LM (Llama architecture, own tokenizer, safetensors). Nothing is downloaded."""
-    from schemas.config import TinyModelSpec, parse_raw
+    from schemas.config import ConfigError, TinyModelSpec, check_tiny_spec, parse_raw
 
     if (out_dir / "config.json").exists() and not force:
         raise UserError(f"{out_dir} already holds a model (use --force to overwrite)")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"{out_dir} is a file, not a directory")
     spec = parse_raw({}, set_, root=TinyModelSpec)
+    try:
+        check_tiny_spec(spec)
+    except ValueError as e:
+        raise ConfigError(f"config: {e}") from None
     quiet_transformers()
     from rollout.model_init import count_parameters, init_tiny_model, load_model
 

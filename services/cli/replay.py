@@ -121,9 +121,11 @@ def replay_step(
     """Recompute training step N from its recorded batch and the checkpoint it started from, exactly as recorded; print loss, gradient norm and every metric beside the recorded ones."""
     import json
 
+    import msgspec
     from rich.table import Table
 
     from schemas.topics import check_run_id
+    from services import store as st
     from services.launch.runs import record_dsn
     from services.launch.supervisor import load_run_config
     from services.replay import step as rs
@@ -135,11 +137,18 @@ def replay_step(
     if not (runs_dir / run / "config.yaml").exists():
         raise UserError(f"run {run} not found: no {runs_dir / run / 'config.yaml'}")
     cfg = load_run_config(str(runs_dir), run, [])
+    # the run's folder is where its config was found (checkpoints, model and default store live there)
+    cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, runs_dir=str(runs_dir)))
+    ckpt_dir = runs_dir / run / "checkpoints"
+    if not any(ckpt_dir.glob("step_*")):
+        raise UserError(f"run {run} has no checkpoints in {ckpt_dir} (replay step restores the one the step started from)")
+    dsn = record_dsn(runs_dir, run, opt("store"))
+    if st.check_dsn(dsn) == "chdb" and not Path(st.chdb_path(dsn)).exists():
+        raise UserError(f"run {run} has no store at {st.chdb_path(dsn)}")
     quiet_transformers()
     try:
         with console.status(f"replaying step {step} of {run}...") as status:
-            res = rs.replay_train_step(cfg, run, step, dsn=record_dsn(runs_dir, run, opt("store")),
-                                       progress=status.update)
+            res = rs.replay_train_step(cfg, run, step, dsn=dsn, progress=status.update)
     except rs.ReplayError as e:
         raise UserError(str(e)) from None
     if fmt == "json":

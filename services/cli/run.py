@@ -31,17 +31,62 @@ def read_config(path: Path, overrides: list[str]) -> Any:
 
     if not path.exists():
         raise UserError(f"config file not found: {path}")
-    return parse_config(path.read_text(), overrides, source=str(path))
+    if path.is_dir():
+        raise UserError(f"config file {path} is a directory, not a YAML file")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"config file {path} cannot be read: {e.strerror if isinstance(e, OSError) else e}") from None
+    if not text.strip() or all(not ln.strip() or ln.lstrip().startswith("#") for ln in text.splitlines()):
+        raise UserError(f"config file {path} is empty (an empty mapping `{{}}` runs every default)")
+    return parse_config(text, overrides, source=str(path))
 
 
 def check_backends(cfg: Any) -> None:
-    """Refuse a generation engine or training strategy that cannot run here, in one line,
-    before anything starts (:func:`rollout.factory.check_engine`, :func:`trainer.factory.check_strategy`)."""
+    """Refuse, in one line and before anything starts, what cannot run here: a generation engine
+    or training strategy (:func:`rollout.factory.check_engine`, :func:`trainer.factory.check_strategy`),
+    a task source, verifier or source argument of ``data.domains`` that does not exist, and a
+    ``model.path`` that is not a model directory."""
     from rollout.factory import check_engine
     from trainer.factory import check_strategy
 
     check_engine(cfg)
     check_strategy(cfg)
+    check_domains(cfg)
+    check_model_path(cfg)
+
+
+def check_domains(cfg: Any) -> None:
+    """Every domain's task source and verifier are registered and the source takes its kwargs."""
+    import envs  # noqa: F401  (registers the built-in sources and verifiers)
+    from envs.registry import SOURCES, VERIFIERS, make_source
+    from schemas.config import ConfigError
+
+    for i, d in enumerate(cfg.data.domains):
+        key = f"config: data.domains[{i}]"
+        if d.source not in SOURCES:
+            raise ConfigError(f"{key}.source={d.source!r} is not a task source; registered: {', '.join(sorted(SOURCES))}")
+        if d.verifier and d.verifier not in VERIFIERS:
+            raise ConfigError(f"{key}.verifier={d.verifier!r} is not a verifier; registered: {', '.join(sorted(VERIFIERS))}")
+        try:
+            make_source(d.source, **d.kwargs)
+        except (TypeError, ValueError, KeyError) as e:
+            raise ConfigError(f"{key}.kwargs {d.kwargs} do not suit task source {d.source!r}: {e}") from None
+
+
+def check_model_path(cfg: Any) -> None:
+    """``model.path``, when given, is a Hugging Face model directory (holds config.json)."""
+    from schemas.config import ConfigError
+
+    if not cfg.model.path:
+        return
+    path = Path(cfg.model.path)
+    if not path.exists():
+        raise ConfigError(f"config: model.path={str(path)!r} does not exist (leave it empty to create a tiny model)")
+    if not path.is_dir():
+        raise ConfigError(f"config: model.path={str(path)!r} is a file, not a Hugging Face model directory")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"config: model.path={str(path)!r} is not a Hugging Face model directory (no config.json)")
 
 
 def with_store(cfg: Any) -> Any:
@@ -159,6 +204,8 @@ def service_cmd(
         raise UserError(str(e)) from None
     check_backends(cfg)
     cfg = with_store(cfg)
+    if opt("bootstrap_given"):  # --bootstrap on the command line wins over kafka.bootstrap of the run's config
+        cfg = msgspec.structs.replace(cfg, kafka=msgspec.structs.replace(cfg.kafka, bootstrap=opt("bootstrap")))
     # the run's folder is where its config was found (the default store lives there too)
     cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, runs_dir=runs_dir))
     setup_logging(debug=bool(opt("debug")), log_file=None, stderr_level=level)

@@ -18,15 +18,17 @@ def latest_run(runs_dir: Path) -> str:
     return runs[-1].parent.name
 
 
-def store_of(run: str, runs_dir: Path) -> str:
+def store_of(run: str, runs_dir: Path, *, must_exist: bool = True) -> str:
     """The DSN to read: --store / $ROLLSTREAM_STORE, else that of ``run`` (default: the latest run)
-    as ``rollstream run`` recorded it (:func:`services.launch.runs.record_dsn`)."""
+    as ``rollstream run`` recorded it (:func:`services.launch.runs.record_dsn`). An embedded store
+    that does not exist is an error unless ``must_exist`` is false (``--write`` creates one)."""
     from services import store as st
     from services.launch.runs import record_dsn
 
     explicit = opt("store")
     if explicit:
-        st.check_dsn(explicit)
+        if st.check_dsn(explicit) == "chdb" and must_exist and not Path(st.chdb_path(explicit)).exists():
+            raise UserError(f"no store at {st.chdb_path(explicit)} (from --store / ROLLSTREAM_STORE)")
         return str(explicit)
     rid = run or latest_run(runs_dir)
     dsn = record_dsn(runs_dir, rid)
@@ -75,7 +77,7 @@ def sql_cmd(
         if not sep:
             raise UserError(f"--param {p!r}: expected name=value")
         params[k] = v
-    dsn = store_of(run, runs_dir)
+    dsn = store_of(run, runs_dir, must_exist=not write)
     # reads go through the running recorder when it holds the store; writes need the store itself
     client = st.connect(dsn) if write else st.connect_reader(dsn)
     served = getattr(client, "served", False)

@@ -85,7 +85,7 @@ class TopicAdmin(AsyncClient):
         if self._raw is not None:
             return self
         raw = AIOKafkaAdminClient(**self._kwargs)
-        await start_bounded("admin", raw.start, raw.close, self.bootstrap, self.settings.connect_timeout_s)
+        await start_bounded("admin", raw.start, raw.close, self.bootstrap, self.settings.connect_timeout_s, self._kwargs)
         self._raw = raw
         return self
 

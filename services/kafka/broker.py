@@ -7,7 +7,8 @@ What this module does (and nothing at import time):
   per-user cache (``~/.cache/rollstream`` or ``$ROLLSTREAM_CACHE``).
 * :func:`start_local_kafka` runs one broker+controller JVM on ``127.0.0.1`` whose state lives in
   a "home" directory (``./.rollstream`` or ``$ROLLSTREAM_HOME``; its layout is described in
-  :mod:`services.kafka.home`).
+  :mod:`services.kafka.home`); with ``sasl_ssl`` its client listener is SASL_SSL (SCRAM over
+  TLS with a generated CA: :mod:`services.kafka.local_security`).
 * :func:`stop_local_kafka`, :func:`local_kafka`, :func:`kafka_reachable`
   (:mod:`services.kafka.probe`) and :func:`resolve_bootstrap` manage and find it.
 
@@ -18,18 +19,17 @@ macOS): the broker is detached with ``start_new_session`` and stopped with signa
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.kafka.home import (
     HOME_ENV,
@@ -38,11 +38,14 @@ from services.kafka.home import (
     StackError,
     exit_reason,
     file_lock,
+    free_port,
     home_dir,
     kafka_dir,
     kafka_log_path,
     log_error,
+    new_cluster_id,
     norm_home,
+    port_free,
     previous_ports,
     props_path,
     server_properties,
@@ -52,7 +55,10 @@ from services.kafka.home import (
 )
 from services.kafka.home import server_properties as _server_properties  # noqa: F401  (tests/test_compose.py)
 from services.kafka.jars import CACHE_ENV, INFRA_DIR, ensure_kafka_jars, jar_cache_dir
-from services.kafka.probe import BOOTSTRAP_ENV, bootstrap_from_env, kafka_reachable
+from services.kafka.probe import BOOTSTRAP_ENV, bootstrap_from_env, kafka_reachable, probe_kafka
+
+if TYPE_CHECKING:
+    from services.kafka.local_security import SaslSslOptions
 
 __all__ = [
     "BOOTSTRAP_ENV",
@@ -99,7 +105,7 @@ class KafkaProcess:
     pid: int
     """Process id of the broker JVM (leader of its own session)."""
     port: int
-    """Client (PLAINTEXT) port."""
+    """Client port (PLAINTEXT, or SASL_SSL)."""
     controller_port: int
     """KRaft controller port (loopback only, not for clients)."""
     data_dir: str
@@ -108,6 +114,14 @@ class KafkaProcess:
     """The broker's stdout+stderr."""
     started_at: float
     """Unix time at which the JVM was launched."""
+    security_protocol: str = "PLAINTEXT"
+    """Of the client listener: ``PLAINTEXT``, or ``SASL_SSL`` (then the four fields below are set)."""
+    sasl_mechanism: str = ""
+    sasl_username: str = ""
+    ssl_cafile: str = ""
+    """The CA certificate (PEM) clients trust."""
+    password_source: str = ""
+    """Where the SASL user's password was taken from at the first start (a variable or a file)."""
 
 
 def _java() -> str:
@@ -198,58 +212,28 @@ def local_kafka(home: Path) -> KafkaProcess | None:
     return None
 
 
-def _port_free(port: int) -> bool:
-    """True if nothing listens on ``127.0.0.1:port`` and it can be bound (as Kafka will)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(0.5)
-        if s.connect_ex((HOST, port)) == 0:
-            return False
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the JVM does
-        try:
-            s.bind((HOST, port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_port(exclude: set[int]) -> int:
-    """A port the OS says is free on 127.0.0.1, not in ``exclude``."""
-    for _ in range(50):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((HOST, 0))
-            port = int(s.getsockname()[1])
-        if port not in exclude:
-            return port
-    raise StackError("could not find a free TCP port on 127.0.0.1")
-
-
-def _new_cluster_id() -> str:
-    """A KRaft cluster id as Kafka makes them: 16 random bytes, URL-safe base64, no padding."""
-    while True:
-        cid = base64.urlsafe_b64encode(os.urandom(16)).decode().rstrip("=")
-        if not cid.startswith("-"):
-            return cid
-
-
 def _log4j_opts() -> list[str]:
     return [f"-Dlog4j2.configurationFile={_LOG4J}"] if _LOG4J.is_file() else []
 
 
-def _format_storage(home: Path, java: str, libs: Path, data_dir: Path, deadline: float) -> None:
-    """Format the KRaft storage once (kept cluster id in ``<home>/kafka/cluster.id``)."""
+def _format_storage(home: Path, java: str, libs: Path, data_dir: Path, deadline: float,
+                    scram: list[str]) -> None:
+    """Format the KRaft storage once (kept cluster id in ``<home>/kafka/cluster.id``), with the
+    ``--add-scram`` arguments ``scram`` (SCRAM users of a SASL_SSL stack)."""
     if (data_dir / "meta.properties").is_file():
         return
+    if not scram:  # users of an earlier, removed storage are gone
+        (kafka_dir(home) / "scram.json").unlink(missing_ok=True)
     id_path = kafka_dir(home) / "cluster.id"
     cluster_id = id_path.read_text().strip() if id_path.is_file() else ""
     if not cluster_id:
-        cluster_id = _new_cluster_id()
+        cluster_id = new_cluster_id()
         write_atomic(id_path, cluster_id + "\n")
     data_dir.mkdir(parents=True, exist_ok=True)
     log = home / "logs" / "kafka-format.log"
     cmd = [
         java, "-Xmx256m", *_log4j_opts(), "-cp", f"{libs}/*", "kafka.tools.StorageTool",
-        "format", "--ignore-formatted", "-t", cluster_id, "-c", str(props_path(home)),
+        "format", "--ignore-formatted", "-t", cluster_id, "-c", str(props_path(home)), *scram,
     ]  # fmt: skip
     limit = max(1.0, min(_FORMAT_TIMEOUT_S, deadline - time.monotonic()))
     try:
@@ -291,8 +275,14 @@ def start_local_kafka(
     port: int | None = None,
     timeout_s: float = 90,
     progress: Callable[[str], None] | None = None,
+    sasl_ssl: SaslSslOptions | None = None,
 ) -> tuple[KafkaProcess, bool]:
     """Start the local broker of ``home`` unless it already runs; return ``(process, started)``.
+
+    With ``sasl_ssl`` the client listener is SASL_SSL: certificates made on the first such start,
+    SCRAM users created when the storage is first formatted, readiness probed as the broker's own
+    SCRAM user over TLS (:mod:`services.kafka.local_security`). A running broker of the other
+    kind is a :class:`StackError` (stop it first).
 
     * Already running (state file names a live broker that answers): ``(it, False)``; asking for
       a different ``port`` then is a :class:`StackError` (stop it first).
@@ -316,6 +306,12 @@ def start_local_kafka(
     with file_lock(kdir / ".lock", 120.0, f"the local Kafka in {home}"):
         running = local_kafka(home)
         if running is not None:
+            want = "PLAINTEXT" if sasl_ssl is None else f"SASL_SSL ({sasl_ssl.mechanism} user {sasl_ssl.user!r})"
+            have = running.security_protocol + (f" ({running.sasl_mechanism} user {running.sasl_username!r})"
+                                                if running.sasl_username else "")
+            if have != want:
+                raise StackError(f"the local Kafka of {home} already runs with {have} on {running.bootstrap}; "
+                                 f"stop it (`rollstream stack down`) to start it with {want}")
             if port is not None and port != running.port:
                 raise StackError(
                     f"the local Kafka of {home} already runs on {running.bootstrap} (pid {running.pid}); "
@@ -330,26 +326,40 @@ def start_local_kafka(
 
         prev_port, prev_cport = previous_ports(home)
         if port is not None:
-            if not _port_free(port):
+            if not port_free(port):
                 raise StackError(
                     f"port {port} on {HOST} is already in use by another program; choose another "
                     "port (--port) or leave it out to use a free one"
                 )
-        elif prev_port and _port_free(prev_port):
+        elif prev_port and port_free(prev_port):
             port = prev_port
         else:
-            port = _free_port(set())
-        if prev_cport and prev_cport != port and _port_free(prev_cport):
+            port = free_port(set())
+        if prev_cport and prev_cport != port and port_free(prev_cport):
             cport = prev_cport
         else:
-            cport = _free_port({port})
+            cport = free_port({port})
 
         data_dir = kdir / "data"
-        write_server_properties(home, server_properties(port, cport, data_dir))
+        formatted = (data_dir / "meta.properties").is_file()
+        props = server_properties(port, cport, data_dir)
+        sasl, scram, security = None, list[str](), None
+        if sasl_ssl is not None:
+            from services.kafka import local_security as ls
+            from services.kafka.connection import kafka_kwargs
+
+            if progress:
+                progress("preparing the SASL_SSL listener (certificates, SCRAM users)")
+            sasl, scram = ls.prepare_sasl_ssl(home, java, sasl_ssl, formatted)
+            props.update(ls.sasl_ssl_properties(sasl, port, cport))
+            security = kafka_kwargs(ls.broker_settings(sasl, f"{HOST}:{port}"), f"{HOST}:{port}", from_env=False)
+        write_server_properties(home, props)
         deadline = time.monotonic() + timeout_s
-        if not (data_dir / "meta.properties").is_file() and progress:
+        if not formatted and progress:
             progress(f"formatting Kafka storage in {data_dir}")
-        _format_storage(home, java, libs, data_dir, deadline)
+        _format_storage(home, java, libs, data_dir, deadline, scram)
+        if sasl is not None and scram:
+            ls.record_scram(home, sasl)
 
         log_path = kafka_log_path(home)
         if log_path.exists():
@@ -384,8 +394,12 @@ def start_local_kafka(
                         f"local Kafka did not answer on {bootstrap} within {timeout_s:.0f} s and was stopped; "
                         f"{log_error(log_path) or 'no error in the log'}; full log: {log_path}"
                     )
-                if kafka_reachable(bootstrap, timeout_s=min(2.0, remaining)):
+                found = probe_kafka(bootstrap, min(2.0, remaining), security)
+                if found.ok:
                     break
+                if found.fatal:
+                    raise StackError(f"the local Kafka on {bootstrap} refuses its own SASL_SSL setup: {found.detail} "
+                                     f"(SCRAM users are made at the first start; a fresh --home starts over)")
                 time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
         except BaseException:
             if _pid_alive(child.pid):
@@ -399,10 +413,13 @@ def start_local_kafka(
             data_dir=str(data_dir),
             log_path=str(log_path),
             started_at=started_at,
+            **({} if sasl is None else {
+                "security_protocol": "SASL_SSL", "sasl_mechanism": sasl.mechanism, "sasl_username": sasl.user,
+                "ssl_cafile": str(sasl.ca_file), "password_source": sasl.password_source}),
         )
         write_atomic(state_path(home), json.dumps(asdict(proc), indent=2) + "\n")
         if progress:
-            progress(f"Kafka {KAFKA_VERSION} is up on {bootstrap} (pid {child.pid})")
+            progress(f"Kafka {KAFKA_VERSION} is up on {bootstrap} ({proc.security_protocol}, pid {child.pid})")
         return proc, True
 
 

@@ -99,7 +99,7 @@ class _Client(AsyncClient, Generic[RawT]):
                 raise BusError(f"{self.what} was stopped; create a new one")
             return self
         raw = self._raw = self._make_raw()
-        await start_bounded(self.what, raw.start, raw.stop, self.bootstrap, self.settings.connect_timeout_s)
+        await start_bounded(self.what, raw.start, raw.stop, self.bootstrap, self.settings.connect_timeout_s, self._kwargs)
         self._after_start(raw)
         self._started = True
         return self
@@ -225,7 +225,18 @@ class Producer(_Client[AIOKafkaProducer]):
         return self.raw.transaction()
 
     async def send_offsets_to_transaction(self, offsets: Mapping[TopicPartition, int], group_id: str) -> None:
-        """Commit ``offsets`` (next offset per partition) of ``group_id`` in the open transaction."""
+        """Commit ``offsets`` (next offset per partition) of ``group_id`` in the open transaction.
+
+        The transaction's messages are flushed (acknowledged) first. Brokers since Kafka 3.6
+        verify with the transaction coordinator that a partition is in the transaction before
+        appending (KIP-890), and they queue one verification per transactional id: a second one
+        (the offset commit's, on ``__consumer_offsets``) replaces one still pending (a produce
+        request's) and the replaced request fails with ``NETWORK_EXCEPTION``, which a produce
+        request below version 12 (aiokafka's) receives as ``NOT_ENOUGH_REPLICAS`` and retries
+        after a backoff. Sequencing the two avoids that retry; the commit waits for the messages
+        anyway.
+        """
+        await self.raw.flush()
         await self.raw.send_offsets_to_transaction(dict(offsets), group_id)
 
 
@@ -341,7 +352,11 @@ class Consumer(_Client[AIOKafkaConsumer]):
         return dec
 
     def decode(self, topic: str, value: bytes | None) -> tuple[Any, str | None]:
-        """``(event, None)`` or ``(None, reason)`` for ``value`` read from ``topic``."""
+        """``(event, None)`` or ``(None, reason)`` for ``value`` read from ``topic``; never raises.
+
+        Besides ``DecodeError`` / ``ValidationError``, msgspec raises ``UnicodeDecodeError`` for a
+        string that is not UTF-8 and ``RecursionError`` for deeply nested containers: bytes from
+        the wire are untrusted, so any failure is a reason, not an exception."""
         dec = self.decoder_for(topic)
         if dec is None:
             return None, f"topic {topic!r} is not a rollstream topic (rs.<run_id>.<name>)"
@@ -351,6 +366,8 @@ class Consumer(_Client[AIOKafkaConsumer]):
             return dec.decode(value), None
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             return None, one_line(e)
+        except Exception as e:
+            return None, f"DecodeError: {one_line(e)}"
 
     # -- consuming
 

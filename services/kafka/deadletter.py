@@ -55,7 +55,7 @@ def _ids_of_raw(raw: bytes | None) -> tuple[str, str]:
         return "", ""
     try:
         obj = msgspec.msgpack.decode(raw)
-    except (msgspec.DecodeError, ValueError, TypeError):
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError):  # hostile nesting too
         return "", ""
     for path in ((), ("task",), ("generation", "task")):
         node: Any = obj

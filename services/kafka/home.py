@@ -7,6 +7,8 @@ Layout of a home (``./.rollstream`` or ``$ROLLSTREAM_HOME``; see :mod:`services.
     <home>/kafka/server.properties generated at every start (edits are overwritten)
     <home>/kafka/server.overrides.properties   optional, yours: merged over the generated file
     <home>/kafka/cluster.id        the KRaft cluster id, created on the first start
+    <home>/kafka/tls/, scram.json, *.password   a SASL_SSL stack's certificates and SCRAM users
+                                   (:mod:`services.kafka.local_security`)
     <home>/kafka/data/             the Kafka log directory (topics survive restarts)
     <home>/logs/kafka.log          the broker's stdout+stderr (previous start: kafka.log.1)
     <home>/logs/kafka-format.log   output of the one-time storage format
@@ -16,10 +18,12 @@ Nothing happens at import time.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import fcntl
 import os
 import re
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,11 +35,14 @@ __all__ = [
     "StackError",
     "exit_reason",
     "file_lock",
+    "free_port",
     "home_dir",
     "kafka_dir",
     "kafka_log_path",
     "log_error",
+    "new_cluster_id",
     "norm_home",
+    "port_free",
     "previous_ports",
     "props_path",
     "read_properties",
@@ -122,10 +129,13 @@ def file_lock(path: Path, wait_s: float, what: str) -> Iterator[None]:
         os.close(fd)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename (readers never see half)."""
+def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename (readers never see half);
+    ``mode``: the file's permissions (e.g. ``0o600`` for a file holding a secret)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
+    if mode is not None:
+        os.chmod(tmp, mode)
     os.replace(tmp, path)
 
 
@@ -140,6 +150,43 @@ def tail_lines(path: Path, max_bytes: int = 256 * 1024) -> list[str]:
     except OSError:
         return []
     return data.decode("utf-8", "replace").splitlines()
+
+
+# --------------------------------------------------------------------------- ports and ids
+
+
+def port_free(port: int) -> bool:
+    """True if nothing listens on ``127.0.0.1:port`` and it can be bound (as Kafka will)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        if s.connect_ex((HOST, port)) == 0:
+            return False
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the JVM does
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(exclude: set[int]) -> int:
+    """A port the OS says is free on 127.0.0.1, not in ``exclude``."""
+    for _ in range(50):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((HOST, 0))
+            port = int(s.getsockname()[1])
+        if port not in exclude:
+            return port
+    raise StackError("could not find a free TCP port on 127.0.0.1")
+
+
+def new_cluster_id() -> str:
+    """A KRaft cluster id as Kafka makes them: 16 random bytes, URL-safe base64, no padding."""
+    while True:
+        cid = base64.urlsafe_b64encode(os.urandom(16)).decode().rstrip("=")
+        if not cid.startswith("-"):
+            return cid
 
 
 # --------------------------------------------------------------------------- logs
@@ -207,14 +254,15 @@ def read_properties(path: Path) -> dict[str, str]:
 
 
 def previous_ports(home: Path) -> tuple[int | None, int | None]:
-    """Client and controller ports of the last start in this home (from server.properties)."""
+    """Client (PLAINTEXT or SASL_SSL) and controller ports of the last start in this home (from
+    server.properties)."""
     listeners = read_properties(props_path(home)).get("listeners", "")
     ports: dict[str, int] = {}
     for item in listeners.split(","):
         m = re.fullmatch(r"\s*(\w+)://[^:]*:(\d+)\s*", item)
         if m:
             ports[m.group(1)] = int(m.group(2))
-    return ports.get("PLAINTEXT"), ports.get("CONTROLLER")
+    return ports.get("PLAINTEXT") or ports.get("SASL_SSL"), ports.get("CONTROLLER")
 
 
 def server_properties(port: int, controller_port: int, data_dir: Path) -> dict[str, str]:
@@ -260,7 +308,8 @@ def server_properties(port: int, controller_port: int, data_dir: Path) -> dict[s
 
 def write_server_properties(home: Path, props: dict[str, str]) -> Path:
     """Write ``props`` with ``server.overrides.properties`` merged over them to the home's
-    server.properties; returns its path."""
+    server.properties (readable by its owner only when it holds a password: a SASL_SSL stack's
+    JAAS line and keystore password); returns its path."""
     overrides_path = kafka_dir(home) / "server.overrides.properties"
     overrides = read_properties(overrides_path)
     merged = {**props, **overrides}
@@ -270,5 +319,6 @@ def write_server_properties(home: Path, props: dict[str, str]) -> Path:
         *(f"{k}={v.replace(chr(92), chr(92) * 2)}" for k, v in merged.items()),
     ]
     path = props_path(home)
-    write_atomic(path, "\n".join(lines) + "\n")
+    secret = any("password" in k or k.endswith("jaas.config") for k in merged)
+    write_atomic(path, "\n".join(lines) + "\n", 0o600 if secret else None)
     return path

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, ProducerFenced
 
 from services.errors import one_line
 from services.kafka.bus import (
@@ -37,7 +37,16 @@ from services.kafka.bus import (
     next_offsets,
 )
 from services.kafka.offsets import OffsetTracker
-from services.kafka.service import BatchContext, Context, Counters, Outcome, Output, ServiceSettings
+from services.kafka.outage import Outage, Retry, is_outage
+from services.kafka.service import (
+    BatchContext,
+    Context,
+    Counters,
+    Outcome,
+    Output,
+    ServiceSettings,
+    send_outputs,
+)
 
 log = logging.getLogger("rollstream.runtime")
 
@@ -63,6 +72,15 @@ class Loops:
     _revoking: set[TopicPartition]
     _batch: asyncio.Task[None] | None
     _txn_committing: bool
+    outage: Outage
+    _poll_retry: Retry
+    _closing: set[asyncio.Task[Any]]
+
+    async def _renew_producer(self, retry: Retry) -> None:
+        raise NotImplementedError
+
+    async def renew_producer(self, failed: Producer, retry: Retry) -> None:
+        raise NotImplementedError
 
     @property
     def service_name(self) -> str:
@@ -80,9 +98,19 @@ class Loops:
     async def commit(self, offsets: Mapping[TopicPartition, int]) -> dict[TopicPartition, int]:
         raise NotImplementedError
 
-    async def _poll(self) -> list[Record]:
+    async def _poll(self, max_records: int | None = None) -> list[Record]:
+        """One poll (at most ``max_records``, default ``batch_max_records``). A poll that fails
+        with an outage error returns nothing after a pause (retried by the next call, for at most
+        ``kafka.outage_timeout_s`` of consecutive failures)."""
         s = self.settings
-        recs = await self.consumer.getmany(timeout_ms=int(s.poll_timeout_s * 1000), max_records=s.batch_max_records)
+        try:
+            recs = await self.consumer.getmany(timeout_ms=int(s.poll_timeout_s * 1000),
+                                               max_records=max_records or s.batch_max_records)
+        except KafkaError as e:
+            await self._poll_retry.failed(e)
+            recs = []
+        else:
+            self._poll_retry.done()
         self.polls += 1
         self.last_polled = len(recs)
         return recs
@@ -185,12 +213,8 @@ class Loops:
             while not self.stop.is_set():
                 room = cap - len(self._tasks)
                 if room > 0:
-                    recs = await self.consumer.getmany(
-                        timeout_ms=int(s.poll_timeout_s * 1000), max_records=min(room, s.batch_max_records)
-                    )
+                    recs = await self._poll(min(room, s.batch_max_records))
                     last_poll = loop.time()
-                    self.polls += 1
-                    self.last_polled = len(recs)
                     for rec in recs:
                         self._admit(rec)
                 else:
@@ -233,17 +257,8 @@ class Loops:
                 if self.stop.is_set() or rec.tp in self._revoking:
                     return  # not started: left uncommitted for whoever reads the partition next
                 outputs, outcome = await self._outputs_for(rec)
-                try:
-                    futs = [await self.producer.send_raw(o.topic, o.value, o.key) for o in outputs]
-                except KafkaError as e:
-                    raise BusError(f"{self.service.name}: cannot queue output: {one_line(e)}") from None
-            try:
-                await asyncio.gather(*futs)
-            except KafkaError as e:
-                raise BusError(
-                    f"{self.service.name}: output of {rec.topic}[{rec.partition}]@{rec.offset} "
-                    f"not acknowledged: {one_line(e)}"
-                ) from None
+            # retried through an outage; BusError past kafka.outage_timeout_s
+            await send_outputs(self, outputs, f"output of {rec.topic}[{rec.partition}]@{rec.offset}", count=False)
             self._count(outputs, outcome)
             self._offsets.done(rec.tp, rec.offset)
             finished = True
@@ -355,6 +370,46 @@ class Loops:
 
     # -- exactly-once loop (transactional record handlers)
 
+    async def _commit_txn(self, outputs: list[Output], offsets: dict[TopicPartition, int]) -> None:
+        """Send ``outputs`` and commit ``offsets`` in one transaction. A transaction that fails
+        (a broker outage, a coordinator moving) is aborted and done again with a new producer of
+        the same transactional id, which fences the old one, until it commits or it has failed
+        for ``kafka.outage_timeout_s``; then :class:`BusError` (the batch is reprocessed after a
+        restart). A fenced producer (another instance took over) fails at once."""
+        retry = self.outage.retry(f"transaction of {len(outputs)} output(s)")
+        # one attempt waits at most this long (an abort waits for the coordinator otherwise)
+        attempt_s = self.settings.kafka.request_timeout_s + 10
+
+        async def attempt() -> None:
+            futs: list[asyncio.Future[RecordMetadata]] = []
+            async with self.producer.transaction():
+                for o in outputs:
+                    futs.append(await self.producer.send_raw(o.topic, o.value, o.key))
+                await self.producer.send_offsets_to_transaction(offsets, str(self.settings.group_id))
+            await asyncio.gather(*futs)
+
+        while True:
+            try:
+                task = asyncio.ensure_future(attempt())
+                await asyncio.wait({task}, timeout=attempt_s)
+                if not task.done():  # its abort would wait for the coordinator: leave it to the old producer
+                    task.cancel()
+                    self._closing.add(task)
+                    task.add_done_callback(self._closing.discard)
+                    raise TimeoutError(f"no answer within {attempt_s:g} s")
+                task.result()
+            except (KafkaError, BusError, TimeoutError) as e:
+                if isinstance(e, ProducerFenced) or (isinstance(e, BusError) and not is_outage(e)):
+                    raise BusError(f"{self.service.name}: transaction failed and was aborted (its records "
+                                   f"will be reprocessed after a restart): {one_line(e)}") from None
+                # any other error of a transaction is treated as transient: a new producer (same
+                # transactional id) fences this one and aborts what is left of its transaction
+                await retry.failed(e, transient=True)
+                await self._renew_producer(retry)
+                continue
+            retry.done()
+            return
+
     async def _loop_txn(self) -> None:
         stop_wait = asyncio.ensure_future(self.stop.wait())
         try:
@@ -388,19 +443,8 @@ class Loops:
 
             results = await asyncio.gather(*(prepare(r) for r in todo))
             self._txn_committing = True
-            futs: list[asyncio.Future[RecordMetadata]] = []
             try:
-                async with self.producer.transaction():
-                    for outputs, _ in results:
-                        for o in outputs:
-                            futs.append(await self.producer.send_raw(o.topic, o.value, o.key))
-                    await self.producer.send_offsets_to_transaction(next_offsets(recs), str(self.settings.group_id))
-                await asyncio.gather(*futs)
-            except KafkaError as e:
-                raise BusError(
-                    f"{self.service.name}: transaction of {len(recs)} record(s) failed and was aborted "
-                    f"(they will be reprocessed after a restart): {one_line(e)}"
-                ) from None
+                await self._commit_txn([o for outputs, _ in results for o in outputs], next_offsets(recs))
             finally:
                 self._txn_committing = False
             committed = True

@@ -69,6 +69,11 @@ What :func:`run_service` guarantees:
   not committed and is redelivered to the next owner.
 * **Stays in its group while busy.** When every slot is taken by long handler calls the runtime
   still polls (with partitions paused) often enough not to exceed ``max_poll_interval_s``.
+* **Rides out a Kafka outage** (:mod:`services.kafka.outage`). Sends, polls, commits, ``on_tick``
+  (its Kafka calls) and transactions that fail with retriable errors are retried, 0.5 s doubling
+  to 5 s apart, for at most ``kafka.outage_timeout_s`` of consecutive failures, then the service
+  fails with one line; a failed transaction is aborted and done again by a new producer of the
+  same transactional id; a producer the broker no longer accepts after its restart is replaced.
 * **Rebalance-safe.** When partitions are revoked, in-flight work of those partitions gets
   ``shutdown_grace_s`` to finish, is committed, and the rest is cancelled (and its ids removed
   from the dedupe set so a later redelivery is handled); a batch in progress is finished first.
@@ -108,6 +113,7 @@ from services.kafka.bus import (
 from services.kafka.deadletter import dead_letter_for
 from services.kafka.loops import Loops
 from services.kafka.offsets import OffsetTracker
+from services.kafka.outage import Outage, Renewal, is_outage
 from services.kafka.service import (
     BatchContext,
     Context,
@@ -200,7 +206,7 @@ class FunctionService(Service):
 # --------------------------------------------------------------------------- the runner
 
 
-class Runner(Loops):
+class Runner(Renewal, Loops):
     """One running service instance (what :func:`run_service` drives). Hooks get it to reach
     ``producer``, ``consumer``, ``settings``, ``counters``, the ``stop`` event, :meth:`send`
     and :meth:`commit`."""
@@ -229,15 +235,15 @@ class Runner(Loops):
         self._txn_committing = False
         self._fatal: BaseException | None = None
         self._closed = False
+        self._closing: set[asyncio.Task[Any]] = set()
+        self._renew_lock = asyncio.Lock()
         s = settings
-        txn_id = (s.transactional_id or f"{s.group_id}.{new_group_suffix()}") if s.transactional else None
-        self.producer = Producer(
-            s.kafka,
-            compression=s.compression,
-            linger_ms=s.linger_ms,
-            transactional_id=txn_id,
-            client_suffix=f"{service.name}-producer",
-        )
+        self.outage = Outage(service.name, s.kafka.outage_timeout_s)
+        """Retries through a Kafka outage (:mod:`services.kafka.outage`)."""
+        self._tick_retry = self.outage.retry("on_tick")
+        self._poll_retry = self.outage.retry("poll")
+        self._txn_id = (s.transactional_id or f"{s.group_id}.{new_group_suffix()}") if s.transactional else None
+        self.producer = self._new_producer()
         grace_ms = int(s.shutdown_grace_s * 1000)
         grouped = s.group_id is not None
         self.consumer = Consumer(
@@ -317,6 +323,11 @@ class Runner(Loops):
             self._fatal = err
         self.stop.set()
 
+    def fail(self, err: BaseException) -> None:
+        """Stop the service with ``err`` (raised by :meth:`run` after the graceful stop): for a
+        service's own background work that cannot go on."""
+        self._set_fatal(err)
+
     async def _shutdown(self) -> None:
         if self._closed:
             return
@@ -336,6 +347,8 @@ class Runner(Loops):
         finally:
             await self.producer.stop()
             await self.consumer.stop()
+            if self._closing:
+                await asyncio.wait(set(self._closing), timeout=5.0)
 
     # -- what services call
 
@@ -358,7 +371,8 @@ class Runner(Loops):
             log.warning("%s: commit failed, the group rebalanced (records will be redelivered): %s",
                         self.service.name, one_line(e))
         except KafkaError as e:
-            log.warning("%s: commit failed, will retry: %s", self.service.name, one_line(e))
+            log.log(logging.DEBUG if self.outage.active else logging.WARNING,
+                    "%s: commit failed, will retry: %s", self.service.name, one_line(e))
         return {}
 
     def dead_letter(self, rec: Record, stage: Literal["decode", "handle"], error: str) -> list[Output]:
@@ -407,7 +421,16 @@ class Runner(Loops):
         await self.service.on_assigned(self, tps)
 
     async def _tick(self) -> None:
-        await self.service.on_tick(self)
+        """``on_tick``; one that fails with an outage error is retried on the next tick (after a
+        pause), for at most ``kafka.outage_timeout_s`` of consecutive failures."""
+        try:
+            await self.service.on_tick(self)
+        except (KafkaError, BusError) as e:
+            if not is_outage(e):
+                raise
+            await self._tick_retry.failed(e)
+            return
+        self._tick_retry.done()
 
 
 

@@ -18,17 +18,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections import Counter as _Tally
 from dataclasses import asdict, dataclass
 from typing import Literal, Protocol
 
 import msgspec
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaConnectionError, KafkaError
 
 from schemas.config import KafkaSettings
 from schemas.events import DeadLetter, Event
 from schemas.topics import TOPICS, spec_for_topic, topic_name
-from services.errors import one_line
 from services.kafka.bus import (
     BusError,
     Compression,
@@ -40,6 +40,7 @@ from services.kafka.bus import (
     encode_key,
     key_for,
 )
+from services.kafka.outage import Outage, Retry, needs_new_producer, producer_dead
 
 log = logging.getLogger("rollstream.runtime")
 
@@ -127,6 +128,10 @@ class ServiceSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     transactional_id: str = ""
     """Transactional id of this instance (stable across restarts to fence zombies); empty =
     ``<group_id>.<random>``."""
+    transaction_timeout_s: float = 60.0
+    """Transaction timeout: the broker aborts a transaction left open this long (an instance killed
+    mid-transaction with a per-start ``transactional_id`` holds back ``read_committed`` readers of
+    its partitions until then), seconds."""
     auto_offset_reset: Literal["earliest", "latest"] = "earliest"
     """Where a group without committed offsets (or an instance without a group) starts."""
     deterministic_output_ids: bool = True
@@ -234,11 +239,14 @@ class Host(Protocol):
     producer: Producer
     consumer: Consumer
     counters: Counters
+    outage: Outage
 
     @property
     def service_name(self) -> str: ...
 
     def dead_letter(self, rec: Record, stage: Literal["decode", "handle"], error: str) -> list[Output]: ...
+
+    async def renew_producer(self, failed: Producer, retry: Retry) -> None: ...
 
 
 def make_output(host: Host, topic: str, event: Event, key: KeyLike) -> Output:
@@ -352,19 +360,68 @@ class BatchContext:
         return await send_outputs(self.runner, outs, "batch output")
 
 
-async def send_outputs(host: Host, outs: list[Output], what: str) -> list[RecordMetadata]:
-    """Send ``outs``, wait for every acknowledgement, count them (``emitted`` / ``dead_lettered``).
-    Raises :class:`BusError` with one line when Kafka refuses."""
+async def send_outputs(host: Host, outs: list[Output], what: str, count: bool = True) -> list[RecordMetadata]:
+    """Send ``outs``, wait for every acknowledgement, count them (``emitted`` / ``dead_lettered``;
+    ``count=False``: the caller counts).
+
+    A Kafka outage does not fail the call (:mod:`services.kafka.outage`): the idempotent producer
+    retries a batch by itself while the broker is away (waited for, not sent again: that could
+    duplicate it); outputs that failed are sent again (0.5 s doubling to 5 s apart); a producer
+    whose state the broker no longer accepts after a restart (out-of-order sequence, unknown
+    producer id) is replaced and what it had not delivered goes through the new one. Raises
+    :class:`BusError` with one line when that has gone on for ``kafka.outage_timeout_s``, or at
+    once when Kafka refuses the outputs for another reason."""
     if not outs:
         return []
-    try:
-        futs = [await host.producer.send_raw(o.topic, o.value, o.key) for o in outs]
-        mds = list(await asyncio.gather(*futs))
-    except KafkaError as e:
-        raise BusError(f"{host.service_name}: {what} not acknowledged: {one_line(e)}") from None
-    for o in outs:
-        if o.dead_letter:
-            host.counters.dead_lettered += 1
-        else:
-            host.counters.emitted += 1
-    return mds
+    mds: list[RecordMetadata | None] = [None] * len(outs)
+    todo = list(range(len(outs)))
+    retry = host.outage.retry(f"{what} not acknowledged")
+    while todo:
+        producer = host.producer
+        queued: list[tuple[int, asyncio.Future[RecordMetadata]]] = []
+        error: BaseException | None = None
+        try:
+            for i in todo:
+                o = outs[i]
+                queued.append((i, await producer.send_raw(o.topic, o.value, o.key)))
+        except KafkaError as e:
+            error = e
+        pending = {f for _, f in queued}
+        deadline = time.monotonic() + host.outage.limit_s
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=1.0)
+            if pending and (host.producer is not producer or producer_dead(producer)):
+                break  # what it had not delivered goes through a new producer
+            if pending and time.monotonic() > deadline:
+                retry.done()
+                raise BusError(f"{host.service_name}: {what} not acknowledged within kafka.outage_timeout_s="
+                               f"{host.outage.limit_s:g} s (Kafka unavailable?)")
+        failed = todo[len(queued):]
+        renew = error is not None and needs_new_producer(error)
+        for i, fut in queued:
+            resolved = fut.done() and not fut.cancelled()
+            exc = fut.exception() if resolved else None
+            if resolved and exc is None:
+                mds[i] = fut.result()
+                continue
+            if exc is not None and not isinstance(exc, KafkaError):
+                raise exc
+            failed.append(i)
+            # unresolved: its producer stopped delivering (or was replaced meanwhile)
+            renew = renew or exc is None or needs_new_producer(exc)
+            error = error or exc or KafkaConnectionError("the producer stopped delivering")
+        if not failed:
+            break
+        assert error is not None
+        await retry.failed(error, transient=True if renew else None)  # waits, or raises BusError
+        if renew:
+            await host.renew_producer(producer, retry)
+        todo = sorted(failed)
+    retry.done()
+    if count:
+        for o in outs:
+            if o.dead_letter:
+                host.counters.dead_lettered += 1
+            else:
+                host.counters.emitted += 1
+    return [md for md in mds if md is not None]

@@ -5,306 +5,325 @@
    broker, started if missing) and create the run's topics; create ``runs/<run_id>/`` with
    ``config.yaml``;
 3. create the tiny model (when ``model.path`` is empty) in ``runs/<run_id>/model``
-   (:func:`prepare_run`; ``rollstream run --prepare-only`` stops here);
+   (:func:`~services.launch.prepare.prepare_run`; ``rollstream run --prepare-only`` stops here);
 4. start ``rollstream service <name> --run <run_id>`` for recorder, feeder, reward,
    rollout (× ``rollout.workers``) and trainer, each logging to ``runs/<run_id>/logs/<name>.log``,
    with the bootstrap address and the store DSN in their environment (``ROLLSTREAM_BOOTSTRAP``,
-   ``ROLLSTREAM_STORE``);
-5. follow the run's ``metrics`` and ``control`` topics and show live progress;
-6. on ``RunFinished``: wait for the services to exit (SIGTERM the long-running ones), let the
-   recorder catch up, compute ``summary.json`` from the record (SQL) and print its gist.
+   ``ROLLSTREAM_STORE``); publish ``ServiceStarted`` for each on the run's ``control`` topic;
+5. follow the run's ``metrics``, ``control`` and ``weights`` topics and show live progress (a
+   run where no training step happened for ``run.stall_after_s`` seconds is shown as
+   ``stalled: ...`` with what every stage is doing), heal the services (below), and keep
+   ``runs/<run_id>/supervisor.json`` current for ``rollstream status`` (:mod:`services.launch.state`);
+6. on ``RunFinished`` (the end of training, or a ``Drain`` from ``rollstream stop``): wait for
+   the services to exit (SIGTERM the long-running ones), let the recorder catch up, compute
+   ``summary.json`` from the record (SQL) and print its gist.
+
+Healing (:mod:`services.launch.healing`): a service process that exits unexpectedly is restarted
+after a backoff (``run.restart_backoff_s``, doubling, at most ``run.restart_backoff_max_s``), at
+most ``run.max_restarts`` times per service; each restart is a ``ServiceRestarted`` event on the
+run's ``control`` topic (the recorder puts it in the ``service_events`` table). It resumes from
+its group's committed offsets (the trainer from its latest checkpoint). Past the bound the run
+fails (``ServiceFailed``) with one line naming the service, its exit code and the last error
+line of its log.
 
 Ctrl-C (or SIGTERM) stops every service cleanly (SIGTERM, then SIGKILL after a grace period).
-A service that dies stops the run with one line naming it and the last line of its log.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from rich.console import Console
+from rich.markup import escape
 
 from schemas import events as ev
-from schemas.config import RunConfig, to_dict
-from schemas.topics import check_run_id, topic_name
-from services import store as st
-from services.kafka.bus import Consumer, TopicAdmin, message_count
+from schemas.config import RunConfig
+from schemas.topics import topic_name
+from services.errors import one_line
+from services.kafka.bus import Consumer, Producer
+from services.launch.healing import (
+    LONG_RUNNING,
+    RESTART_MARK,
+    Healer,
+    ServiceSlot,
+    describe_exit,
+    last_error_line,
+    last_log_line,
+)
+from services.launch.prepare import (
+    RunError,
+    config_text,
+    load_run_config,
+    new_run_id,
+    prepare_model,
+    prepare_run,
+    write_run_config,
+)
+from services.launch.progress import Progress, summarize
+from services.launch.runinfo import RunInfo, probe_run
 from services.launch.runs import run_dir_of, store_dsn_of
+from services.launch.state import write_state
+from services.launch.status import WARM_UP_FACTOR, stall_text
 
-LONG_RUNNING = ("rollout", "reward")
+__all__ = [
+    "LONG_RUNNING", "Progress", "RunError", "Supervisor", "config_text", "last_log_line", "load_run_config",
+    "new_run_id", "prepare_model", "prepare_run", "run_dir_of", "run_supervised", "service_command",
+    "store_dsn_of", "summarize", "write_run_config",
+]
 
+log = logging.getLogger("rollstream.supervisor")
 
-class RunError(RuntimeError):
-    """The run could not start or a service failed; one line for the user."""
-
-
-@dataclass
-class Progress:
-    """What the supervisor knows from the events (shown live, and part of the summary)."""
-
-    step: int = 0
-    steps: int = 0
-    reward_mean: float = float("nan")
-    eval_acc: dict[str, float] = field(default_factory=dict)
-    evals: list[tuple[int, str, float]] = field(default_factory=list)
-    staleness_mean: float = 0.0
-    samples_trained: int = 0
-    gen_tokens: int = 0
-    train_tokens: float = 0.0
-    started: float = field(default_factory=time.monotonic)
-    finished: ev.RunFinished | None = None
-    versions: list[int] = field(default_factory=list)
-
-    def observe(self, event: Any) -> None:
-        if isinstance(event, ev.TrainStep):
-            self.step = event.step + 1
-            self.reward_mean = event.metrics.get("rollout/reward_mean", self.reward_mean)
-            self.staleness_mean = event.metrics.get("rollout/staleness_mean", 0.0)
-            self.samples_trained += len(event.sample_ids)
-            self.train_tokens += event.metrics.get("train/tokens", 0.0)
-            self.gen_tokens += int(event.metrics.get("rollout/response_len_mean", 0.0) * len(event.sample_ids))
-        elif isinstance(event, ev.EvalResult):
-            acc = event.metrics.get("eval/accuracy", float("nan"))
-            self.eval_acc[event.split] = acc
-            self.evals.append((event.step, event.split, acc))
-        elif isinstance(event, ev.WeightsPublished):
-            self.versions.append(event.policy_version)
-        elif isinstance(event, ev.RunFinished):
-            self.finished = event
-
-    def line(self) -> str:
-        elapsed = time.monotonic() - self.started
-        acc = self.evals[-1][2] if self.evals else float("nan")
-        return (
-            f"step {self.step}/{self.steps}  reward {self.reward_mean:.3f}  eval acc {acc:.3f}  "
-            f"staleness {self.staleness_mean:.2f}  samples/s {self.samples_trained / max(elapsed, 1e-9):.1f}  "
-            f"gen tok/s {self.gen_tokens / max(elapsed, 1e-9):.0f}  {elapsed:.0f}s"
-        )
-
-
-def new_run_id(cfg: RunConfig) -> str:
-    return check_run_id(f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 1000:03d}")
-
-
-def config_text(cfg: RunConfig) -> str:
-    """The run's ``config.yaml`` as written."""
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
-
-
-def write_run_config(cfg: RunConfig, run_dir: Path) -> Path:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "config.yaml"
-    path.write_text(config_text(cfg))
-    return path
-
-
-def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
-    """The model directory of the run (created when ``model.path`` is empty)."""
-    if cfg.model.path:
-        path = Path(cfg.model.path)
-        if not (path / "config.json").exists():
-            raise RunError(f"model.path {path} is not a Hugging Face model directory (no config.json)")
-        return path
-    from rollout.model_init import init_tiny_model
-
-    path = run_dir / "model"
-    if not (path / "config.json").exists():
-        init_tiny_model(path, cfg.model.init, seed=cfg.run.seed)
-    return path
+STATE_EVERY_S = 2.0
+"""How often ``supervisor.json`` is rewritten when nothing changed, seconds."""
+LINE_EVERY_S = 5.0
+"""How often the progress line is printed, seconds."""
+STALL_PROBE_EVERY_S = 30.0
+"""While stalled: how often the broker is asked what each stage is doing, seconds."""
 
 
 def service_command(name: str, run_id: str, runs_dir: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", "service", name, "--run", run_id, "--runs-dir", runs_dir]
 
 
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-
-def last_log_line(path: Path) -> str:
-    try:
-        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return ""
-    errors = [ln for ln in lines if "error" in ln.lower()]
-    return (errors or lines or [""])[-1][:300]
-
-
 class Supervisor:
+    """The service processes of one run: started, followed, healed, stopped."""
+
     def __init__(self, cfg: RunConfig, run_id: str, bootstrap: str, console: Console) -> None:
         self.cfg = cfg
         self.run_id = run_id
         self.bootstrap = bootstrap
         self.console = console
         self.run_dir = run_dir_of(cfg, run_id)
-        self.children: list[Child] = []
         self.progress = Progress(steps=cfg.train.steps)
+        r = cfg.run
+        self.healer = Healer(max_restarts=r.max_restarts, backoff_s=r.restart_backoff_s,
+                             backoff_max_s=r.restart_backoff_max_s)
+        self.slots: list[ServiceSlot] = []
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.pending: list[ev.Event] = []
+        """Lifecycle events not published yet (published by :meth:`follow`)."""
+        self.phase = "starting"
+        self.error = ""
+        self.failure: str | None = None
+        """The run's error line once a service failed for good."""
+        self.started_at = time.time()
+        self._env: dict[str, str] = {}
+        self._state_at = 0.0
+        self._stall_info: RunInfo | None = None
+        self._stall_probe: asyncio.Task[RunInfo | None] | None = None
+        self._stall_probe_at = 0.0
+
+    # ----------------------------------------------------------------- processes
+
+    def labels(self) -> list[str]:
+        """Service labels in start order (``rollout0``, ``rollout1``... with several workers)."""
+        workers = self.cfg.rollout.workers
+        rollouts = [f"rollout{i}" for i in range(workers)] if workers > 1 else ["rollout"]
+        return ["recorder", "feeder", "reward", *rollouts, "trainer"]
 
     def start_children(self) -> None:
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=self.bootstrap, PYTHONUNBUFFERED="1",
-                   ROLLSTREAM_STORE=store_dsn_of(self.cfg, self.run_id))
-        names = ["recorder", "feeder", "reward", *(["rollout"] * self.cfg.rollout.workers), "trainer"]
-        for i, name in enumerate(names):
-            label = f"{name}{i - 3}" if name == "rollout" and self.cfg.rollout.workers > 1 else name
-            log_path = logs / f"{label}.log"
-            fh = open(log_path, "ab")
-            proc = subprocess.Popen(service_command(name, self.run_id, self.cfg.run.runs_dir), stdout=fh,
-                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            fh.close()
-            self.children.append(Child(label, proc, log_path))
+        self._env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=self.bootstrap, PYTHONUNBUFFERED="1",
+                         ROLLSTREAM_STORE=store_dsn_of(self.cfg, self.run_id))
+        for label in self.labels():
+            slot = ServiceSlot(label, logs / f"{label}.log")
+            self.slots.append(slot)
+            self._spawn(slot)
+            self.pending.append(ev.ServiceStarted(run_id=self.run_id, service=label, pid=slot.pid,
+                                                  host=socket.gethostname()))
+        self.phase = "running"
+        self.write_state()
 
-    def failed_child(self) -> Child | None:
-        """A service that exited before the run finished (any exit code counts)."""
-        for c in self.children:
-            if c.proc.poll() is not None:
-                return c
-        return None
+    def _spawn(self, slot: ServiceSlot) -> None:
+        with open(slot.log_path, "ab") as fh:
+            proc = subprocess.Popen(service_command(slot.service, self.run_id, self.cfg.run.runs_dir), stdout=fh,
+                                    stderr=subprocess.STDOUT, env=self._env, start_new_session=True)
+        self.procs[slot.label] = proc
+        slot.pid, slot.state, slot.started_at = int(getattr(proc, "pid", 0) or 0), "running", time.time()
+
+    def _restart(self, slot: ServiceSlot) -> None:
+        previous = slot.pid
+        slot.restarts += 1
+        with open(slot.log_path, "a") as fh:
+            fh.write(f"{RESTART_MARK} restart {slot.restarts} of {slot.label} (pid {previous} "
+                     f"{describe_exit(slot.last_exit_code)}; waited {slot.backoff_s:g} s) ---\n")
+        self._spawn(slot)
+        log.info("restarted %s: pid %d (restart %d)", slot.label, slot.pid, slot.restarts)
+        self.pending.append(ev.ServiceRestarted(
+            run_id=self.run_id, service=slot.label, pid=slot.pid, exit_code=int(slot.last_exit_code or 0),
+            restarts=slot.restarts, reason=slot.reason, backoff_s=slot.backoff_s, previous_pid=previous))
+        self.console.print(f"[yellow]restarted {slot.label}[/yellow] (pid {slot.pid}, restart "
+                           f"{slot.restarts}/{self.healer.max_restarts})")
+        self.write_state()
+
+    def check_children(self) -> None:
+        """Notice services that ended, judge their exits, restart the ones whose backoff is over;
+        a service past its restarts sets :attr:`failure`."""
+        finished = self.progress.finished is not None
+        for slot in self.slots:
+            proc = self.procs.get(slot.label)
+            verdict = None
+            if slot.state == "running" and proc is not None and proc.poll() is not None:
+                verdict = self.healer.on_exit(slot, int(proc.returncode), last_error_line(slot.log_path), finished)
+            elif slot.state == "exited":
+                verdict = self.healer.recheck(slot, finished)
+            if verdict is not None:
+                self._noted(slot, verdict)
+            if self.healer.due(slot) and self.failure is None:
+                self._restart(slot)
+
+    def _noted(self, slot: ServiceSlot, verdict: str) -> None:
+        log.info("service %s: %s -> %s", slot.label, slot.reason, verdict)
+        if verdict == "restart":
+            self.console.print(f"[yellow]service {escape(slot.label)} {escape(slot.reason)}[/yellow]; restarting "
+                               f"in {slot.backoff_s:g} s")
+        elif verdict == "fail" and self.failure is None:
+            self.failure = self.healer.failure_line(slot)
+            self.pending.append(ev.ServiceFailed(run_id=self.run_id, service=slot.label, pid=slot.pid,
+                                                 exit_code=int(slot.last_exit_code or 0), restarts=slot.restarts,
+                                                 reason=slot.reason))
+        self.write_state()
 
     def terminate(self, names: tuple[str, ...] | None = None, grace_s: float = 30.0) -> None:
-        targets = [c for c in self.children if c.proc.poll() is None and (names is None or c.name.rstrip("0123456789") in names)]
-        for c in targets:
-            c.proc.send_signal(signal.SIGTERM)
+        """SIGTERM the running services (of ``names``, else all), SIGKILL after ``grace_s``."""
+        targets = [(s, self.procs[s.label]) for s in self.slots
+                   if s.label in self.procs and self.procs[s.label].poll() is None
+                   and (names is None or s.service in names)]
+        for _, proc in targets:
+            proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for c in targets:
+        for slot, proc in targets:
             try:
-                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                c.proc.kill()
-                c.proc.wait()
+                proc.kill()
+                proc.wait()
+            slot.state, slot.last_exit_code = "stopped", proc.returncode
+        for slot in self.slots:  # the others that ended meanwhile ended by themselves
+            ended = self.procs.get(slot.label)
+            if slot.state == "running" and ended is not None and ended.poll() is not None:
+                slot.state, slot.last_exit_code = "exited", ended.returncode
+            elif slot.state == "restarting":  # its restart is called off
+                slot.state = "stopped"
+        self.write_state()
+
+    def wait_recorder(self, timeout_s: float = 120.0) -> None:
+        proc = self.procs.get("recorder")
+        if proc is None:
+            return
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.terminate(("recorder",))
+        slot = next(s for s in self.slots if s.label == "recorder")
+        if slot.state == "running" and proc.poll() is not None:
+            slot.state, slot.last_exit_code = "exited", proc.returncode
+
+    # ----------------------------------------------------------------- state
+
+    def snapshot(self) -> dict[str, Any]:
+        """What ``supervisor.json`` holds (:mod:`services.launch.state`)."""
+        p = self.progress
+        return {
+            "run_id": self.run_id, "supervisor_pid": os.getpid(), "host": socket.gethostname(),
+            "bootstrap": self.bootstrap, "phase": self.phase, "error": self.error,
+            "started_at": self.started_at, "updated_at": time.time(),
+            "progress": {"step": p.step, "steps": p.steps, "policy_version": p.policy_version,
+                         "last_progress_at": p.last_progress_ts, "draining": p.draining},
+            "services": {s.label: s.as_dict() for s in self.slots},
+        }
+
+    def write_state(self) -> None:
+        try:
+            write_state(self.run_dir, self.snapshot())
+        except OSError as e:  # a full disk must not stop the run
+            log.warning("cannot write %s: %s", self.run_dir / "supervisor.json", one_line(e))
+        self._state_at = time.monotonic()
+
+    # ----------------------------------------------------------------- following the run
+
+    async def _publish(self, producer: Producer) -> None:
+        topic = topic_name(self.run_id, "control")
+        while self.pending:
+            event = self.pending.pop(0)
+            try:
+                await asyncio.wait_for(producer.send_and_wait(topic, event), timeout=30)
+            except Exception as e:  # the record misses it; the run goes on
+                log.warning("could not publish %s: %s", type(event).__name__, one_line(e))
+
+    def _stall_line(self) -> str | None:
+        """``stalled: ...`` once no training step happened for ``run.stall_after_s`` (asks the
+        broker what each stage is doing, at most every ``STALL_PROBE_EVERY_S``)."""
+        idle = self.progress.idle_s()
+        limit = self.cfg.run.stall_after_s
+        if idle < limit * (1 if self.progress.policy_version >= 0 else WARM_UP_FACTOR):
+            return None
+        probe = self._stall_probe
+        if probe is not None and probe.done():
+            self._stall_info = None if probe.cancelled() or probe.exception() else probe.result()
+            self._stall_probe = None
+        if self._stall_probe is None and time.monotonic() - self._stall_probe_at > STALL_PROBE_EVERY_S:
+            self._stall_probe_at = time.monotonic()
+            self._stall_probe = asyncio.create_task(probe_run(self.cfg.kafka, self.bootstrap, self.run_id))
+        info, now = self._stall_info, time.time()
+        services = {s.label: s.as_dict() for s in self.slots}
+        text = stall_text(
+            idle_s=idle, stall_after_s=limit, any_weights=self.progress.policy_version >= 0,
+            lags={s: info.lag(s) if info else None for s in ("rollout", "reward", "trainer")},
+            feeder_idle_s=(now - info.last_task_ts) if info and info.last_task_ts else None,
+            tasks_issued=info.tasks_issued if info else 0, services=services, draining=self.progress.draining)
+        if info is None:
+            text = (text or "").split("; rollout lag")[0] + " (asking the broker what each stage does...)"
+        return f"stalled: {text}"
 
     async def follow(self, stop: asyncio.Event) -> None:
-        """Consume metrics/control/weights until RunFinished, a failed service, ``stop`` or the wall limit."""
+        """Consume metrics/control/weights until RunFinished, a failed service, ``stop`` or the
+        wall limit; heal the services and keep the state file current meanwhile."""
         topics = [topic_name(self.run_id, n) for n in ("metrics", "control", "weights")]
         consumer = Consumer(self.cfg.kafka, self.bootstrap, group_id=None, topics=topics,
                             auto_offset_reset="earliest", client_suffix="supervisor")
+        producer = Producer(self.cfg.kafka, self.bootstrap)
         await consumer.start()
+        await producer.start()
         last_line = 0.0
         try:
             while not stop.is_set():
                 for rec in await consumer.getmany(timeout_ms=500):
                     if rec.event is not None:
                         self.progress.observe(rec.event)
+                await self._publish(producer)
                 if self.progress.finished is not None:
+                    self.phase = "finishing"
                     return
-                bad = self.failed_child()
-                if bad is not None:
-                    raise RunError(f"service {bad.name} exited with code {bad.proc.returncode}: "
-                                   f"{last_log_line(bad.log_path)} (log: {bad.log_path})")
+                self.check_children()
+                if self.failure is not None:
+                    await self._publish(producer)
+                    raise RunError(self.failure)
                 if time.monotonic() - self.progress.started > self.cfg.run.max_wall_s:
                     raise RunError(f"run exceeded run.max_wall_s={self.cfg.run.max_wall_s:g}s; stopped")
-                if time.monotonic() - last_line > 5:
-                    self.console.print(self.progress.line())
+                if time.monotonic() - last_line > LINE_EVERY_S:
+                    line = self._stall_line()
+                    self.console.print(escape(line) if line else self.progress.line())
                     last_line = time.monotonic()
+                if time.monotonic() - self._state_at > STATE_EVERY_S:
+                    self.write_state()
         finally:
+            if self._stall_probe is not None:
+                self._stall_probe.cancel()
+            await producer.stop()
             await consumer.stop()
-
-    def wait_recorder(self, timeout_s: float = 120.0) -> None:
-        for c in self.children:
-            if c.name == "recorder":
-                try:
-                    c.proc.wait(timeout=timeout_s)
-                except subprocess.TimeoutExpired:
-                    self.terminate(("recorder",))
-
-
-def summarize(cfg: RunConfig, run_id: str, progress: Progress, wall_s: float) -> dict[str, Any]:
-    """The run's summary, computed from the record (SQL over the run's store)."""
-    client = st.connect(store_dsn_of(cfg, run_id))
-    p = {"r": run_id}
-    status_rows = client.query(
-        "SELECT status, count() FROM samples WHERE run_id = {r:String} GROUP BY status", parameters=p).result_rows
-    by_status = {s: int(n) for s, n in status_rows}
-    issued = int(client.query("SELECT count() FROM sample_tasks FINAL WHERE run_id = {r:String}",
-                              parameters=p).result_rows[0][0])
-    evals = client.query(
-        "SELECT step, split, metrics['eval/accuracy'] FROM evals FINAL WHERE run_id = {r:String} ORDER BY ts",
-        parameters=p).result_rows
-    thr = client.query(
-        "SELECT sum(response_len), sum(gen_s), min(generated_ts), max(generated_ts) FROM samples "
-        "JOIN sample_generations g USING (run_id, sample_id) WHERE run_id = {r:String}", parameters=p).result_rows
-    steps = client.query(
-        "SELECT count(), sum(metrics['train/tokens']), sum(metrics['perf/step_s']) FROM train_steps FINAL "
-        "WHERE run_id = {r:String}", parameters=p).result_rows[0]
-    heldout = [(int(s), float(a)) for s, split, a in evals if split == "heldout"]
-    init = [float(a) for s, split, a in evals if split == "init"]
-    gen_tokens = int(thr[0][0] or 0) if thr else 0
-    gen_span = (thr[0][3] - thr[0][2]).total_seconds() if thr and thr[0][2] and thr[0][3] else 0.0
-    summary: dict[str, Any] = {
-        "run_id": run_id,
-        "config": to_dict(cfg),
-        "steps": int(steps[0]),
-        "wall_s": round(wall_s, 1),
-        "eval": {
-            "init": {"accuracy": init[0] if init else None},
-            "start": {"accuracy": heldout[0][1] if heldout else None, "step": heldout[0][0] if heldout else None},
-            "final": {"accuracy": heldout[-1][1] if heldout else None, "step": heldout[-1][0] if heldout else None},
-            "curve": [{"step": s, "accuracy": a} for s, a in heldout],
-        },
-        "samples": {
-            "issued": issued,
-            "trained": by_status.get("trained", 0),
-            "dropped_stale": by_status.get("dropped_stale", 0),
-            "filtered": by_status.get("filtered", 0),
-            "dead_letter": by_status.get("dead_letter", 0),
-            "unaccounted": sum(n for s, n in by_status.items()
-                               if s not in ("trained", "dropped_stale", "filtered", "dead_letter")),
-        },
-        "throughput": {
-            "gen_tokens_per_s": round(gen_tokens / gen_span, 1) if gen_span > 0 else None,
-            "train_tokens_per_s": round(float(steps[1] or 0) / float(steps[2]), 1) if steps[2] else None,
-        },
-        "weights_versions": progress.versions,
-    }
-    return summary
-
-
-async def prepare_run(cfg: RunConfig, run_id: str, bootstrap: str, console: Console, *,
-                      on_run_dir: Callable[[Path], None] | None = None,
-                      allow_prepared: bool = False) -> Path:
-    """Steps 2-3 of the module doc: the run's topics, ``runs/<run_id>/config.yaml`` and the model.
-    Returns the model directory; starts no service.
-
-    A run id whose topics already hold messages is refused unless the run directory has a
-    checkpoint to resume from, or (``allow_prepared``) it already holds this very config (an
-    earlier ``--prepare-only`` of the same run: preparing again changes nothing).
-    ``on_run_dir(run_dir)`` is called once the run directory exists.
-    """
-    run_dir = run_dir_of(cfg, run_id)
-    if (run_dir / "summary.json").exists():
-        raise RunError(f"run {run_id} already finished ({run_dir / 'summary.json'}); pick another --run-id")
-    resuming = any((run_dir / "checkpoints").glob("step_*/stream_state.msgpack"))
-    config_path = run_dir / "config.yaml"
-    prepared = allow_prepared and config_path.is_file() and config_path.read_text() == config_text(cfg)
-    async with TopicAdmin(cfg.kafka, bootstrap) as admin:
-        existing = {info.topic: info.partitions for info in (await admin.describe(run_id)).values()}
-        if not (resuming or prepared) and existing and (held := await message_count(cfg.kafka, bootstrap, existing)):
-            raise RunError(f"run id {run_id} already has {held} messages on the broker (an earlier run with this id) "
-                           "and no checkpoint here to resume from; pick another --run-id")
-        await admin.ensure_run_topics(run_id)
-    write_run_config(cfg, run_dir)
-    if on_run_dir is not None:
-        on_run_dir(run_dir)
-    console.print(f"run {run_id}: dir {run_dir}, kafka {bootstrap}")
-    with console.status("creating the model..."):
-        model_dir = prepare_model(cfg, run_dir)
-    console.print(f"model: {model_dir}")
-    return model_dir
 
 
 async def run_supervised(cfg: RunConfig, run_id: str, bootstrap: str, console: Console, *,
@@ -323,6 +342,9 @@ async def run_supervised(cfg: RunConfig, run_id: str, bootstrap: str, console: C
     try:
         await sup.follow(stop)
         ok = sup.progress.finished is not None
+    except RunError as e:
+        sup.error = str(e)
+        raise
     finally:
         if ok:
             # trainer and feeder exit on RunFinished; rollout and reward run until told to stop
@@ -333,19 +355,16 @@ async def run_supervised(cfg: RunConfig, run_id: str, bootstrap: str, console: C
         await asyncio.to_thread(sup.terminate, None)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+        if not ok:
+            sup.phase = "interrupted" if stop.is_set() and not sup.error else "failed"
+            sup.error = sup.error or f"run {run_id} {'interrupted' if stop.is_set() else 'stopped before it finished'}"
+            sup.write_state()
     if not ok:
         why = "interrupted" if stop.is_set() else "stopped before it finished"
         raise RunError(f"run {run_id} {why}; every service was stopped (logs: {run_dir / 'logs'})")
     summary = summarize(cfg, run_id, sup.progress, time.monotonic() - t0)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    sup.phase = "finished"
+    sup.write_state()
     return summary
 
-
-def load_run_config(runs_dir: str, run_id: str, overrides: list[str]) -> RunConfig:
-    """The config a service of ``run_id`` uses: ``runs/<run_id>/config.yaml`` plus overrides."""
-    from schemas.config import parse_config
-
-    path = Path(runs_dir) / run_id / "config.yaml"
-    if not path.exists():
-        raise RunError(f"run {run_id} has no config at {path} (start runs with `rollstream run`)")
-    return parse_config(path.read_text(), overrides, source=str(path))

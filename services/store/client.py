@@ -1,7 +1,10 @@
 """The record store: ClickHouse reached only through clickhouse-connect.
 
 ``chdb:///path`` opens the embedded ClickHouse engine (chDB) on disk, in this process;
-``http(s)://[user:pass@]host:port[/db]`` talks to a ClickHouse server. The SQL is the same.
+``http(s)://[user[:pass]@]host:port[/db]`` talks to a ClickHouse server. The SQL is the same.
+A server's password comes from the DSN, else from ``$ROLLSTREAM_STORE_PASSWORD``, else from the
+file ``$ROLLSTREAM_STORE_PASSWORD_FILE`` names (:func:`store_password`); a DSN's password is shown
+as ``***`` in every message (:func:`redact`) and in the run's config and record.
 
 chDB constraints that shape the rest of the system: one process may hold a store directory at a
 time (others get :class:`StoreError` "in use"), and one process may open only one chDB directory.
@@ -21,12 +24,19 @@ made by an older version gets the newer files applied when it is next opened.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
+from schemas.config import REDACTED, redact_url
 from services.errors import one_line
+
+STORE_PASSWORD_ENV = "ROLLSTREAM_STORE_PASSWORD"
+"""The ClickHouse server's password when the DSN holds none (or ``***``: a redacted config)."""
+STORE_PASSWORD_FILE_ENV = "ROLLSTREAM_STORE_PASSWORD_FILE"
+"""A file whose first line is that password (when ``$ROLLSTREAM_STORE_PASSWORD`` is unset)."""
 
 _OPENED_HERE: set[str] = set()  # chDB directories this process holds (its own lock is not "in use")
 DDL_DIR = Path(__file__).resolve().parents[2] / "infra" / "clickhouse"
@@ -46,13 +56,41 @@ def check_dsn(dsn: str) -> str:
     scheme = urlparse(dsn).scheme
     if scheme == "chdb":
         if not chdb_path(dsn):
-            raise StoreError(f"bad store DSN {dsn!r}: chdb DSNs need a path, e.g. chdb:///tmp/store")
+            raise StoreError(f"bad store DSN {redact(dsn)!r}: chdb DSNs need a path, e.g. chdb:///tmp/store")
         return scheme
     if scheme in ("http", "https"):
         if not urlparse(dsn).hostname:
-            raise StoreError(f"bad store DSN {dsn!r}: expected http(s)://host:8123")
+            raise StoreError(f"bad store DSN {redact(dsn)!r}: expected http(s)://host:8123")
         return scheme
-    raise StoreError(f"bad store DSN {dsn!r}: use chdb:///path (embedded) or http(s)://host:8123 (server)")
+    raise StoreError(f"bad store DSN {redact(dsn)!r}: use chdb:///path (embedded) or http(s)://host:8123 (server)")
+
+
+def store_password(dsn: str) -> str | None:
+    """The password to use for a server DSN: None when the DSN holds one (it is used as is), else
+    ``$ROLLSTREAM_STORE_PASSWORD``, else the first line of the file ``$ROLLSTREAM_STORE_PASSWORD_FILE``
+    names, else None (no password). A DSN whose password is ``***`` (copied from a redacted
+    config) needs one of them: :class:`StoreError` otherwise."""
+    given = urlparse(dsn).password
+    if given and unquote(given) != REDACTED:
+        return None
+    env = os.environ.get(STORE_PASSWORD_ENV, "")
+    if env:
+        return env
+    file = os.environ.get(STORE_PASSWORD_FILE_ENV, "")
+    if file:
+        try:
+            lines = Path(file).expanduser().read_text().splitlines()
+        except OSError as e:
+            raise StoreError(f"cannot read ${STORE_PASSWORD_FILE_ENV} {file!r}: {e.strerror or e}") from None
+        if lines and lines[0]:
+            return lines[0]
+        raise StoreError(f"${STORE_PASSWORD_FILE_ENV} {file!r} is empty (the password is its first line)")
+    if given:
+        raise StoreError(
+            f"the password of store DSN {redact(dsn)} is redacted (copied from a run's config.yaml or record); "
+            f"set ${STORE_PASSWORD_ENV} or ${STORE_PASSWORD_FILE_ENV}, or pass --store with the full DSN"
+        )
+    return None
 
 
 def chdb_path(dsn: str) -> str:
@@ -90,12 +128,15 @@ def connect(dsn: str, *, connect_timeout_s: float = 10.0) -> Any:
                     f"this process already opened another embedded store; cannot open {path} too"
                 ) from None
             raise StoreError(f"cannot open embedded store {path}: {one_line(text, 300)}") from None
+    password = store_password(dsn)
+    extra: dict[str, Any] = {} if password is None else {"password": password}
     try:
         return clickhouse_connect.get_client(
-            dsn=dsn, connect_timeout=connect_timeout_s, send_receive_timeout=max(30.0, connect_timeout_s)
+            dsn=dsn, connect_timeout=connect_timeout_s, send_receive_timeout=max(30.0, connect_timeout_s), **extra
         )
     except Exception as e:
-        raise StoreError(f"cannot reach ClickHouse at {_redact(dsn)}: {one_line(str(e), 300)}") from None
+        secrets = [p for p in (password, urlparse(dsn).password) if p]
+        raise StoreError(f"cannot reach ClickHouse at {redact(dsn)}: {_scrub(one_line(str(e), 300), secrets)}") from None
 
 
 def locked_elsewhere(path: str | Path) -> bool:
@@ -162,8 +203,17 @@ def ping(client: Any) -> bool:
         return False
 
 
-def _redact(dsn: str) -> str:
-    u = urlparse(dsn)
-    if u.password:
-        return dsn.replace(f":{u.password}@", ":***@")
-    return dsn
+def redact(dsn: str) -> str:
+    """``dsn`` with its password shown as ``***`` (for messages and logs)."""
+    return redact_url(dsn)
+
+
+_redact = redact  # the earlier private name
+
+
+def _scrub(text: str, secrets: list[str]) -> str:
+    """``text`` (a client's error) with URL passwords and each of ``secrets`` shown as ``***``."""
+    text = redact_url(text)
+    for secret in secrets:
+        text = text.replace(secret, REDACTED)
+    return text

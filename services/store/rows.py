@@ -2,8 +2,8 @@
 
 ``events`` gets every message (the raw record: payload as JSON); the typed tables
 (``sample_tasks``, ``sample_generations``, ``sample_rewards``, ``sample_outcomes``,
-``train_steps``, ``evals``, ``weights``, ``dlq``, ``env_events``) get one row per fact they
-describe. ``recorder_lag`` rows come from the recorder itself (:func:`lag_row`).
+``train_steps``, ``evals``, ``weights``, ``dlq``, ``env_events``, ``service_events``) get one row
+per fact they describe. ``recorder_lag`` rows come from the recorder itself (:func:`lag_row`).
 Column lists here match ``infra/clickhouse/*.sql``.
 """
 
@@ -34,6 +34,8 @@ COLUMNS: dict[str, list[str]] = {
     "env_events": ["run_id", "episode_id", "sample_id", "kind", "step", "env", "policy_version", "text", "reward",
                    "terminated", "truncated", "error", "event_id", "ts"],
     "recorder_lag": ["run_id", "group_id", "ts", "lag_records", "partitions", "recorded_total", "skipped_total"],
+    "service_events": ["run_id", "service", "kind", "pid", "previous_pid", "exit_code", "restarts", "reason",
+                       "backoff_s", "event_id", "ts"],
 }
 TEXT_MAX_CHARS = 2000
 """Free text (verifier details, env actions and observations) is cut to this many characters."""
@@ -97,6 +99,17 @@ def typed_rows(event: ev.Event) -> dict[str, list[list[Any]]]:
     elif isinstance(event, ev.DeadLetter):
         out["dlq"].append([r, event.source_topic, event.partition, event.offset, event.sample_id, event.service,
                            event.stage, event.error, dt(event.ts), event.group_id])
+    elif isinstance(event, ev.ServiceStarted):
+        out["service_events"].append([r, event.service, "ServiceStarted", event.pid, 0, 0, 0, "", 0.0,
+                                      event.event_id, dt(event.ts)])
+    elif isinstance(event, ev.ServiceRestarted):
+        out["service_events"].append([r, event.service, "ServiceRestarted", event.pid, event.previous_pid,
+                                      event.exit_code, event.restarts, event.reason[:TEXT_MAX_CHARS],
+                                      event.backoff_s, event.event_id, dt(event.ts)])
+    elif isinstance(event, ev.ServiceFailed):
+        out["service_events"].append([r, event.service, "ServiceFailed", event.pid, 0, event.exit_code,
+                                      event.restarts, event.reason[:TEXT_MAX_CHARS], 0.0, event.event_id,
+                                      dt(event.ts)])
     return out
 
 

@@ -45,4 +45,9 @@ def example_events() -> list[ev.Event]:
         ev.DeadLetter(run_id=RUN, event_id="e-dl", ts=14.0, source_topic="rs.x.tasks", partition=0, offset=5,
                       key=b"g1/0", value=b"\xff\x00", error="decode: bad bytes", service="rollout", stage="decode",
                       sample_id="g1/0", group_id="g1"),
+        ev.ServiceStarted(run_id=RUN, event_id="e-ss", ts=15.0, service="rollout", pid=4321, host="h"),
+        ev.ServiceRestarted(run_id=RUN, event_id="e-sr", ts=16.0, service="rollout", pid=4400, exit_code=-9,
+                            restarts=1, reason="killed by SIGKILL", backoff_s=1.0, previous_pid=4321),
+        ev.ServiceFailed(run_id=RUN, event_id="e-sf", ts=17.0, service="rollout", pid=4500, exit_code=1,
+                         restarts=3, reason="exited with code 1: error: boom"),
     ]

@@ -28,6 +28,9 @@ from schemas.events import (
     RunStarted,
     SampleOutcome,
     ScoredSample,
+    ServiceFailed,
+    ServiceRestarted,
+    ServiceStarted,
     TrainStep,
     WeightsPublished,
 )
@@ -162,6 +165,10 @@ def sample_events(run_id: str) -> list[Event]:
             service="rollout",
             stage="decode",
         ),
+        ServiceStarted(run_id=run_id, service="rollout", pid=4321, host="h"),
+        ServiceRestarted(run_id=run_id, service="rollout", pid=4400, exit_code=-9, restarts=1,
+                         reason="killed by SIGKILL", backoff_s=1.0, previous_pid=4321),
+        ServiceFailed(run_id=run_id, service="rollout", pid=4500, exit_code=1, restarts=3, reason="boom"),
     ]
     assert {type(e) for e in events} == set(ALL_EVENT_TYPES), "add the new event type to sample_events"
     return events

@@ -129,3 +129,30 @@ async def test_feeder_follows_the_run_and_rebuilds_its_state_on_restart(bootstra
         for t in newer])
     assert await asyncio.wait_for(second, 20) == 0  # exits by itself after RunFinished
     await read_until(lambda: any(isinstance(e, ev.RunFinished) for e in seen))
+
+
+def test_a_group_cut_short_by_a_killed_feeder_is_completed_and_numbering_goes_on() -> None:
+    a = feeder(1.0)
+    g0 = a.next_group()
+    for t in g0:
+        a.observe(t)
+    g1 = a.next_group()
+    restarted = feeder(1.0)  # sees g0 and the first two tasks of g1 on the topic
+    for t in [*g0, *g1[:2]]:
+        restarted.observe(t)
+    missing = restarted.short_groups()
+    assert [(t.sample_id, t.prompt) for t in missing] == [(t.sample_id, t.prompt) for t in g1[2:]]
+    for t in missing:
+        restarted.observe(t)
+    assert restarted.short_groups() == [] and restarted.next_group()[0].group_id == "g000002"
+
+
+def test_a_drain_the_trainer_did_not_publish_ends_the_run_as_stopped() -> None:
+    f = feeder(1.0)
+    issue_all(f)
+    f.observe(ev.Drain(run_id="r", reason="stopped by user"))
+    assert not f.can_issue() and f.stopped_by == "stopped by user"
+    g = feeder(1.0)
+    g.observe(ev.Drain(run_id="r", reason="training complete"))
+    g.observe(ev.Drain(run_id="r", reason="stopped by user"))  # after the end of training: still completed
+    assert g.draining and g.stopped_by == ""

@@ -795,3 +795,97 @@ async def test_undecodable_records_to_the_handler_or_left_to_their_owner(
                                lambda c: c.processed + c.ignored + c.duplicates >= 3)
     assert counters == Counters(processed=1, duplicates=1, ignored=1, emitted=1)
     assert await read_topic(kafka, topic_name(run_id, "dlq"), 1, timeout_s=1.0) == []
+
+
+# --------------------------------------------------------------------------- a Kafka outage
+
+
+def flaky(fn: Callable[..., object], failures: int, error: type[Exception]) -> Callable[..., object]:
+    """``fn`` that raises ``error`` on its first ``failures`` calls (a broker that is away)."""
+    left = [failures]
+
+    async def wrapper(*args: object, **kw: object) -> object:
+        if left[0] > 0:
+            left[0] -= 1
+            raise error("the broker is away (injected)")
+        return await fn(*args, **kw)  # type: ignore[misc]
+
+    return wrapper
+
+
+async def test_outputs_are_sent_again_through_an_outage(kafka: KafkaSettings, run_id: str, topics: list[str]) -> None:
+    from aiokafka.errors import KafkaConnectionError
+
+    n = 6
+    await publish(kafka, None, "tasks", [task(run_id, i) for i in range(n)])
+    runner = Runner(Rollout(), settings(kafka, run_id, max_concurrency=2))
+    runner.producer.send_raw = flaky(runner.producer.send_raw, 4, KafkaConnectionError)  # type: ignore[method-assign]
+    counters = await run_until(runner, lambda c: c.processed >= n)
+    assert counters == Counters(processed=n, emitted=n)
+    assert runner.outage.outages >= 1 and runner.outage.active == 0
+    gens = await read_topic(kafka, topic_name(run_id, "generations"), n)
+    assert sorted(r.event.task.sample_id for r in gens) == sorted(task(run_id, i).sample_id for i in range(n))
+
+
+async def test_an_outage_longer_than_the_bound_fails_the_service(run_id: str, kafka: KafkaSettings,
+                                                                topics: list[str]) -> None:
+    from aiokafka.errors import KafkaTimeoutError
+
+    await publish(kafka, None, "tasks", [task(run_id, 0)])
+    short = msgspec.structs.replace(kafka, outage_timeout_s=1.0)
+    runner = Runner(Rollout(), settings(short, run_id))
+    runner.producer.send_raw = flaky(runner.producer.send_raw, 10**6, KafkaTimeoutError)  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    with pytest.raises(BusError, match=r"Kafka unavailable for \d+ s \(kafka.outage_timeout_s=1\)"):
+        await asyncio.wait_for(runner.run(install_signal_handlers=False), 30)
+    assert time.monotonic() - t0 < 20
+
+
+async def test_a_failed_transaction_is_done_again_with_a_new_producer(
+    kafka: KafkaSettings, run_id: str, topics: list[str]
+) -> None:
+    from aiokafka.errors import RequestTimedOutError
+
+    n = 8
+    gens = [generate(task(run_id, i)) for i in range(n)]
+    await publish(kafka, None, "generations", gens)
+    s = settings(kafka, run_id, topics=["generations"], transactional=True, batch_max_records=n)
+    runner = Runner(Scorer(), s)
+    first = runner.producer
+    first.send_offsets_to_transaction = flaky(  # type: ignore[method-assign]
+        first.send_offsets_to_transaction, 1, RequestTimedOutError)
+    counters = await run_until(runner, lambda c: c.processed >= n)
+    assert counters.processed == n and counters.emitted == n
+    assert runner.producer is not first  # renewed: the same transactional id fenced the old one
+    scored = await read_topic(kafka, topic_name(run_id, "scored"), n)  # read_committed: once each
+    assert sorted(r.event.generation.event_id for r in scored) == sorted(g.event_id for g in gens)
+    await assert_committed_to_end(kafka, s.group_id, topic_name(run_id, "generations"), 4)
+
+
+async def test_a_producer_the_broker_no_longer_accepts_is_replaced(
+    kafka: KafkaSettings, run_id: str, topics: list[str]
+) -> None:
+    """After a broker restart an idempotent producer may get OutOfOrderSequenceNumber (and
+    aiokafka's sender stops): the runtime replaces it and sends the output again."""
+    from aiokafka.errors import OutOfOrderSequenceNumber
+
+    await publish(kafka, None, "tasks", [task(run_id, 0), task(run_id, 1)])
+    runner = Runner(Rollout(), settings(kafka, run_id))
+    first = runner.producer
+    real = first.send_raw
+    calls = [0]
+
+    async def rejected_once(*args: object, **kw: object) -> asyncio.Future[object]:
+        calls[0] += 1
+        if calls[0] == 1:
+            fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+            fut.set_exception(OutOfOrderSequenceNumber())
+            return fut
+        return await real(*args, **kw)  # type: ignore[arg-type]
+
+    first.send_raw = rejected_once  # type: ignore[method-assign]
+    counters = await run_until(runner, lambda c: c.processed >= 2)
+    assert counters == Counters(processed=2, emitted=2)
+    assert runner.producer is not first
+    gens = await read_topic(kafka, topic_name(run_id, "generations"), 2)
+    assert sorted(r.event.task.sample_id for r in gens) == ["g0/0", "g1/0"]

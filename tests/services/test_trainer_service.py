@@ -202,3 +202,78 @@ def test_reference_model_loaded_only_when_a_kl_term_is_on(tmp_path: Path, model_
         again = Trainer(TrainerSettings(run_id="r", config=cfg, model_dir=str(model_dir), run_dir=str(run_dir)))
         assert again.load_checkpoint()
         assert (again.strategy.ref_model is not None) == wants_ref
+
+
+# --------------------------------------------------------------------------- resume and drain
+
+
+def groups_of(names: str, first_offset: int = 0, version: int = 0) -> list[Record]:
+    samples = [scored(g, i, version=version, reward=float(i % 2)) for g in names for i in range(4)]
+    return [record(s, "scored", first_offset + i) for i, s in enumerate(samples)]
+
+
+def sent_of(ctx: FakeContext, kind: type) -> list[Any]:
+    return [e for _, e in ctx.sent if isinstance(e, kind)]
+
+
+async def test_a_resumed_trainer_reruns_recorded_steps_and_publishes_them_once(tmp_path: Path, model_dir: Path) -> None:
+    """Trained steps 0 and 1 after the checkpoint of step 0, then died: the next trainer restores
+    that checkpoint, re-runs steps 0 and 1 from their recorded batches (to the same model),
+    publishes no second TrainStep or outcome for them, and goes on with step 2."""
+    import torch
+
+    from schemas.config import parse_config
+    from services.trainer_history import History
+    from services.trainer_service import Trainer, TrainerSettings
+
+    cfg = parse_config("rollout: {group_size: 4}\ntrain: {batch_size: 8, micro_batch_size: 8, eval_every: 0, "
+                       "checkpoint_every: 0, steps: 5}\ndata: {heldout_size: 2}")
+    settings = TrainerSettings(run_id="r", config=cfg, model_dir=str(model_dir), run_dir=str(tmp_path / "run"))
+    first = Trainer(settings)
+    first.save_checkpoint()  # the RL start
+    recs = groups_of("abcd") + groups_of("ef", 16, version=2)
+    ctx = FakeContext(recs[:16])
+    await first.handle_batch(recs[:16], ctx)
+    recorded = sent_of(ctx, ev.TrainStep)
+    assert [s.step for s in recorded] == [0, 1]
+    history = History()
+    for _, e in ctx.sent:
+        history.observe(e)
+
+    again = Trainer(settings)
+    assert again.load_checkpoint() and again.strategy.step == 0
+    again.resume_from(history)
+    assert again.replay == {0: recorded[0].sample_ids, 1: recorded[1].sample_ids}
+    ctx2 = FakeContext(recs[:16])  # read again from the checkpoint's positions
+    await again.handle_batch(recs[:16], ctx2)
+    assert again.replayed == 2 and again.strategy.step == 2 and again.version == 2
+    assert ctx2.sent == []  # steps, outcomes and the newest weights are all on the record already
+    for pa, pb in zip(first.strategy.model.parameters(), again.strategy.model.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    ctx3 = FakeContext(recs[16:])
+    await again.handle_batch(recs[16:], ctx3)  # new groups: a new step
+    assert [s.step for s in sent_of(ctx3, ev.TrainStep)] == [2]
+    assert {o.sample_id for o in sent_of(ctx3, ev.SampleOutcome)} == {f"{g}/{i}" for g in "ef" for i in range(4)}
+    assert [w.policy_version for w in sent_of(ctx3, ev.WeightsPublished)] == [3]
+
+
+async def test_a_user_drain_ends_training_after_the_step_under_way(trainer: Any) -> None:
+    recs = groups_of("ab")
+    await trainer.handle_batch(recs, FakeContext(recs))
+    assert trainer.strategy.step == 1
+    drain = record(ev.Drain(run_id="r", reason="stopped by user"), "control", 0)
+    more = [drain, *groups_of("cd", 100)]
+    ctx = FakeContext(more)
+    await trainer.handle_batch(more, ctx)
+    assert sent_of(ctx, ev.TrainStep) == []  # no new step after the drain
+    [own] = sent_of(ctx, ev.Drain)
+    assert own.reason == "trainer stopped after 1 of 5 steps: stopped by user"
+    assert [(e.split, e.step) for e in sent_of(ctx, ev.EvalResult)] == [("heldout", 1)]  # the final eval
+    assert trainer.checkpoints()[-1] == 1 and trainer.drained
+    closed = sent_of(ctx, ev.SampleOutcome)
+    assert len(closed) == 8 and all(o.status == "filtered" and "run finished" in o.reason for o in closed)
+    # its own drain coming back, and late samples: closed, nothing else
+    late = [record(own, "control", 1), *groups_of("e", 200)]
+    ctx2 = FakeContext(late)
+    await trainer.handle_batch(late, ctx2)
+    assert [type(e).__name__ for _, e in ctx2.sent] == ["SampleOutcome"] * 4

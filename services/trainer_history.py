@@ -1,0 +1,113 @@
+"""What the run's topics say the trainer already did: read once when a trainer resumes.
+
+A trainer that restarts from a checkpoint older than its last step (it checkpoints every
+``train.checkpoint_every`` steps; a crash can come at any point) finds on the topics what the
+earlier instance decided after that checkpoint: the ``TrainStep`` of each step it trained (with
+the batch's sample ids in training order), every ``SampleOutcome``, the evaluations, its own
+``Drain`` and the newest ``WeightsPublished``. :class:`History` keeps exactly that, and
+:func:`read_history` reads it from ``metrics``, ``control`` and ``weights`` (from the beginning
+to the ends they had when the read started).
+
+The trainer uses it so that a resume never decides anything twice (DESIGN.md: events are facts):
+a step already on the topic is re-run from its recorded batch to rebuild the model (no second
+``TrainStep``, no second outcome), samples decided after the checkpoint stay decided, an
+evaluation, a ``Drain`` or weights already published are not published again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from schemas import events as ev
+from schemas.config import KafkaSettings
+from schemas.topics import topic_name
+from services.kafka.bus import BusError, Consumer
+
+log = logging.getLogger("rollstream.trainer")
+
+__all__ = ["STOPPED_PREFIX", "TRAINING_COMPLETE", "History", "is_own_drain", "read_history"]
+
+TRAINING_COMPLETE = "training complete"
+"""Reason of the trainer's ``Drain`` after its last step."""
+STOPPED_PREFIX = "trainer stopped"
+"""Start of the reason of the trainer's ``Drain`` when it stopped early (someone drained the run)."""
+
+
+def is_own_drain(reason: str) -> bool:
+    """Whether a ``Drain`` with this reason is one a trainer published (else: a user's, e.g.
+    ``rollstream stop``)."""
+    return reason == TRAINING_COMPLETE or reason.startswith(STOPPED_PREFIX)
+
+
+@dataclass
+class History:
+    """What an earlier trainer instance of the run published (see the module doc)."""
+
+    steps: dict[int, ev.TrainStep] = field(default_factory=dict)
+    """Step -> its ``TrainStep`` (the first one when a step appears twice)."""
+    outcomes: dict[str, ev.SampleOutcome] = field(default_factory=dict)
+    """Sample id -> its first ``SampleOutcome`` (from the trainer or the feeder)."""
+    evals: set[tuple[str, int]] = field(default_factory=set)
+    """``(split, step)`` of every ``EvalResult``."""
+    trainer_drained: bool = False
+    """A trainer published its ``Drain``."""
+    user_drain: ev.Drain | None = None
+    """The first ``Drain`` a trainer did not publish (``rollstream stop``)."""
+    finished: bool = False
+    """``RunFinished`` is on ``control``."""
+    weights: ev.WeightsPublished | None = None
+    """The newest ``WeightsPublished`` (what rollout workers hold)."""
+
+    def observe(self, event: object) -> None:
+        if isinstance(event, ev.TrainStep):
+            self.steps.setdefault(event.step, event)
+        elif isinstance(event, ev.SampleOutcome):
+            self.outcomes.setdefault(event.sample_id, event)
+        elif isinstance(event, ev.EvalResult):
+            self.evals.add((event.split, event.step))
+        elif isinstance(event, ev.Drain):
+            if is_own_drain(event.reason):
+                self.trainer_drained = True
+            elif self.user_drain is None:
+                self.user_drain = event
+        elif isinstance(event, ev.RunFinished):
+            self.finished = True
+        elif isinstance(event, ev.WeightsPublished):
+            self.weights = event
+
+    def steps_from(self, step: int) -> dict[int, list[str]]:
+        """Step -> batch sample ids of the recorded steps at or after ``step`` (contiguous: a
+        gap ends them, as a trainer never skips a step)."""
+        out: dict[int, list[str]] = {}
+        while step in self.steps:
+            out[step] = list(self.steps[step].sample_ids)
+            step += 1
+        return out
+
+
+async def read_history(kafka: KafkaSettings, run_id: str, timeout_s: float = 120.0) -> History:
+    """The :class:`History` of ``run_id``: its ``metrics``, ``control`` and ``weights`` topics
+    read from the beginning to the end offsets they had when the read started. Raises
+    :class:`BusError` when that takes longer than ``timeout_s``."""
+    names = [topic_name(run_id, n) for n in ("metrics", "control", "weights")]
+    history = History()
+    deadline = time.monotonic() + timeout_s
+    async with Consumer(kafka, group_id=None, topics=names, auto_offset_reset="earliest",
+                        client_suffix="trainer-history") as consumer:
+        ends: dict[object, int] | None = None
+        while True:
+            for rec in await consumer.getmany(timeout_ms=200, max_records=10_000):
+                if rec.event is not None:
+                    history.observe(rec.event)
+            assigned = sorted(consumer.assignment())
+            if {tp.topic for tp in assigned} == set(names):
+                if ends is None:
+                    ends = dict(await consumer.raw.end_offsets(assigned))
+                positions = await asyncio.gather(*(consumer.raw.position(tp) for tp in assigned))
+                if all(pos >= ends[tp] for tp, pos in zip(assigned, positions, strict=True)):
+                    return history
+            if time.monotonic() > deadline:
+                raise BusError(f"trainer: could not read the history of run {run_id} within {timeout_s:g} s")
