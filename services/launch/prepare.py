@@ -60,8 +60,11 @@ async def prepare_run(cfg: RunConfig, run_id: str, bootstrap: str, console: Cons
     Returns the model directory; starts no service.
 
     A run id whose topics already hold messages is refused unless the run directory has a
-    checkpoint to resume from, or (``allow_prepared``) it already holds this very config (an
-    earlier ``--prepare-only`` of the same run: preparing again changes nothing).
+    checkpoint to resume from, or it already holds this very config: the same run, started
+    before (an earlier ``--prepare-only``, or a run that died before its first checkpoint, e.g.
+    in the warm-up: it starts again from the beginning, and the trainer, which reads what the
+    earlier instance published, publishes no step, evaluation or drain twice). ``allow_prepared``
+    is kept for callers; the rule no longer depends on it.
     ``on_run_dir(run_dir)`` is called once the run directory exists.
     """
     run_dir = run_dir_of(cfg, run_id)
@@ -69,12 +72,12 @@ async def prepare_run(cfg: RunConfig, run_id: str, bootstrap: str, console: Cons
         raise RunError(f"run {run_id} already finished ({run_dir / 'summary.json'}); pick another --run-id")
     resuming = any((run_dir / "checkpoints").glob("step_*/stream_state.msgpack"))
     config_path = run_dir / "config.yaml"
-    prepared = allow_prepared and config_path.is_file() and config_path.read_text() == config_text(cfg)
+    prepared = config_path.is_file() and config_path.read_text() == config_text(cfg)
     async with TopicAdmin(cfg.kafka, bootstrap) as admin:
         existing = {info.topic: info.partitions for info in (await admin.describe(run_id)).values()}
         if not (resuming or prepared) and existing and (held := await message_count(cfg.kafka, bootstrap, existing)):
             raise RunError(f"run id {run_id} already has {held} messages on the broker (an earlier run with this id) "
-                           "and no checkpoint here to resume from; pick another --run-id")
+                           "and neither a checkpoint nor the same config.yaml here to resume from; pick another --run-id")
         await admin.ensure_run_topics(run_id)
     write_run_config(cfg, run_dir)
     if on_run_dir is not None:

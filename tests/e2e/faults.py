@@ -67,6 +67,8 @@ class Seen:
     tasks: int = 0
     versions: list[int] = field(default_factory=list)
     drains: list[str] = field(default_factory=list)
+    evals: list[str] = field(default_factory=list)
+    """Splits of the ``EvalResult`` s seen (``init`` comes before the warm-up)."""
     finished: float | None = None
     """Wall time ``RunFinished`` was seen."""
 
@@ -123,6 +125,8 @@ class Watch:
             s.versions.append(event.policy_version)
         elif isinstance(event, ev.Drain):
             s.drains.append(event.reason)
+        elif isinstance(event, ev.EvalResult):
+            s.evals.append(event.split)
         elif isinstance(event, ev.RunFinished):
             s.finished = s.finished or now
 

@@ -33,6 +33,9 @@ STEPS = 8
 OVERRIDES = [*SHORT, f"train.steps={STEPS}", "train.checkpoint_every=4"]
 
 CASES = {
+    # during the warm-up: the initial eval is out, no checkpoint and no weights yet (the warm-up is
+    # made long enough for the kill to land in it, see WARMUP_OVERRIDES)
+    "warmup": (lambda s: "init" in s.evals and not s.versions, "the initial eval, no weights"),
     # no training step yet, but the RL start is checkpointed and its weights published
     "start": (lambda s: bool(s.versions) and s.done_steps == 0, "weights v0, no step"),
     # steps 0..4 done, the last checkpoint is of step 4 (the next is of step 8): step 4 (maybe 5,
@@ -44,6 +47,9 @@ CASES = {
 }
 
 
+WARMUP_OVERRIDES = ["train.warmup_sft_steps=300"]
+
+
 def resume_run(runs: Path, bootstrap: str, point: str) -> FaultResult:
     """Run, SIGKILL every process of the run at ``point``, run the same command again; assert it
     completes with the invariants of the record."""
@@ -52,14 +58,17 @@ def resume_run(runs: Path, bootstrap: str, point: str) -> FaultResult:
     cond, what = CASES[point]
     t0 = time.time()
     with Watch(bootstrap, run_id) as watch:
-        first = RunProc(runs, run_id, OVERRIDES, env)
+        overrides = OVERRIDES + (WARMUP_OVERRIDES if point == "warmup" else [])
+        first = RunProc(runs, run_id, overrides, env)
         if point == "end":  # the final eval and checkpoint come before the Drain: time enough
             watch.wait(lambda s: s.done_steps >= STEPS, 300, f"{STEPS} steps", first)
             first.pause_service("feeder")
         watch.wait(cond, 300, what, first)
         killed_at = first.kill_all()
         finished_before = watch.seen.finished is not None
-        second = RunProc(runs, run_id, OVERRIDES, env)
+        if point == "warmup":
+            assert not watch.seen.versions, "the warm-up ended before the kill: the case did not happen"
+        second = RunProc(runs, run_id, overrides, env)
         code = second.wait(400)
         recovery = recovery_after(watch, killed_at)
     assert code == 0, second.output()
