@@ -574,6 +574,10 @@ def check_values(cfg: RunConfig) -> None:
     bad = _non_finite(cfg, "")
     if bad:
         raise ValueError(f"{bad} must be a finite number")
+    if cfg.kafka.sasl_mechanism in ("GSSAPI", "OAUTHBEARER"):
+        raise ValueError(f"kafka.sasl_mechanism={cfg.kafka.sasl_mechanism!r} is not supported in this version "
+                         "(no Kerberos service name or token provider is wired); use PLAIN, SCRAM-SHA-256 or "
+                         "SCRAM-SHA-512")
     for key, op, bound in _BOUNDS:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
