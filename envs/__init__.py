@@ -1,7 +1,19 @@
 """rollstream: envs — the environment interface, task sources and verifiers (registered by name)."""
 
-from envs import arith, verifiers
+from envs import (
+    arith,
+    code,
+    frozenlake,
+    gym_text,
+    reasoning_gym,
+    sandbox,
+    sokoban,
+    tool_use,
+    verifiers,
+    webshop,
+)
 from envs.base import Env, Problem, StepResult, TaskSource, Verifier, VerifyResult
+from envs.extract import extract_answer
 from envs.registry import (
     get_verifier,
     make_source,
@@ -9,6 +21,7 @@ from envs.registry import (
     register_source,
     register_verifier,
 )
+from envs.scoring import score_response
 from envs.single_turn import SingleTurnEnv, make_env
 from envs.verifiers import run_verifier
 
@@ -21,12 +34,22 @@ __all__ = [
     "Verifier",
     "VerifyResult",
     "arith",
+    "code",
+    "extract_answer",
+    "frozenlake",
     "get_verifier",
+    "gym_text",
     "make_env",
     "make_source",
+    "reasoning_gym",
     "register_env",
     "register_source",
     "register_verifier",
     "run_verifier",
+    "sandbox",
+    "score_response",
+    "sokoban",
+    "tool_use",
     "verifiers",
+    "webshop",
 ]

@@ -53,7 +53,7 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from rollout.model_init import load_model, load_tokenizer
+from rollout.model_init import encode_prompt, eos_token_ids, load_model, load_tokenizer, use_chat_template
 from rollout.sampling import SamplingParams, sample_next
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -99,9 +99,12 @@ class Engine(Protocol):
 
     policy_version: int
     """Version of the weights in use (the last :meth:`load_weights`)."""
+    chat: bool
+    """Whether :meth:`encode` renders prompts through the tokenizer's chat template."""
 
-    def encode(self, prompt: str) -> list[int]:
-        """Prompt token ids as this engine's tokenizer makes them (with its BOS, if any)."""
+    def encode(self, prompt: str, system_prompt: str | None = None) -> list[int]:
+        """Prompt token ids as this engine renders them (chat template or bare text with BOS);
+        ``system_prompt`` (None = the engine's default) is the chat template's system turn."""
         ...
 
     def generate(
@@ -276,9 +279,14 @@ class TorchEngine:
         dtype: str = "float32",
         seed: int = 0,
         policy_version: int = 0,
+        chat_template: bool | str = "auto",
+        system_prompt: str = "",
     ) -> None:
         self.model = load_model(model_dir, dtype=dtype, device=device)
         self.tokenizer = load_tokenizer(model_dir)
+        self.chat = use_chat_template(self.tokenizer, chat_template)
+        """Whether prompts go through the tokenizer's chat template (``model.chat_template``)."""
+        self.system_prompt = system_prompt
         self.device = torch.device(device)
         self.max_batch = max_batch
         self.policy_version = policy_version
@@ -293,10 +301,10 @@ class TorchEngine:
         self._driver: asyncio.Task[None] | None = None
 
     def _eos_ids(self) -> set[int]:
-        ids = self.model.generation_config.eos_token_id
-        if ids is None:
-            ids = self.tokenizer.eos_token_id
-        return set(ids) if isinstance(ids, list) else {int(ids)}
+        ids = eos_token_ids(self.model, self.tokenizer)
+        if not ids:
+            raise ValueError("the model has no EOS token (generation_config.json and the tokenizer name none)")
+        return ids
 
     # ----------------------------------------------------------------- public API
 
@@ -310,9 +318,12 @@ class TorchEngine:
         """Requests waiting for a slot."""
         return len(self._pending)
 
-    def encode(self, prompt: str) -> list[int]:
-        """Prompt token ids as this engine's tokenizer makes them (with its BOS, if any)."""
-        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    def encode(self, prompt: str, system_prompt: str | None = None) -> list[int]:
+        """Prompt token ids (:func:`rollout.model_init.encode_prompt`): through the chat template
+        when :attr:`chat` (system turn ``system_prompt``, None = the engine's default), else the
+        bare text with the tokenizer's BOS."""
+        system = self.system_prompt if system_prompt is None else system_prompt
+        return encode_prompt(self.tokenizer, prompt, chat=self.chat, system_prompt=system)
 
     async def generate(
         self, requests: Iterable[GenerationRequest] | AsyncIterable[GenerationRequest]
@@ -479,8 +490,22 @@ class TorchEngine:
     def _finish_reason(self, row: _Row) -> FinishReason | None:
         if row.tokens and row.tokens[-1] in self.eos_ids:
             return "stop"
+        stop = row.request.params.stop
+        if stop and self._hit_stop(row.tokens, stop):
+            return "stop"
         cap = min(row.request.params.max_new_tokens, self.max_positions - len(row.request.prompt_ids))
         return "length" if len(row.tokens) >= cap else None
+
+    def _hit_stop(self, tokens: list[int], stop: tuple[str, ...]) -> bool:
+        """Whether the newest token completes a stop string: one occurs in the decoded tail that
+        ends with it but not in the tail without it (every token decodes to at least one
+        character or none, so the last ``len(longest stop)`` tokens cover any new occurrence)."""
+        n = max(len(s) for s in stop)
+        tail = self.tokenizer.decode(tokens[-n:], skip_special_tokens=True)
+        if not any(s in tail for s in stop):
+            return False
+        before = self.tokenizer.decode(tokens[-n:-1], skip_special_tokens=True) if len(tokens) > 1 else ""
+        return not any(s in before for s in stop)
 
     def _collect_finished(self) -> list[tuple[_Row, Completion]]:
         reasons = [self._finish_reason(r) for r in self._slots.rows]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from schemas.config import ConfigError, RunConfig
+from schemas.config import ConfigError, RunConfig, resolve_dtype
 
 if TYPE_CHECKING:
     from rollout.engine import Engine
@@ -44,7 +44,9 @@ def make_engine(
     policy_version: int = -1,
     max_batch: int | None = None,
 ) -> Engine:
-    """The generation engine ``cfg.rollout.engine`` names, loaded from ``model_dir``."""
+    """The generation engine ``cfg.rollout.engine`` names, loaded from ``model_dir`` onto ``device`` (a
+    concrete torch device; ``model.dtype: auto`` resolves for it), rendering prompts per
+    ``model.chat_template`` / ``model.system_prompt``."""
     check_engine(cfg)
     from rollout.engine import TorchEngine
 
@@ -52,7 +54,9 @@ def make_engine(
         model_dir,
         max_batch=max_batch or cfg.rollout.max_batch,
         device=device,
-        dtype=cfg.model.dtype,
+        dtype=resolve_dtype(cfg.model.dtype, device),
         seed=seed,
         policy_version=policy_version,
+        chat_template=cfg.model.chat_template,
+        system_prompt=cfg.model.system_prompt,
     )

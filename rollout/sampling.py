@@ -34,6 +34,9 @@ class SamplingParams:
     """Nucleus mass in (0, 1]; 1 = no truncation."""
     greedy: bool = False
     """Take the argmax instead of sampling."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: the request ends (``finish_reason="stop"``) at the token that completes one of
+    them in the decoded response; that token is kept. The model's EOS tokens always stop."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

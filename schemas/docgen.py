@@ -29,6 +29,8 @@ SECTIONS: list[tuple[str, type[msgspec.Struct]]] = [
     ("train", cfg_mod.TrainConfig),
     ("algorithm", cfg_mod.AlgorithmConfig),
     ("reward", cfg_mod.RewardConfig),
+    ("tracking", cfg_mod.TrackingConfig),
+    ("env", cfg_mod.EnvWorkersConfig),
 ]
 
 

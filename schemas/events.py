@@ -104,6 +104,15 @@ class EnvStep(Event, frozen=True, kw_only=True):
     step: int
     action: str
     policy_version: int = 0
+    history: list[str] = msgspec.field(default_factory=list)
+    """The episode's earlier actions, steps ``1 .. step - 1`` in order (added after v3). With
+    ``env`` and ``seed`` it makes the step self-contained: an environment worker that does not
+    hold the episode (restart, rebalance, eviction) rebuilds it by replaying these from the seed.
+    Empty: not given (then only the worker holding the episode can answer)."""
+    env: EnvSpec | None = None
+    """The episode's environment, as in its ``EnvReset`` (added after v3); ``None``: not given."""
+    seed: int = 0
+    """The episode's seed, as in its ``EnvReset`` (added after v3)."""
 
 
 class EnvObservation(Event, frozen=True, kw_only=True):
@@ -118,6 +127,13 @@ class EnvObservation(Event, frozen=True, kw_only=True):
     info: dict[str, str | int | float | bool] = msgspec.field(default_factory=dict)
     error: str = ""
     """Non-empty when the environment crashed or timed out on this step."""
+    env_s: float = 0.0
+    """Seconds the environment worker spent on this answer: building or rebuilding the episode,
+    the environment call and any simulated latency (added after v3)."""
+    failed: bool = False
+    """The episode ended as failed on this step (the environment raised or timed out, or the
+    episode could not be built or rebuilt); ``error`` says why and ``terminated`` is set
+    (added after v3)."""
 
 
 # --------------------------------------------------------------------------- generations

@@ -29,6 +29,11 @@ endpoint file is ``<store>.endpoint``), under one lock with its own inserts.
 
 With ``stop_when_finished`` the recorder exits by itself once it has seen the run's
 ``RunFinished`` and then an idle poll with zero lag.
+
+Experiment trackers (``tracking`` in the run config, :mod:`services.tracking`): given the run's
+``config``, the recorder hands each newly stored ``TrainStep`` / ``EvalResult`` of its run to the
+trackers after the insert (TensorBoard under ``runs/<id>/tb``, W&B offline under
+``runs/<id>/wandb``), each step once; a failing tracker is disabled, recording goes on.
 """
 
 from __future__ import annotations
@@ -44,12 +49,13 @@ from typing import Any
 import msgspec
 
 from schemas import events as ev
-from schemas.config import KafkaSettings
+from schemas.config import KafkaSettings, RunConfig
 from schemas.topics import parse_topic
 from services import store as st
 from services.kafka.bus import Consumer, Record, TopicPartition
 from services.kafka.runtime import BatchContext, BatchService, Runner, ServiceSettings
 from services.store.rows import COLUMNS, event_row, lag_row, typed_rows
+from services.tracking import TrackerFeed, make_trackers
 
 log = logging.getLogger("rollstream.recorder")
 
@@ -80,6 +86,10 @@ class RecorderSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     """Exit after the run's ``RunFinished`` was recorded and the recorder has caught up."""
     idle_exit_s: float = 2.0
     """With ``stop_when_finished``: how long the topics must stay quiet after ``RunFinished``, seconds."""
+    config: RunConfig | None = None
+    """The run's config: its ``tracking`` section turns experiment trackers on (needs ``run_id``)."""
+    run_dir: str = ""
+    """The run's folder, where trackers write; empty = ``<config.run.runs_dir>/<run_id>``."""
 
 
 class LagReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -122,6 +132,8 @@ class Recorder(BatchService):
         self._stored: dict[tuple[str, int], int] = {}
         self._quiet_since: float | None = None
         self._next_report = 0.0
+        self.tracking: TrackerFeed | None = None
+        """The experiment trackers fed with this run's train steps and evals (None when off)."""
 
     def _load_stored_offsets(self) -> None:
         where = "WHERE run_id = {r:String}" if self.settings.run_id else ""
@@ -192,6 +204,16 @@ class Recorder(BatchService):
 
         self.server = StoreServer(s.dsn, self._lock, max_execution_s=s.query_timeout_s).start()
 
+    def _start_trackers(self) -> None:
+        s = self.settings
+        if s.config is None or not s.run_id or not (s.config.tracking.tensorboard or s.config.tracking.wandb):
+            return
+        from services.launch.runs import run_dir_of
+
+        run_dir = s.run_dir or str(run_dir_of(s.config, s.run_id))
+        self.tracking = TrackerFeed(s.run_id, make_trackers(s.config, run_dir, s.run_id))
+        self.tracking.seed_from_store(self._client)
+
     def _stop_server(self) -> None:
         server, self.server = self.server, None
         if server is not None:
@@ -217,17 +239,21 @@ class Recorder(BatchService):
         st.apply_ddl(self._client)
         self._load_stored_offsets()
         self._start_server()
+        self._start_trackers()
         self._quiet_since = None
         self._next_report = 0.0  # the first poll that finds partitions assigned reports at once
 
     async def handle_batch(self, records: list[Record], ctx: BatchContext) -> None:
         """One insert per table for the poll's messages not stored yet (the runtime commits the
         poll's offsets after this returns)."""
+        new = [r.event for r in records if r.offset > self._stored.get((r.topic, r.partition), -1)]
         tables = self.rows_for(records)
         await asyncio.to_thread(self.insert, tables)
         self.recorded += len(tables.get("events", []))
         for r in records:
             self._stored[(r.topic, r.partition)] = max(r.offset, self._stored.get((r.topic, r.partition), -1))
+        if self.tracking is not None:  # after the insert: trackers see what the record holds
+            await asyncio.to_thread(self.tracking.feed, new)
 
     async def on_tick(self, runner: Runner) -> None:
         """Measure the lag when due; stop once the run finished and everything is recorded."""
@@ -254,6 +280,8 @@ class Recorder(BatchService):
                 await self.report_lag(runner.consumer, timeout_s=5.0)  # the final word: normally 0
         finally:
             self._stop_server()
+            if self.tracking is not None:
+                await asyncio.to_thread(self.tracking.close)
 
     async def run(self, stop: asyncio.Event | None = None) -> int:
         """Record until ``stop`` (or SIGTERM/SIGINT, or the run finished with

@@ -18,7 +18,9 @@ without it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
+from typing import Any
 
 import msgspec
 
@@ -46,16 +48,26 @@ class RewardSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Verifier calls at once (each in a worker thread, bounded by ``reward.timeout_s``)."""
 
 
-VerifierTable = dict[str, tuple[str, dict[str, str | int | float | bool]]]
-"""domain -> (verifier name, verifier kwargs)."""
+@dataclasses.dataclass(frozen=True)
+class DomainScoring:
+    """How one domain's responses are scored (from its ``data.domains[]`` entry)."""
+
+    verifier: str
+    kwargs: dict[str, Any]
+    answer: str = "raw"
+    format_reward: float = 0.0
+
+
+VerifierTable = dict[str, DomainScoring]
+"""domain -> how its responses are scored."""
 
 
 def verifier_table(cfg: RunConfig) -> VerifierTable:
-    """domain -> (verifier name, verifier kwargs) from the run config."""
+    """domain -> :class:`DomainScoring` from the run config (verifier: the domain's, else its source's default)."""
     table: VerifierTable = {}
     for d in cfg.data.domains:
         name = d.verifier or envs.make_source(d.source, **d.kwargs).default_verifier
-        table[d.name] = (name, {})
+        table[d.name] = DomainScoring(name, dict(d.verifier_kwargs), d.answer, d.format_reward)
     return table
 
 
@@ -81,24 +93,24 @@ def score(gen: ev.Generation, table: VerifierTable, reward: RewardConfig) -> ev.
     """Score one generation as the router does (also used by ``replay rescore``).
 
     The verifier is the task's own ``env`` spec when it has one, else ``table[task.domain]``; it
-    runs through :func:`envs.run_verifier` bounded by ``reward.timeout_s`` with
-    ``reward.isolation``. A domain without a verifier, or a verifier error, scores 0 with the
-    reason in ``details``.
+    runs through :func:`envs.score_response` (the domain's answer extraction and format reward)
+    bounded by ``reward.timeout_s`` with ``reward.isolation``. A domain without a verifier, or a
+    verifier error, scores 0 with the reason in ``details``.
     """
     task = gen.task
+    scoring = table.get(task.domain)
     if task.env is not None:
-        verifier, kwargs = task.env.name, dict(task.env.kwargs)
-    elif task.domain in table:
-        verifier, kwargs = table[task.domain]
-    else:
-        verifier, kwargs = "", {}
+        base = scoring or DomainScoring("", {})
+        scoring = dataclasses.replace(base, verifier=task.env.name, kwargs=dict(task.env.kwargs))
     t0 = time.perf_counter()
-    if not verifier:
+    if scoring is None or not scoring.verifier:
+        verifier = ""
         result = envs.VerifyResult(reward=0.0, correct=False, error=f"no verifier for domain {task.domain!r}")
     else:
-        result = envs.run_verifier(
-            verifier, gen.response_text, task.reference, kwargs,
-            timeout_s=reward.timeout_s, isolation=reward.isolation,
+        verifier = scoring.verifier
+        result = envs.score_response(
+            verifier, gen.response_text, task.reference, scoring.kwargs, answer=scoring.answer,
+            format_reward=scoring.format_reward, timeout_s=reward.timeout_s, isolation=reward.isolation,
         )
     details = f"error: {result.error}" if result.error else result.details
     return ev.ScoredSample(

@@ -39,6 +39,7 @@ from rollout.sampling import SamplingParams
 from schemas import events as ev
 from schemas.config import RunConfig
 from schemas.topics import topic_name
+from services.devices import resolve_device
 from services.errors import one_line
 from services.kafka.bus import Consumer, Record
 from services.kafka.runtime import Context, Runner, Service, ServiceSettings, run_service
@@ -58,8 +59,8 @@ class RolloutSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The initial model (HF directory); published weights are swapped in on top."""
     worker_id: str = ""
     """Name in ``Generation.worker_id``; empty = ``<host>-<pid>``."""
-    device: str = "cpu"
-    """Torch device of the engine."""
+    device: str = ""
+    """Torch device of the engine; empty = ``rollout.device`` of the config, resolved here."""
     weights_timeout_s: float = 600.0
     """How long a task may wait for the weights version it needs before failing, seconds."""
 
@@ -70,11 +71,13 @@ class RolloutWorker(Service):
     def __init__(self, settings: RolloutSettings) -> None:
         self.s = settings
         cfg = settings.config
-        self.engine = make_engine(cfg, settings.model_dir, device=settings.device, seed=cfg.run.seed + os.getpid(),
+        device = settings.device or resolve_device(cfg.rollout.device, "rollout.device")
+        self.engine = make_engine(cfg, settings.model_dir, device=device, seed=cfg.run.seed + os.getpid(),
                                   policy_version=-1)
+        self.system_prompts = {d.name: d.system_prompt or cfg.model.system_prompt for d in cfg.data.domains}
         self.worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                                     top_p=cfg.rollout.top_p)
+                                     top_p=cfg.rollout.top_p, stop=tuple(cfg.rollout.stop))
         self.versions_used: set[int] = set()
         self.domains = {d.name for d in cfg.data.domains}
         self.loaded_event_id = ""
@@ -156,7 +159,8 @@ class RolloutWorker(Service):
         params = self.params
         if task.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=task.max_new_tokens)
-        req = GenerationRequest(task.sample_id, self.engine.encode(task.prompt), params)
+        prompt_ids = self.engine.encode(task.prompt, self.system_prompts.get(task.domain))
+        req = GenerationRequest(task.sample_id, prompt_ids, params)
         completion = None
         async for c in self.engine.generate([req]):
             completion = c

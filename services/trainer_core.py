@@ -34,6 +34,7 @@ from rollout.model_init import encode_prompt
 from rollout.sampling import SamplingParams
 from schemas import events as ev
 from schemas.config import RunConfig
+from services.devices import resolve_device
 from services.kafka.bus import TopicPartition
 from services.trainer_buffer import GroupBuffer
 from trainer.factory import make_strategy
@@ -56,12 +57,22 @@ class TrainerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Initial model (HF directory)."""
     run_dir: str
     """The run directory: weights/, checkpoints/ go below it."""
-    device: str = "cpu"
-    """Torch device."""
+    device: str = ""
+    """Torch device; empty = ``train.device`` of the config, resolved here."""
     poll_timeout_s: float = 0.2
     """Longest wait for scored samples per poll, seconds."""
     eval_batch: int = 64
     """Concurrent sequences of the greedy evaluation engine."""
+
+
+def format_answer(answer: str, mode: str) -> str:
+    """A warm-up demonstration in the answer format its domain rewards: ``<answer>…</answer>`` for
+    ``tag`` and ``auto``, ``\\boxed{…}`` for ``boxed``, as it is for ``raw``."""
+    if mode in ("tag", "auto"):
+        return f"<answer>{answer}</answer>"
+    if mode == "boxed":
+        return f"\\boxed{{{answer}}}"
+    return answer
 
 
 class StreamState(msgspec.Struct):
@@ -88,10 +99,11 @@ class TrainerCore:
         torch.manual_seed(cfg.run.seed)
         random.seed(cfg.run.seed)
         self.run_dir = Path(settings.run_dir)
-        self.strategy = make_strategy(cfg, settings.model_dir, device=settings.device)
+        device = settings.device or resolve_device(cfg.train.device, "train.device")
+        self.strategy = make_strategy(cfg, settings.model_dir, device=device)
         self.tokenizer = self.strategy.tokenizer
         self.eval_engine = make_engine(cfg, settings.model_dir, max_batch=settings.eval_batch,
-                                       device=settings.device, seed=cfg.run.seed, policy_version=0)
+                                       device=device, seed=cfg.run.seed, policy_version=0)
         self.sources = [envs.make_source(d.source, **d.kwargs) for d in cfg.data.domains]
         self.heldout = [
             (d, src.heldout(cfg.data.heldout_size), d.verifier or src.default_verifier)
@@ -125,13 +137,15 @@ class TrainerCore:
         correct = total = length = 0
         reward = self.cfg.reward
         for domain, problems, verifier in self.heldout:
-            reqs = [GenerationRequest(p.prompt_id, self.eval_engine.encode(p.prompt), params) for p in problems]
+            system = domain.system_prompt or self.cfg.model.system_prompt
+            reqs = [GenerationRequest(p.prompt_id, self.eval_engine.encode(p.prompt, system), params) for p in problems]
             by_id = {p.prompt_id: p for p in problems}
             done = [c async for c in self.eval_engine.generate(reqs)]
             # as the reward router runs them: bounded by reward.timeout_s, off the event loop (a
             # verifier that hangs or crashes scores 0 and cannot stall the trainer)
             results = await asyncio.gather(*(
-                asyncio.to_thread(envs.run_verifier, verifier, c.text, by_id[c.request_id].reference,
+                asyncio.to_thread(envs.score_response, verifier, c.text, by_id[c.request_id].reference,
+                                  domain.verifier_kwargs, answer=domain.answer, format_reward=domain.format_reward,
                                   timeout_s=reward.timeout_s, isolation=reward.isolation)
                 for c in done))
             ok = sum(int(res.correct) for res in results)
@@ -161,16 +175,19 @@ class TrainerCore:
         rng = random.Random(f"{cfg.run.seed}/warmup")
         tok = self.tokenizer
         weights = [d.ratio for d in cfg.data.domains]
+        chat = self.eval_engine.chat  # prompts exactly as rollout renders them
 
         def batches() -> Iterator[list[SFTExample]]:
             for _ in range(cfg.train.warmup_sft_steps):
                 out = []
                 for _ in range(cfg.train.warmup_batch_size):
-                    src = self.sources[rng.choices(range(len(self.sources)), weights=weights)[0]]
+                    i = rng.choices(range(len(self.sources)), weights=weights)[0]
+                    src, domain = self.sources[i], cfg.data.domains[i]
                     p = src.sample(rng)
-                    demo = src.demonstration(p, rng)
+                    demo = format_answer(src.demonstration(p, rng), domain.answer)
                     target = [*tok(demo, add_special_tokens=False)["input_ids"], tok.eos_token_id]
-                    out.append(SFTExample(encode_prompt(tok, p.prompt), target))
+                    system = domain.system_prompt or cfg.model.system_prompt
+                    out.append(SFTExample(encode_prompt(tok, p.prompt, chat=chat, system_prompt=system), target))
                 yield out
 
         return self.strategy.warmup(batches(), lr=cfg.train.warmup_lr, grad_clip=cfg.train.grad_clip)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from schemas.config import ConfigError, RunConfig
+from schemas.config import ConfigError, RunConfig, resolve_dtype
 
 if TYPE_CHECKING:
     from trainer.strategy import Strategy
@@ -37,14 +37,17 @@ def check_strategy(cfg: RunConfig) -> None:
 
 
 def make_strategy(cfg: RunConfig, model_dir: str | Path, *, device: str = "cpu") -> Strategy:
-    """The training strategy ``cfg.train.strategy`` names, with the model of ``model_dir``."""
+    """The training strategy ``cfg.train.strategy`` names, with the model of ``model_dir`` on ``device``
+    (a concrete torch device; ``model.dtype: auto`` resolves for it)."""
     check_strategy(cfg)
     from trainer.strategy import TorchStrategy
 
     return TorchStrategy(
         model_dir, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip,
         micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature,
-        algo=cfg.algorithm, max_len=cfg.rollout.max_new_tokens, dtype=cfg.model.dtype,
+        algo=cfg.algorithm, max_len=cfg.rollout.max_new_tokens, dtype=resolve_dtype(cfg.model.dtype, device),
         total_steps=cfg.train.steps, min_lr_ratio=cfg.train.min_lr_ratio,
         device=device,
+        lora_rank=cfg.train.lora_rank, lora_alpha=cfg.train.lora_alpha, lora_dropout=cfg.train.lora_dropout,
+        lora_target_modules=cfg.train.lora_target_modules,
     )

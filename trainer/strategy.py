@@ -26,6 +26,18 @@ Weights are published with :meth:`TorchStrategy.export_weights` as a complete Hu
 directory (``config.json``, safetensors weights, tokenizer) written to a temporary sibling and
 renamed into place, so readers never see a half-written version; its sha256 covers the
 safetensors files. Checkpoints add the optimizer state, the RNG states and the step.
+
+LoRA (``lora_rank > 0``, ``train.lora_rank``): the policy is wrapped with ``peft.get_peft_model``
+(adapters on ``lora_target_modules``, ``bias="none"``); only the adapters are trainable and only
+they are in the optimizer (grad clipping, lr schedule and micro-batching are unchanged). The
+published weights are merged (``W + lora_alpha / lora_rank · B @ A`` per adapted module, computed
+aside, the training state untouched) under the plain model's own parameter names, so the rollout
+engine loads them without ``peft``. The supervised warm-up trains the adapters, then folds them
+into the base weights and re-initialises them (``B = 0``), so RL starts from the warmed-up policy
+with fresh adapters and the base weights are always the RL start: the KL reference is the policy
+with its adapters disabled (no second copy) whenever the reference weights equal the base weights.
+A critic works as without LoRA (``value_head``: the value loss also trains the adapters;
+``separate``: a copy of the policy's trunk, base frozen, its own adapters trained).
 """
 
 from __future__ import annotations
@@ -36,16 +48,17 @@ import math
 import os
 import random
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from schemas.config import AlgorithmConfig
+from schemas.config import AlgorithmConfig, TrainConfig
 from trainer import algorithm as alg
 from trainer import losses as L
 from trainer.batch import TokenBatch, TrainSample, collate
@@ -54,6 +67,9 @@ from trainer.losses import entropy_from_logits, masked_mean
 from trainer.sft import SFTExample, sft_warmup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+ADAPTER = "default"
+"""Name of the (single) peft adapter."""
 
 
 @runtime_checkable
@@ -110,17 +126,26 @@ def weights_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-@torch.no_grad()
-def load_weights_into(model: torch.nn.Module, path: str | Path) -> None:
-    """Load the safetensors files of directory ``path`` into ``model`` in place.
-
-    Parameters absent from the files are allowed only when tied to one that is present.
-    """
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of the ``*.safetensors`` files of directory ``path`` (on the CPU)."""
     state: dict[str, torch.Tensor] = {}
     for f in sorted(Path(path).glob("*.safetensors")):
         state.update(load_file(str(f)))
     if not state:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return state
+
+
+@torch.no_grad()
+def load_weights_into(model: torch.nn.Module, path: str | Path | None = None,
+                      state: dict[str, torch.Tensor] | None = None) -> None:
+    """Load the safetensors files of directory ``path`` (or ``state``) into ``model`` in place.
+
+    Parameters absent from the files are allowed only when tied to one that is present.
+    """
+    if state is None:
+        assert path is not None
+        state = read_weights(path)
     result = model.load_state_dict(state, strict=False)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded = {id(params[k]) for k in state if k in params}
@@ -131,6 +156,114 @@ def load_weights_into(model: torch.nn.Module, path: str | Path) -> None:
         )
 
 
+def _is_lora_key(key: str) -> bool:
+    return any(part.startswith("lora_") for part in key.split("."))
+
+
+def _plain_key(key: str) -> str:
+    """The plain model's name of a peft-injected model's state key (``q_proj.base_layer.weight``
+    → ``q_proj.weight``)."""
+    return key.replace(".base_layer.", ".")
+
+
+def _untied_missing(missing: Iterable[str], present: Iterable[str], targets: dict[str, torch.Tensor]) -> list[str]:
+    """The keys of ``missing`` whose tensor is not shared with (tied to) one of ``present``."""
+    have = {targets[k].data_ptr() for k in present if k in targets}
+    return [k for k in missing if targets[k].data_ptr() not in have]
+
+
+@torch.no_grad()
+def _copy_state_(targets: dict[str, torch.Tensor], state: dict[str, torch.Tensor], where: str) -> None:
+    """Copy ``state`` into the tensors ``targets`` (same names and shapes) in place; a target
+    missing from ``state`` is allowed only when tied to one that is present."""
+    unknown = sorted(set(state) - set(targets))
+    missing = _untied_missing(sorted(set(targets) - set(state)), state, targets)
+    bad = [k for k in state if k in targets and tuple(state[k].shape) != tuple(targets[k].shape)]
+    if unknown or missing or bad:
+        raise KeyError(f"{where} does not fit the model: unexpected {unknown[:5]}, missing {missing[:5]}, "
+                       f"wrong shape {bad[:5]}")
+    for key, value in state.items():
+        targets[key].copy_(value.to(device=targets[key].device, dtype=targets[key].dtype))
+
+
+def _dir_equals(path: str | Path, targets: dict[str, torch.Tensor]) -> bool:
+    """Whether the safetensors files of ``path`` hold exactly the values of ``targets`` (bitwise;
+    targets absent from the files must be tied to present ones). Reads one tensor at a time."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    seen: list[str] = []
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            for key in fh.keys():
+                if key not in targets:
+                    return False
+                t = targets[key]
+                v = fh.get_tensor(key)
+                if v.shape != t.shape or v.dtype != t.dtype or not torch.equal(v.to(t.device), t):
+                    return False
+                seen.append(key)
+    return not _untied_missing(sorted(set(targets) - set(seen)), seen, targets)
+
+
+def _lora_layers(model: torch.nn.Module) -> dict[str, Any]:
+    """The peft LoRA layers of ``model`` by module name."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def _merged_weight(layer: Any) -> torch.Tensor:
+    """``W + scale · B @ A`` of one LoRA layer, in ``W``'s dtype (a new tensor; ``W`` is untouched).
+    For float32 weights this is bitwise what ``peft``'s ``merge_adapter`` writes."""
+    w = layer.get_base_layer().weight
+    delta = layer.get_delta_weight(ADAPTER)
+    if w.dtype == torch.float32:
+        return w + delta.float()
+    return (w.float() + delta.float()).to(w.dtype)
+
+
+def wrap_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, targets: Sequence[str]) -> Any:
+    """``model`` wrapped by ``peft.get_peft_model`` with a LoRA adapter (``bias="none"``,
+    ``CAUSAL_LM``): only the adapters are trainable. Adapters on a tied weight are refused (the
+    merged export could not keep the tie)."""
+    try:
+        from peft import LoraConfig, TaskType, get_peft_model
+    except ImportError as e:  # pragma: no cover - peft is installed with the dev environment
+        raise ImportError("train.lora_rank > 0 needs the peft package (pip install peft)") from e
+    config = LoraConfig(r=rank, lora_alpha=alpha,  # type: ignore[arg-type]  # (annotated int; scale = alpha / r)
+                        lora_dropout=dropout, target_modules=list(targets), bias="none", task_type=TaskType.CAUSAL_LM)
+    peft_model = get_peft_model(model, config)
+    ptrs: dict[int, int] = {}
+    for _, p in peft_model.get_base_model().named_parameters(remove_duplicate=False):
+        ptrs[p.data_ptr()] = ptrs.get(p.data_ptr(), 0) + 1
+    for name, layer in _lora_layers(peft_model).items():
+        if ptrs.get(layer.get_base_layer().weight.data_ptr(), 0) > 1:
+            raise ValueError(f"LoRA target {name!r} has a weight tied to another parameter (tied embeddings); "
+                             "leave it out of train.lora_target_modules")
+    return peft_model
+
+
+class _AdaptersDisabled(torch.nn.Module):
+    """The LoRA policy with its adapters disabled (``peft``'s ``disable_adapter``), in eval mode
+    and without gradients: the base model, used as the KL reference without a copy of the
+    weights. It holds the policy outside its own module tree, so it owns no parameters."""
+
+    def __init__(self, peft_model: Any) -> None:
+        super().__init__()
+        self._policy = [peft_model]  # a list, not a submodule: its parameters stay the policy's
+
+    def forward(self, **kwargs: Any) -> Any:
+        model = self._policy[0]
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), model.disable_adapter():
+                return model(**kwargs)
+        finally:
+            model.train(was_training)
+
+
 def _replace_dir(tmp: Path, final: Path) -> None:
     """Move the finished directory ``tmp`` to ``final`` (replacing an older one)."""
     if final.exists():
@@ -139,6 +272,18 @@ def _replace_dir(tmp: Path, final: Path) -> None:
 
 
 # --------------------------------------------------------------------------- strategy
+
+
+def first_trained_col(batch: TokenBatch) -> int:
+    """The first column of ``loss_mask`` (B, L - 1) that any row trains on (0 when none does): the
+    logits of earlier positions (the shared part of the prompts) are never needed."""
+    cols = torch.nonzero(batch.loss_mask.sum(dim=0))
+    return int(cols[0]) if len(cols) else 0
+
+
+def pad_left(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x`` (b, n) with ``k`` zero columns in front (b, k + n)."""
+    return torch.nn.functional.pad(x, (k, 0)) if k else x
 
 
 class ValueModel(torch.nn.Module):
@@ -165,7 +310,11 @@ class ValueModel(torch.nn.Module):
 
 
 class TorchStrategy:
-    """Single-process PyTorch training of a local HF causal LM (see the module doc)."""
+    """Single-process PyTorch training of a local HF causal LM (see the module doc).
+
+    ``lora_rank > 0`` trains a LoRA adapter (``peft``) instead of all parameters: ``model`` is then
+    the ``PeftModel`` and :attr:`hf_model` the HF model inside it (with the adapter layers injected).
+    """
 
     def __init__(
         self,
@@ -185,18 +334,31 @@ class TorchStrategy:
         min_lr_ratio: float = 1.0,
         dtype: str = "float32",
         device: str = "cpu",
+        lora_rank: int = 0,
+        lora_alpha: float = 32.0,
+        lora_dropout: float = 0.0,
+        lora_target_modules: Sequence[str] | None = None,
     ) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=DTYPES[dtype], local_files_only=True, attn_implementation="sdpa"
+        if lora_rank < 0:
+            raise ValueError(f"lora_rank={lora_rank} must be >= 0 (0 = no LoRA)")
+        self.model_dir = Path(model_dir)
+        self.dtype = DTYPES[dtype]
+        self.lora = lora_rank > 0
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=self.dtype, local_files_only=True, attn_implementation="sdpa"
         )
+        if self.lora:
+            targets = TrainConfig().lora_target_modules if lora_target_modules is None else lora_target_modules
+            model = wrap_lora(model, lora_rank, lora_alpha, lora_dropout, targets)
+        self.model = model
         torch.nn.Module.to(self.model, torch.device(device))  # (transformers' typed ``.to`` confuses mypy)
         self.model.train()
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
         self.device = torch.device(device)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas
-        )
+            [p for p in self.model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay, betas=betas
+        )  # with LoRA only the adapters
         self.base_lr = lr
         self.betas = betas
         self.total_steps, self.min_lr_ratio = total_steps, min_lr_ratio
@@ -213,52 +375,131 @@ class TorchStrategy:
         self.algo_state = alg.initial_state(algo)
         self.max_len = max_len
         self.ref_model: torch.nn.Module | None = None
+        self._ref_path: Path | None = None  # LoRA: the weights the adapters-disabled reference must equal
+        self._ref_checked = True
         self.critic: ValueModel | None = None
         self.critic_optimizer: torch.optim.Optimizer | None = None
         self.step = 0
 
     # ----------------------------------------------------------------- optional models
 
+    @property
+    def hf_model(self) -> Any:
+        """The HF causal LM being trained (with LoRA: the one inside the ``PeftModel``, adapter
+        layers injected)."""
+        return self.model.get_base_model() if self.lora else self.model
+
     def init_reference(self, path: str | Path | None = None) -> None:
         """Load the frozen reference policy: the weights at ``path`` (an exported HF dir), or a copy
-        of the current weights. Only call it when a KL term is on (``algo.uses_reference``)."""
-        ref = copy.deepcopy(self.model)
-        if path is not None:
-            load_weights_into(ref, path)
+        of the current weights. Only call it when a KL term is on (``algo.uses_reference``).
+
+        With LoRA the reference is the policy with its adapters disabled (no copy) as long as the
+        reference weights equal the base weights bitwise — always at the RL start, since the
+        warm-up folds its adapters into the base. For ``path`` that is checked at the next
+        :meth:`train_step` (so a :meth:`load_checkpoint` in between, which restores the base, is
+        taken into account); when they differ, the reference becomes a separate frozen copy of the
+        weights at ``path`` (the merged current weights for ``path=None``)."""
+        if not self.lora:
+            ref = copy.deepcopy(self.model)
+            if path is not None:
+                load_weights_into(ref, path)
+            self.ref_model = self._freeze(ref)
+            return
+        self.ref_model = _AdaptersDisabled(self.model)
+        self._ref_path, self._ref_checked = (None, True) if path is None else (Path(path), False)
+        if path is None and not all(torch.equal(_merged_weight(layer), layer.get_base_layer().weight)
+                                    for layer in _lora_layers(self.hf_model).values()):
+            self.ref_model = self._plain_copy(self._plain_state(merged=True, cpu=True))
+
+    @staticmethod
+    def _freeze(ref: torch.nn.Module) -> torch.nn.Module:
         ref.eval()
         for p in ref.parameters():
             p.requires_grad_(False)
-        self.ref_model = ref
+        return ref
+
+    def _plain_copy(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """A separate frozen plain HF model (no adapters) holding ``state`` (plain names)."""
+        ref = AutoModelForCausalLM.from_pretrained(
+            str(self.model_dir), dtype=self.dtype, local_files_only=True, attn_implementation="sdpa"
+        )
+        torch.nn.Module.to(ref, self.device)
+        load_weights_into(ref, state={k: v.detach() for k, v in state.items()})
+        return self._freeze(ref)
+
+    def _check_reference(self) -> None:
+        """LoRA: replace the adapters-disabled reference by a copy of the weights at its path when
+        they are not the base weights (see :meth:`init_reference`)."""
+        if self._ref_checked or not isinstance(self.ref_model, _AdaptersDisabled):
+            return
+        assert self._ref_path is not None
+        if not _dir_equals(self._ref_path, self._plain_state(merged=False)):
+            self.ref_model = self._plain_copy(read_weights(self._ref_path))
+        self._ref_checked = True
+
+    def _base_changing(self) -> None:
+        """LoRA: the base weights are about to change; keep the reference what it was."""
+        if not isinstance(self.ref_model, _AdaptersDisabled):
+            return
+        if self._ref_path is None:  # defined as the current base: pin a copy of it
+            self.ref_model = self._plain_copy(self._plain_state(merged=False))
+        else:
+            self._ref_checked = False
 
     def init_critic(self) -> None:
         """Create the critic from the current policy weights (``algo.critic``): a zero-initialised
-        value head, on a copy of the policy (``separate``) or on the policy itself (``value_head``)."""
+        value head, on a copy of the policy's trunk (``separate``) or on the policy itself
+        (``value_head``). With LoRA, ``value_head``'s value loss trains the head and the policy's
+        adapters; a ``separate`` trunk is a copy of the policy's with its base weights frozen and
+        its own copy of the adapters trained."""
         if self.algo.critic == "none":
             return
-        hidden = int(self.model.config.hidden_size)
-        trunk = copy.deepcopy(self.model.base_model) if self.algo.critic == "separate" else None  # base model, no LM head
+        hf = self.hf_model
+        hidden = int(hf.config.hidden_size)
+        trunk = copy.deepcopy(hf.base_model) if self.algo.critic == "separate" else None  # base model, no LM head
         self.critic = ValueModel(hidden, trunk).to(self.device)
         self.critic.train()
         lr = self.algo.critic_lr if self.algo.critic_lr is not None else self.base_lr * 10
-        self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=lr, betas=self.betas)
+        self.critic_optimizer = torch.optim.AdamW(
+            [p for p in self.critic.parameters() if p.requires_grad], lr=lr, betas=self.betas)
 
     # ----------------------------------------------------------------- supervised warm-up
 
     def warmup(self, batches: Iterable[list[SFTExample]], *, lr: float, grad_clip: float) -> list[float]:
         """Supervised warm-up of the policy (:func:`trainer.sft.sft_warmup`: its own AdamW at a
         constant ``lr``, one step per batch); the RL optimizer's state is untouched and the
-        policy is left in training mode. Returns the loss of every step."""
+        policy is left in training mode. Returns the loss of every step.
+
+        With LoRA the warm-up trains the adapters only; afterwards they are folded into the base
+        weights (``W += scale · B @ A``) and re-initialised (``B = 0``, ``A`` as ``peft`` does), so
+        the policy is unchanged (up to float round-off) and RL starts with fresh adapters on the
+        warmed-up base. Call it before RL: it would make the RL optimizer's adapter moments stale."""
         try:
-            return sft_warmup(self.model, batches, lr=lr, pad_id=self.pad_id, grad_clip=grad_clip)
+            losses = sft_warmup(self.model, batches, lr=lr, pad_id=self.pad_id, grad_clip=grad_clip)
         finally:
             self.model.train()
+        if self.lora:
+            self._fold_adapters()
+        return losses
+
+    @torch.no_grad()
+    def _fold_adapters(self) -> None:
+        """LoRA: ``W <- W + scale · B @ A`` for every adapted module, then fresh adapters."""
+        self._base_changing()
+        for layer in _lora_layers(self.hf_model).values():
+            merged = _merged_weight(layer)
+            layer.get_base_layer().weight.copy_(merged)
+            layer.reset_lora_parameters(ADAPTER, True)
 
     # ----------------------------------------------------------------- forward passes
 
-    def _forward(self, model: torch.nn.Module, batch: TokenBatch, hidden: bool = False) -> Any:
+    def _forward(self, model: torch.nn.Module, batch: TokenBatch, hidden: bool = False, keep_from: int = 0) -> Any:
+        """The model's output; its ``logits`` cover positions ``keep_from ..`` only (``(b, l - keep_from, V)``:
+        the output projection and everything computed from the logits skip the prompt columns
+        before the first trained token, see :func:`first_trained_col`)."""
         return model(
             input_ids=batch.input_ids.to(self.device), attention_mask=batch.attention_mask.to(self.device),
-            output_hidden_states=hidden,
+            output_hidden_states=hidden, logits_to_keep=batch.input_ids.shape[1] - keep_from,
         )
 
     def _forward_logits(self, batch: TokenBatch) -> torch.Tensor:
@@ -272,11 +513,16 @@ class TorchStrategy:
     @torch.no_grad()
     def logprobs(self, batch: TokenBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
         """Token logprobs at the rollout temperature, (B, L - 1), without gradients."""
+        if model is not None and model is self.ref_model:
+            self._check_reference()
+            model = self.ref_model
         model = self.model if model is None else model
         parts = []
         for start in range(0, batch.input_ids.shape[0], self.micro_batch_size):
             micro = batch.rows(start, start + self.micro_batch_size)
-            lp = token_logprobs(self._forward(model, micro).logits, micro.input_ids.to(self.device), self.temperature)
+            k0 = first_trained_col(micro)
+            logits = self._forward(model, micro, keep_from=k0).logits  # (b, l - k0, V)
+            lp = pad_left(token_logprobs(logits, micro.input_ids[:, k0:].to(self.device), self.temperature), k0)
             parts.append(torch.nn.functional.pad(lp, (0, batch.input_ids.shape[1] - 1 - lp.shape[1])))
         return torch.cat(parts).cpu()
 
@@ -284,6 +530,7 @@ class TorchStrategy:
     def full_kl(self, batch: TokenBatch) -> torch.Tensor:
         """Exact per-token KL(π ‖ π_ref) over the whole vocabulary at the rollout temperature,
         (B, L - 1), without gradients (``kl_penalty: full``). Needs the reference model."""
+        self._check_reference()
         assert self.ref_model is not None
         parts = []
         for start in range(0, batch.input_ids.shape[0], self.micro_batch_size):
@@ -316,6 +563,7 @@ class TorchStrategy:
         ``extras`` hold ``ref_logprobs``, ``old_values`` and ``returns`` when they are used.
         """
         cfg = self.algo
+        self._check_reference()
         batch = collate(samples, self.pad_id)
         ex = batch.extras
         metrics: dict[str, float] = {}
@@ -364,20 +612,22 @@ class TorchStrategy:
         """
         cfg = self.algo
         need_hidden = self.critic is not None and self.critic.trunk is None
-        out = self._forward(self.model, micro, hidden=need_hidden)
-        logits = out.logits  # (b, l, V)
+        full_kl_loss = cfg.use_kl_loss and cfg.kl_loss_type == "full" and "ref_logprobs" in micro.extras
+        k0 = 0 if full_kl_loss else first_trained_col(micro)  # prompt columns before it need no logits
+        out = self._forward(self.model, micro, hidden=need_hidden, keep_from=k0)
+        logits = out.logits  # (b, l - k0, V)
         ids = micro.input_ids.to(self.device)
-        lp = token_logprobs(logits, ids, self.temperature)  # (b, l - 1)
+        lp = pad_left(token_logprobs(logits, ids[:, k0:], self.temperature), k0)  # (b, l - 1)
         mask = micro.loss_mask.to(self.device)
         loss, metrics = alg.policy_loss(cfg, lp, micro.old_logprobs.to(self.device),
                                         micro.advantages.to(self.device), mask, self.max_len)
         if cfg.entropy_loss_coef:
-            ent = entropy_from_logits(logits[:, :-1] / self.temperature)  # (b, l - 1)
+            ent = pad_left(entropy_from_logits(logits[:, :-1] / self.temperature), k0)  # (b, l - 1)
             e_loss, m = L.entropy_loss(ent, mask, cfg.entropy_loss_coef, cfg.loss_agg_mode, self.max_len)
             loss = loss + e_loss
         else:
             with torch.no_grad():
-                ent = entropy_from_logits(logits[:, :-1].detach() / self.temperature)  # (b, l - 1)
+                ent = pad_left(entropy_from_logits(logits[:, :-1].detach() / self.temperature), k0)  # (b, l - 1)
         metrics["actor/entropy"] = float(masked_mean(ent.detach(), mask))
         if "ref_logprobs" in micro.extras:
             coef = cfg.kl_loss_coef if cfg.use_kl_loss else 0.0
@@ -462,29 +712,67 @@ class TorchStrategy:
 
     # ----------------------------------------------------------------- persistence
 
+    @torch.no_grad()
+    def _plain_state(self, merged: bool, cpu: bool = False) -> dict[str, torch.Tensor]:
+        """The model's state under the plain HF model's names (tied weights share a tensor, as in
+        ``state_dict()``). With LoRA: the base weights, or (``merged``) the adapted modules'
+        ``W + scale · B @ A`` computed aside (one module at a time, moved to the CPU when ``cpu``,
+        so the device holds one extra module at most); the adapters themselves are left out."""
+        if not self.lora:
+            return dict(self.model.state_dict())
+        hf = self.hf_model
+        state = {_plain_key(k): v for k, v in hf.state_dict().items() if not _is_lora_key(k)}
+        if merged:
+            for name, layer in _lora_layers(hf).items():
+                w = _merged_weight(layer)
+                state[f"{name}.weight"] = w.cpu() if cpu else w
+        return state
+
+    def _adapter_params(self) -> dict[str, torch.nn.Parameter]:
+        """LoRA: the trainable adapter parameters by their ``PeftModel`` names."""
+        return {k: p for k, p in self.model.named_parameters() if p.requires_grad}
+
+    def _write_hf_dir(self, path: Path, merged: bool) -> None:
+        if self.lora:  # plain names, tied weights dropped as save_pretrained drops them
+            self.hf_model.save_pretrained(path, state_dict=self._plain_state(merged, cpu=True))
+        else:
+            self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
     def export_weights(self, path: str | Path) -> tuple[Path, str]:
         """Write the current weights as a complete HF model dir at ``path``; return it and the
-        sha256 of its safetensors files. The rollout engine's ``load_weights`` reads it."""
+        sha256 of its safetensors files. The rollout engine's ``load_weights`` reads it.
+
+        With LoRA these are the merged weights under the plain model's parameter names (the
+        adapted modules' ``W + scale · B @ A``), computed without touching the training state."""
         final = Path(path)
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.parent.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(tmp)
-        self.tokenizer.save_pretrained(tmp)
+        self._write_hf_dir(tmp, merged=True)
         checksum = weights_sha256(tmp)
         _replace_dir(tmp, final)
         return final, checksum
 
     def save_checkpoint(self, path: str | Path) -> Path:
         """Weights (HF dir under ``model/``), optimizer state, the critic (and its optimizer), the
-        algorithm state, RNG states and step at ``path``."""
+        algorithm state, RNG states and step at ``path``.
+
+        With LoRA ``model/`` holds the base weights (plain names; the warm-up's folded adapters
+        included), ``adapter.safetensors`` the adapters and ``optimizer.pt`` their AdamW state; the
+        policy is their merge (as :meth:`export_weights` writes it)."""
         final = Path(path)
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        self.export_weights(tmp / "model")
+        if self.lora:
+            self._write_hf_dir(tmp / "model", merged=False)
+            save_file({k: p.detach().contiguous() for k, p in self._adapter_params().items()},
+                      str(tmp / "adapter.safetensors"))
+        else:
+            self.export_weights(tmp / "model")
         torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
         if self.critic is not None and self.critic_optimizer is not None:
             torch.save({"model": self.critic.state_dict(), "optimizer": self.critic_optimizer.state_dict()},
@@ -500,9 +788,17 @@ class TorchStrategy:
         return final
 
     def load_checkpoint(self, path: str | Path) -> int:
-        """Restore weights, optimizer, RNG states and step from :meth:`save_checkpoint`; return the step."""
+        """Restore weights, optimizer, RNG states and step from :meth:`save_checkpoint`; return the
+        step. A LoRA checkpoint needs a strategy with the same LoRA shape, and a full one none."""
         root = Path(path)
-        load_weights_into(self.model, root / "model")
+        has_adapter = (root / "adapter.safetensors").exists()
+        if has_adapter != self.lora:
+            raise ValueError(f"{root} was saved {'with' if has_adapter else 'without'} LoRA adapters but this "
+                             f"strategy has train.lora_rank {'0' if has_adapter else '> 0'}")
+        if self.lora:
+            self._load_lora(root)
+        else:
+            load_weights_into(self.model, root / "model")
         self.optimizer.load_state_dict(torch.load(root / "optimizer.pt", map_location=self.device))
         if (root / "critic.pt").exists():
             if self.critic is None:
@@ -519,3 +815,16 @@ class TorchStrategy:
         random.setstate(state["python_rng"])
         self.step = int(state["step"])
         return self.step
+
+    @torch.no_grad()
+    def _load_lora(self, root: Path) -> None:
+        """LoRA: the base weights of ``root/model`` and the adapters of ``root/adapter.safetensors``."""
+        base = read_weights(root / "model")
+        targets = {_plain_key(k): v for k, v in self.hf_model.state_dict(keep_vars=True).items()
+                   if not _is_lora_key(k)}
+        current = self._plain_state(merged=False)
+        if not all(k in current and torch.equal(v.to(current[k].device), current[k]) for k, v in base.items()):
+            self._base_changing()
+            _copy_state_(targets, base, f"{root / 'model'}")
+        _copy_state_(dict(self._adapter_params()), load_file(str(root / "adapter.safetensors")),
+                     f"{root / 'adapter.safetensors'}")

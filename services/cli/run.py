@@ -23,6 +23,10 @@ from services.cli.app import (
 )
 
 SERVICES = ("feeder", "rollout", "reward", "trainer", "recorder")
+"""The services a run starts (the supervisor, compose)."""
+EXTRA_SERVICES = ("env",)
+"""Services ``rollstream service`` starts that runs do not start yet (``env``: multi-turn domains are
+refused for now)."""
 
 
 def read_config(path: Path, overrides: list[str]) -> Any:
@@ -45,33 +49,60 @@ def read_config(path: Path, overrides: list[str]) -> Any:
 def check_backends(cfg: Any) -> None:
     """Refuse, in one line and before anything starts, what cannot run here: a generation engine
     or training strategy (:func:`rollout.factory.check_engine`, :func:`trainer.factory.check_strategy`),
-    a task source, verifier or source argument of ``data.domains`` that does not exist, and a
-    ``model.path`` that is not a model directory."""
+    a task source, verifier or source argument of ``data.domains`` that does not exist, a
+    ``model.path`` that is not a model directory, and an experiment tracker whose package is
+    missing (:func:`services.tracking.check_trackers`)."""
     from rollout.factory import check_engine
+    from services.tracking import check_trackers
     from trainer.factory import check_strategy
 
     check_engine(cfg)
     check_strategy(cfg)
+    check_trackers(cfg)
     check_domains(cfg)
     check_model_path(cfg)
+    check_devices(cfg)
+
+
+def check_devices(cfg: Any) -> None:
+    """``rollout.device`` / ``train.device`` exist on this machine (:func:`services.devices.placement`)."""
+    from services.devices import placement
+
+    placement(cfg)
 
 
 def check_domains(cfg: Any) -> None:
     """Every domain's task source and verifier are registered and the source takes its kwargs."""
     import envs  # noqa: F401  (registers the built-in sources and verifiers)
-    from envs.registry import SOURCES, VERIFIERS, make_source
+    from envs.registry import ENVS, SOURCES, VERIFIERS, make_source
     from schemas.config import ConfigError
 
     for i, d in enumerate(cfg.data.domains):
         key = f"config: data.domains[{i}]"
+        if d.source in ENVS:
+            raise ConfigError(f"{key}.source={d.source!r} is a multi-turn environment; this version does not run "
+                              "multi-turn episodes yet (the rollout agent loop is not wired): use a single-turn source "
+                              f"({', '.join(sorted(set(SOURCES) - set(ENVS)))})")
         if d.source not in SOURCES:
             raise ConfigError(f"{key}.source={d.source!r} is not a task source; registered: {', '.join(sorted(SOURCES))}")
         if d.verifier and d.verifier not in VERIFIERS:
             raise ConfigError(f"{key}.verifier={d.verifier!r} is not a verifier; registered: {', '.join(sorted(VERIFIERS))}")
         try:
-            make_source(d.source, **d.kwargs)
+            source = make_source(d.source, **d.kwargs)
         except (TypeError, ValueError, KeyError) as e:
             raise ConfigError(f"{key}.kwargs {d.kwargs} do not suit task source {d.source!r}: {e}") from None
+        try:  # the trainer evaluates on it: a source too small for data.heldout_size fails here, not there
+            source.heldout(cfg.data.heldout_size)
+        except (ValueError, RuntimeError) as e:
+            raise ConfigError(f"{key}: data.heldout_size={cfg.data.heldout_size} held-out prompts cannot be drawn "
+                              f"from task source {d.source!r}: {e}") from None
+
+
+def model_dir_of(cfg: Any, run_dir: Path) -> Path:
+    """The model directory of a run (see :func:`services.launch.prepare.model_dir_of`)."""
+    from services.launch.prepare import model_dir_of as of
+
+    return of(cfg, run_dir)
 
 
 def check_model_path(cfg: Any) -> None:
@@ -81,12 +112,24 @@ def check_model_path(cfg: Any) -> None:
     if not cfg.model.path:
         return
     path = Path(cfg.model.path)
+    if cfg.model.source and not (path / "config.json").is_file():
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise ConfigError(f"config: model.path={str(path)!r} exists but holds no model, so model.source="
+                              f"{cfg.model.source!r} cannot be converted into it; remove it or pick another path")
+        return  # converted from model.source when the run is prepared
     if not path.exists():
         raise ConfigError(f"config: model.path={str(path)!r} does not exist (leave it empty to create a tiny model)")
     if not path.is_dir():
         raise ConfigError(f"config: model.path={str(path)!r} is a file, not a Hugging Face model directory")
     if not (path / "config.json").is_file():
         raise ConfigError(f"config: model.path={str(path)!r} is not a Hugging Face model directory (no config.json)")
+    if cfg.model.chat_template is True:
+        from rollout.model_init import load_tokenizer, use_chat_template
+
+        try:
+            use_chat_template(load_tokenizer(path), True)
+        except ValueError as e:
+            raise ConfigError(f"config: {e}") from None
 
 
 def with_store(cfg: Any) -> Any:
@@ -174,7 +217,7 @@ def run_cmd(
 @app.command("service")
 @friendly
 def service_cmd(
-    name: str = typer.Argument(..., help="One of: " + ", ".join(SERVICES)),
+    name: str = typer.Argument(..., help="One of: " + ", ".join((*SERVICES, *EXTRA_SERVICES))),
     run: str = typer.Option(..., "--run", help="Run id (its config is read from <runs-dir>/<run>/config.yaml)."),
     runs_dir: str = typer.Option("runs", "--runs-dir", help="Directory of run folders."),
     set_: list[str] = typer.Option([], "--set", help="Override a config key: section.key=value (repeatable)."),
@@ -192,8 +235,8 @@ def service_cmd(
     from schemas.topics import check_run_id
     from services.launch import supervisor
 
-    if name not in SERVICES:
-        raise UserError(f"unknown service {name!r}; one of: {', '.join(SERVICES)}")
+    if name not in (*SERVICES, *EXTRA_SERVICES):
+        raise UserError(f"unknown service {name!r}; one of: {', '.join((*SERVICES, *EXTRA_SERVICES))}")
     check_run_id(run)
     level = logging.getLevelName(log_level.upper())
     if not isinstance(level, int):
@@ -212,7 +255,7 @@ def service_cmd(
     if not opt("debug"):
         logging.getLogger("aiokafka").setLevel(max(logging.WARNING, level))
     run_dir = Path(runs_dir).resolve() / run
-    model_dir = str(Path(cfg.model.path) if cfg.model.path else run_dir / "model")
+    model_dir = str(model_dir_of(cfg, run_dir))
     asyncio.run(_run_service(name, cfg, run, run_dir, model_dir))
 
 
@@ -249,4 +292,9 @@ async def _run_service(name: str, cfg: Any, run: str, run_dir: Path, model_dir: 
 
         await recorder.run(recorder.RecorderSettings(
             run_id=run, dsn=store_dsn_of(cfg, run), kafka=cfg.kafka, stop_when_finished=True,
-            batch_max_records=cfg.store.batch_max_records, lag_report_every_s=cfg.store.lag_report_every_s), stop)
+            batch_max_records=cfg.store.batch_max_records, lag_report_every_s=cfg.store.lag_report_every_s,
+            config=cfg, run_dir=str(run_dir)), stop)
+    elif name == "env":
+        from services import env_worker
+
+        await env_worker.run(env_worker.EnvSettings(run_id=run, config=cfg), stop)

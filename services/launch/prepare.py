@@ -38,18 +38,42 @@ def write_run_config(cfg: RunConfig, run_dir: Path) -> Path:
     return path
 
 
-def prepare_model(cfg: RunConfig, run_dir: Path) -> Path:
-    """The model directory of the run (created when ``model.path`` is empty)."""
+def model_dir_of(cfg: RunConfig, run_dir: Path) -> Path:
+    """The model directory of a run: ``model.path``; else ``models/<model.source>`` for a packaged
+    model; else the tiny model at ``runs/<id>/model``."""
     if cfg.model.path:
-        path = Path(cfg.model.path)
+        return Path(cfg.model.path)
+    if cfg.model.source:
+        from services.launch.models import default_path
+
+        return Path(default_path(cfg.model.source))
+    return run_dir / "model"
+
+
+def prepare_model(cfg: RunConfig, run_dir: Path, progress: Callable[[str], None] = lambda _: None) -> Path:
+    """The model directory of the run: a packaged model (``model.source``) is converted into it once,
+    the tiny model is created when ``model.path`` is empty; its chat-template setting is checked."""
+    path = model_dir_of(cfg, run_dir)
+    if cfg.model.source:
+        from services.launch.models import ModelSourceError, ensure_model
+
+        try:
+            ensure_model(cfg.model.source, path, progress)
+        except ModelSourceError as e:
+            raise RunError(f"model.source={cfg.model.source!r}: {e}") from None
+    elif cfg.model.path:
         if not (path / "config.json").exists():
             raise RunError(f"model.path {path} is not a Hugging Face model directory (no config.json)")
-        return path
-    from rollout.model_init import init_tiny_model
+    elif not (path / "config.json").exists():
+        from rollout.model_init import init_tiny_model
 
-    path = run_dir / "model"
-    if not (path / "config.json").exists():
         init_tiny_model(path, cfg.model.init, seed=cfg.run.seed)
+    from rollout.model_init import load_tokenizer, use_chat_template
+
+    try:
+        use_chat_template(load_tokenizer(path), cfg.model.chat_template)
+    except ValueError as e:
+        raise RunError(str(e)) from None
     return path
 
 
@@ -83,9 +107,12 @@ async def prepare_run(cfg: RunConfig, run_id: str, bootstrap: str, console: Cons
     if on_run_dir is not None:
         on_run_dir(run_dir)
     console.print(f"run {run_id}: dir {run_dir}, kafka {bootstrap}")
-    with console.status("creating the model..."):
-        model_dir = prepare_model(cfg, run_dir)
+    with console.status("preparing the model...") as status:
+        model_dir = prepare_model(cfg, run_dir, progress=lambda msg: status.update(msg))
+    from services.devices import describe
+
     console.print(f"model: {model_dir}")
+    console.print(describe(cfg))
     return model_dir
 
 

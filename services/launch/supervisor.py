@@ -135,8 +135,11 @@ class Supervisor:
     def start_children(self) -> None:
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
+        # PYTHONHASHSEED: a few reasoning-gym generators iterate over sets, so the feeder and the
+        # trainer agree on the held-out split only with one hash seed in every service
         self._env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=self.bootstrap, PYTHONUNBUFFERED="1",
                          ROLLSTREAM_STORE=store_dsn_of(self.cfg, self.run_id))
+        self._env.setdefault("PYTHONHASHSEED", "0")
         for label in self.labels():
             slot = ServiceSlot(label, logs / f"{label}.log")
             self.slots.append(slot)

@@ -120,9 +120,9 @@ def rescore(s: ReplaySettings, progress: Progress = no_progress, examples: int =
     old_cfg = run_config(raw, [], s.run_id)
     new_cfg = run_config(raw, s.overrides, s.run_id)
     table = verifier_table(new_cfg)
-    for domain, (verifier, _) in table.items():
-        if verifier not in VERIFIERS:
-            raise ReplayError(f"domain {domain!r}: unknown verifier {verifier!r}; registered: "
+    for domain, scoring in table.items():
+        if scoring.verifier not in VERIFIERS:
+            raise ReplayError(f"domain {domain!r}: unknown verifier {scoring.verifier!r}; registered: "
                               f"{', '.join(sorted(VERIFIERS))}")
     sl = step_slice(client, s.run_id, s.from_step, s.to_step) if s.sliced else None
     steps = train_steps(client, s.run_id)
@@ -170,7 +170,7 @@ def rescore(s: ReplaySettings, progress: Progress = no_progress, examples: int =
         "overrides": list(s.overrides),
         "steps": [sl.first, sl.last] if sl else None,
         "adv_estimator": {"old": old_cfg.algorithm.adv_estimator, "new": new_cfg.algorithm.adv_estimator},
-        "verifiers": {d: v for d, (v, _) in table.items()},
+        "verifiers": {d: sc.verifier for d, sc in table.items()},
         "train_steps": len(steps),
         "trained_samples_missing": missing,
         "total": _domain_stats(list(items.values()), all_groups),

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from schemas import events as ev
@@ -99,6 +98,7 @@ def compare(recorded: dict[str, float], replayed: dict[str, float]) -> list[tupl
 def replay_train_step(cfg: RunConfig, run_id: str, step: int, *, dsn: str = "", device: str = "cpu",
                       progress: Any = None) -> StepReplay:
     """Recompute step ``step`` of run ``run_id`` (see the module doc)."""
+    from services.launch.prepare import model_dir_of
     from services.launch.supervisor import run_dir_of, store_dsn_of
     from services.trainer_service import Trainer, TrainerSettings
 
@@ -108,7 +108,7 @@ def replay_train_step(cfg: RunConfig, run_id: str, step: int, *, dsn: str = "", 
         raise ReplayError(f"step {step}: steps start at 0")
     client = st.connect_reader(dsn or store_dsn_of(cfg, run_id))
     try:
-        model_dir = Path(cfg.model.path) if cfg.model.path else run_dir / "model"
+        model_dir = model_dir_of(cfg, run_dir)
         trainer = Trainer(TrainerSettings(run_id=run_id, config=cfg, model_dir=str(model_dir), run_dir=str(run_dir),
                                           device=device))
         ckpts = [k for k in trainer.checkpoints() if k <= step]

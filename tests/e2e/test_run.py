@@ -78,3 +78,70 @@ def test_short_run_accounts_for_every_sample(tmp_path: Path, bootstrap: str, rep
         ratio = sql(f"SELECT max(abs(metrics['actor/ratio_mean'] - 1)) AS d FROM train_steps FINAL "
                     f"WHERE run_id = '{run_id}'", runs, run_id, env)
         assert ratio[0]["d"] < 1e-3
+
+
+CHAT_DOMAINS = (
+    "data.domains=["
+    "{name: sums, source: reasoning_gym, kwargs: {dataset: chain_sum, min_terms: 2, max_terms: 2, max_digits: 1},"
+    " answer: tag, format_reward: 0.1, ratio: 1},"
+    "{name: arith, source: arith, kwargs: {max_value: 20, heldout_fraction: 0.2}, answer: auto, ratio: 1,"
+    " system_prompt: 'Reply with <answer>N</answer>.'}]"
+)
+
+
+def test_chat_model_with_mixed_domains_answer_tags_and_tensorboard(tmp_path: Path, bootstrap: str,
+                                                                     repo_root: Path) -> None:
+    """A BPE model with a ChatML template, prompts through the template (a system prompt per model and
+    per domain), two domains (reasoning-gym and arith) scored from <answer> tags with a format reward,
+    a stop string, and TensorBoard files: the run completes and the record shows each part."""
+    from rollout.model_init import load_tokenizer
+
+    env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=bootstrap)
+    runs = tmp_path / "runs"
+    run_id = f"e2e-chat-{uuid.uuid4().hex[:6]}"
+    sets = [*SHORT, "train.steps=3", f"run.runs_dir={runs}", "model.init.tokenizer=bpe",
+            "model.init.chat_template=true", "model.init.max_position_embeddings=320", "model.chat_template=true",
+            "model.system_prompt=Answer inside <answer></answer> tags.", CHAT_DOMAINS,
+            "rollout.stop=['</answer>']", "tracking.tensorboard=true"]
+    res = rollstream("run", str(repo_root / "examples" / "main.yaml"), "--run-id", run_id,
+                     *[a for kv in sets for a in ("--set", kv)], env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "devices: rollout on cpu (float32), trainer on cpu (float32)" in res.stdout + res.stderr
+    summary = json.loads((runs / run_id / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["samples"]["unaccounted"] == 0
+
+    # both domains were sampled, trained and scored with their format component
+    rows = sql(f"SELECT s.domain AS domain, count() AS n, min(r.rewards['format']) AS fmin, "
+               f"max(r.rewards['format']) AS fmax, countIf(r.details LIKE 'format missing:%') AS missing, "
+               f"countIf(r.rewards['format'] = 0) AS nofmt, countIf(r.rewards['format'] = 1 AND r.reward < 0.1) AS cheap "
+               f"FROM samples AS s JOIN (SELECT * FROM sample_rewards FINAL) AS r "
+               f"ON r.run_id = s.run_id AND r.sample_id = s.sample_id WHERE s.run_id = '{run_id}' "
+               f"AND s.status = 'trained' GROUP BY domain ORDER BY domain", runs, run_id, env)
+    assert [r["domain"] for r in rows] == ["arith", "sums"]
+    for r in rows:
+        assert r["n"] > 0 and r["fmin"] in (0, 1) and r["fmax"] in (0, 1)
+        assert r["missing"] == r["nofmt"]  # no format <=> the reason is recorded
+    sums = rows[1]
+    assert sums["cheap"] == 0  # with the format, the reward includes format_reward 0.1
+    evals = sql(f"SELECT metrics FROM evals WHERE run_id = '{run_id}' AND split = 'heldout' ORDER BY step",
+                runs, run_id, env)
+    assert {"eval/sums/accuracy", "eval/arith/accuracy", "eval/accuracy"} <= set(evals[-1]["metrics"])
+
+    # prompts went through the chat template with the right system turn per domain
+    gens = sql(f"SELECT payload FROM events WHERE run_id = '{run_id}' AND kind = 'Generation' LIMIT 40",
+               runs, run_id, env)
+    tok = load_tokenizer(runs / run_id / "model")
+    seen = set()
+    for g in gens:
+        payload = json.loads(g["payload"])
+        text = tok.decode(payload["prompt_ids"])
+        domain = payload["task"]["domain"]
+        system = "Reply with <answer>N</answer>." if domain == "arith" else "Answer inside <answer></answer> tags."
+        assert text.startswith(f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n"), text
+        assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+        response = tok.decode(payload["response_ids"], skip_special_tokens=True)
+        if payload["finish_reason"] == "stop" and "</answer>" in response:
+            assert response.endswith("</answer>") or response.rstrip().endswith("</answer>")
+        seen.add(domain)
+    assert seen == {"arith", "sums"}
+    assert list((runs / run_id / "tb").glob("events.out.tfevents.*"))  # TensorBoard files were written

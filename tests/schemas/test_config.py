@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import typing
+
 import msgspec
 import pytest
 
@@ -59,6 +61,19 @@ def test_every_config_field_is_documented_and_docs_are_current() -> None:
 
     from schemas.docgen import SECTIONS, field_docs, render
 
+    documented = {cls for _, cls in SECTIONS}
+
+    def sections(cls: type, prefix: str) -> list[tuple[str, type]]:  # every Struct reachable from RunConfig
+        hints = typing.get_type_hints(cls)
+        out = []
+        for name in cls.__struct_fields__:
+            for tp in (hints[name], *typing.get_args(hints[name])):
+                if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+                    out += [(f"{prefix}{name}", tp), *sections(tp, f"{prefix}{name}.")]
+        return out
+
+    undocumented = [path for path, cls in sections(RunConfig, "") if cls not in documented]
+    assert not undocumented, f"config sections missing from schemas.docgen.SECTIONS: {undocumented}"
     for path, cls in SECTIONS:
         docs = field_docs(cls)
         missing = [f for f in cls.__struct_fields__ if not docs.get(f)]

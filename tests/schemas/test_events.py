@@ -89,3 +89,17 @@ def test_malformed_payload_is_a_validation_error() -> None:
         dec.decode(b"\xff\x00garbage")
     with pytest.raises(msgspec.ValidationError):
         dec.decode(msgspec.msgpack.encode({"kind": "Generation", "run_id": "r"}))
+
+
+def test_env_fields_added_after_v3_default_in_old_payloads() -> None:
+    """EnvStep.history/env/seed and EnvObservation.env_s/failed: v3 payloads decode with the
+    defaults, v4 payloads carry them."""
+    dec = msgspec.msgpack.Decoder(TOPICS["env.requests"].event_type)
+    old = dec.decode((FIXTURES / "v3" / "EnvStep.msgpack").read_bytes())
+    assert isinstance(old, ev.EnvStep) and (old.history, old.env, old.seed) == ([], None, 0)
+    new = dec.decode((FIXTURES / "v4" / "EnvStep.msgpack").read_bytes())
+    assert isinstance(new, ev.EnvStep) and new.history == ["2*3"] and new.env is not None and new.seed == 7
+    obs = msgspec.msgpack.Decoder(TOPICS["env.responses"].event_type)
+    old_obs = obs.decode((FIXTURES / "v3" / "EnvObservation.msgpack").read_bytes())
+    assert (old_obs.env_s, old_obs.failed) == (0.0, False)
+    assert obs.decode((FIXTURES / "v4" / "EnvObservation.msgpack").read_bytes()).env_s == 0.25

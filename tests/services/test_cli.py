@@ -216,6 +216,7 @@ def test_run_prepare_only_prepares_and_starts_nothing(bootstrap: str, tmp_path: 
         res = cli(*args, env=env)
         assert res.returncode == 0, res.stderr
         assert res.stdout.strip() == rid  # only the run id on stdout (for scripts and compose)
+        assert "devices: rollout on cpu (float32), trainer on cpu (float32)" in res.stderr  # where each service runs
         assert (runs / rid / "config.yaml").is_file() and (runs / rid / "model" / "config.json").is_file()
         assert [p.name for p in (runs / rid / "logs").iterdir()] == ["cli.log"]  # no service was started
         listed = cli("--bootstrap", bootstrap, "topics", "list", rid, env=env)

@@ -1,0 +1,261 @@
+"""``frozenlake``: Gymnasium's FrozenLake as a multi-turn text environment, and its task source.
+
+Each episode is determined by its seed: the map is ``generate_random_map(size, p, seed)``
+(Gymnasium's generator only returns maps with a path from S to G) and the Gymnasium environment
+(``FrozenLakeEnv(desc=map, is_slippery=slippery, success_rate=...)``) is reset with the same seed,
+which fixes the slips too. Replaying the same replies from the same seed replays the episode.
+
+Observations: the first one is short instructions plus the board; later ones a feedback line
+(moved / slipped / hit the edge / fell into a hole / reached the goal / invalid action) plus the
+board. The board is one row per line, cells separated by spaces: ``S`` start, ``F`` frozen,
+``H`` hole, ``G`` goal, ``P`` the player (drawn over the cell it stands on), top row first.
+
+Actions: ``left``, ``down``, ``right``, ``up`` — the LAST such word in the reply counts
+(case-insensitive, whole words); a reply that is only ``L``/``D``/``R``/``U`` counts too. A reply
+without one is an invalid action: it uses a turn, earns ``invalid_penalty`` (default 0) and the
+player stays. Reward: 1.0 on the step that reaches G, else 0 (falling into a hole ends the episode
+with 0). The episode truncates after ``max_turns`` steps (0 = ``5 * size``).
+
+``info``: ``turn``, ``state_hash`` (digest of the map and the player's cell), ``success``,
+``invalid_action``; ``seed`` after reset.
+
+Env kwargs (:class:`FrozenLakeConfig`): ``size`` (2..16, default 4), ``p`` (probability of a
+frozen cell, 0.6..1, default 0.8), ``slippery`` (default false), ``success_rate`` (probability of
+moving in the intended direction when slippery, default 1/3), ``max_turns``, ``invalid_penalty``
+(<= 0).
+
+Task source ``frozenlake``: one problem per episode seed, ``prompt_id = "frozenlake:<seed>"``,
+the prompt is the first observation, the reference ``{"env", "seed", "kwargs"}`` as JSON. The
+held-out split is by map: a seed is held out iff ``sha256(salt|map)`` falls below
+``heldout_fraction``, so held-out maps are never trained on (tiny maps repeat across seeds);
+``heldout(n)`` is the first ``n`` held-out seeds counting from 0. The expert
+(:func:`expert_actions`, :meth:`FrozenLakeSource.demonstration`) follows a BFS shortest path
+around the holes (on slippery ice it may still fail).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
+from typing import Any
+
+from envs.gym_text import EpisodeSource, GymTextEnv, check_kwargs, word_action_parser
+from envs.registry import register_env, register_source
+
+ACTIONS = ("left", "down", "right", "up")
+"""Gymnasium's action order: 0 left, 1 down, 2 right, 3 up."""
+_DELTA = {0: (0, -1), 1: (1, 0), 2: (0, 1), 3: (-1, 0)}
+_DIR_BY_DELTA = {d: ACTIONS[a] for a, d in _DELTA.items()}
+parse_action = word_action_parser(
+    {w: i for i, w in enumerate(ACTIONS)}, {w[0]: i for i, w in enumerate(ACTIONS)}
+)
+
+
+@dataclass(frozen=True)
+class FrozenLakeConfig:
+    """The environment kwargs (see the module doc)."""
+
+    size: int = 4
+    p: float = 0.8
+    slippery: bool = False
+    success_rate: float = 1.0 / 3.0
+    max_turns: int = 0
+    invalid_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_kwargs("frozenlake", asdict(self), _TYPES)
+        if not 2 <= self.size <= 16:
+            raise ValueError(f"frozenlake: size={self.size} must be in [2, 16]")
+        if not 0.6 <= self.p <= 1.0:
+            raise ValueError(f"frozenlake: p={self.p} must be in [0.6, 1]")
+        if not 0.0 < self.success_rate <= 1.0:
+            raise ValueError(f"frozenlake: success_rate={self.success_rate} must be in (0, 1]")
+        if not 0 <= self.max_turns <= 10_000:
+            raise ValueError(f"frozenlake: max_turns={self.max_turns} must be in [0, 10000] (0 = 5*size)")
+        if not -1.0 <= self.invalid_penalty <= 0.0:
+            raise ValueError(f"frozenlake: invalid_penalty={self.invalid_penalty} must be in [-1, 0]")
+
+    @property
+    def turns(self) -> int:
+        """The turn limit (``max_turns``, or ``5 * size`` when 0)."""
+        return self.max_turns or 5 * self.size
+
+
+_TYPES: dict[str, type | tuple[type, ...]] = {
+    "size": int,
+    "p": float,
+    "slippery": bool,
+    "success_rate": float,
+    "max_turns": int,
+    "invalid_penalty": float,
+}
+
+
+@lru_cache(maxsize=8192)
+def generate_map(size: int, p: float, seed: int) -> tuple[str, ...]:
+    """The map of episode ``seed``: rows of ``S F H G`` (Gymnasium's ``generate_random_map``)."""
+    from gymnasium.envs.toy_text.frozen_lake import generate_random_map
+
+    return tuple(generate_random_map(size=size, p=p, seed=seed))
+
+
+def shortest_path(desc: tuple[str, ...] | list[str]) -> list[str]:
+    """A shortest list of action words from S to G avoiding holes (BFS; ``[]`` if none)."""
+    rows, cols = len(desc), len(desc[0])
+    start = next((r, c) for r in range(rows) for c in range(cols) if desc[r][c] == "S")
+    prev: dict[tuple[int, int], tuple[tuple[int, int], int] | None] = {start: None}
+    queue = deque([start])
+    while queue:
+        cell = queue.popleft()
+        if desc[cell[0]][cell[1]] == "G":
+            path: list[str] = []
+            while (step := prev[cell]) is not None:
+                cell, a = step
+                path.append(ACTIONS[a])
+            return path[::-1]
+        for a, (dr, dc) in _DELTA.items():
+            nxt = (cell[0] + dr, cell[1] + dc)
+            if 0 <= nxt[0] < rows and 0 <= nxt[1] < cols and nxt not in prev and desc[nxt[0]][nxt[1]] != "H":
+                prev[nxt] = (cell, a)
+                queue.append(nxt)
+    return []
+
+
+def render_board(desc: tuple[str, ...], pos: int) -> str:
+    """The board with the player ``P`` on cell index ``pos`` (row-major)."""
+    cols = len(desc[0])
+    pr, pc = divmod(pos, cols)
+    return "\n".join(
+        " ".join("P" if (r, c) == (pr, pc) else ch for c, ch in enumerate(row)) for r, row in enumerate(desc)
+    )
+
+
+class FrozenLake(GymTextEnv):
+    """The ``frozenlake`` text environment (see the module doc)."""
+
+    def __init__(self, config: FrozenLakeConfig | None = None) -> None:
+        self.config = cfg = config or FrozenLakeConfig()
+        self.desc: tuple[str, ...] = ()
+        slip = (
+            " The ice is slippery: you may slide sideways instead of where you wanted."
+            if cfg.slippery
+            else ""
+        )
+        instructions = (
+            "FrozenLake: walk from the start S to the goal G over frozen cells F without stepping "
+            f"into a hole H. P marks you; up moves toward the top line.{slip} You have {cfg.turns} "
+            "moves. Reply with one move: left, down, right or up (the last one in your reply counts)."
+        )
+        super().__init__(
+            self._make,
+            self._render,
+            parse_action,
+            instructions=instructions,
+            max_turns=cfg.turns,
+            invalid_penalty=cfg.invalid_penalty,
+            invalid_message="Invalid action: reply with left, down, right or up. You did not move.",
+            state_key=self._state_key,
+            describe=self._describe,
+        )
+
+    def _make(self, seed: int) -> Any:
+        from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv
+
+        cfg = self.config
+        desc = generate_map(cfg.size, cfg.p, seed)
+        if desc == self.desc and self.gym_env is not None:
+            return self.gym_env  # same map: reuse (reset(seed=...) reseeds its randomness)
+        self.desc = desc
+        return FrozenLakeEnv(desc=list(self.desc), is_slippery=cfg.slippery, success_rate=cfg.success_rate)
+
+    def _render(self, obs: Any) -> str:
+        return render_board(self.desc, int(obs))
+
+    def _state_key(self, obs: Any) -> str:
+        return f"frozenlake|{'/'.join(self.desc)}|{int(obs)}"
+
+    def _describe(self, prev: Any, action: int, obs: Any, reward: float, terminated: bool) -> str:
+        cols = len(self.desc[0])
+        (r0, c0), (r1, c1) = divmod(int(prev), cols), divmod(int(obs), cols)
+        want = ACTIONS[action]
+        moved = _DIR_BY_DELTA.get((r1 - r0, c1 - c0))
+        if moved == want:
+            text = f"You moved {want}."
+        elif moved is not None:
+            text = f"You tried to move {want} but slipped {moved}."
+        else:
+            dr, dc = _DELTA[action]
+            if 0 <= r0 + dr < len(self.desc) and 0 <= c0 + dc < cols:
+                text = f"You tried to move {want} but slipped against the edge and stayed in place."
+            else:
+                text = f"You cannot move {want}: that is the edge of the lake. You stayed in place."
+        cell = self.desc[r1][c1]
+        if terminated and cell == "H":
+            text += " You fell into a hole. Game over."
+        elif terminated and cell == "G":
+            text += " You reached the goal!"
+        return text
+
+
+@register_env("frozenlake")
+def make_frozenlake_env(prompt: str = "", reference: str = "", **kwargs: Any) -> FrozenLake:
+    """Build a :class:`FrozenLake` from JSON-scalar kwargs (``prompt`` / ``reference`` ignored)."""
+    check_kwargs("frozenlake", kwargs, _TYPES)
+    return FrozenLake(FrozenLakeConfig(**kwargs))
+
+
+# --------------------------------------------------------------------------- task source
+
+
+@dataclass(frozen=True)
+class FrozenLakeSource(EpisodeSource):
+    """FrozenLake episodes as problems (see :class:`envs.gym_text.EpisodeSource`); registered as
+    ``frozenlake``."""
+
+    size: int = 4
+    p: float = 0.8
+    slippery: bool = False
+    success_rate: float = 1.0 / 3.0
+    max_turns: int = 0
+    invalid_penalty: float = 0.0
+    heldout_fraction: float = 0.05
+    salt: str = "frozenlake"
+    name: str = "frozenlake"
+    default_verifier: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heldout_fraction < 1:
+            raise ValueError(f"frozenlake: heldout_fraction={self.heldout_fraction} must be in (0, 1)")
+        self.config  # noqa: B018 - validates the env kwargs
+
+    @property
+    def config(self) -> FrozenLakeConfig:
+        return FrozenLakeConfig(**self.env_kwargs())
+
+    def env_kwargs(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(FrozenLakeConfig)}
+
+    def env(self) -> FrozenLake:
+        """A fresh environment with this source's env kwargs."""
+        return FrozenLake(self.config)
+
+    def layout(self, seed: int) -> str:
+        return "/".join(generate_map(self.size, self.p, seed))
+
+    def expert_actions(self, seed: int) -> list[str]:
+        """The expert's moves for episode ``seed``: a BFS shortest path on its map."""
+        return shortest_path(generate_map(self.size, self.p, seed))
+
+
+@register_source("frozenlake")
+def make_frozenlake_source(**kwargs: Any) -> FrozenLakeSource:
+    """Build a :class:`FrozenLakeSource` from the env kwargs plus ``heldout_fraction`` / ``salt``."""
+    check_kwargs("frozenlake", kwargs, {**_TYPES, "heldout_fraction": float, "salt": str})
+    return FrozenLakeSource(**kwargs)
+
+
+def expert_actions(seed: int, **kwargs: Any) -> list[str]:
+    """The expert's moves for episode ``seed`` of ``frozenlake`` with env ``kwargs``."""
+    cfg = FrozenLakeConfig(**kwargs)
+    return shortest_path(generate_map(cfg.size, cfg.p, seed))

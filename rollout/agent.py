@@ -1,0 +1,294 @@
+"""The agent loop: one multi-turn episode of a policy in an environment, as one token sequence.
+
+:func:`run_episode` alternates model turns and environment turns until the environment ends the
+episode or a limit is reached:
+
+* **Turn 0.** ``client.reset`` gives the first observation; the prompt is that observation rendered
+  as the first user turn (after the system prompt) through the tokenizer's chat template with the
+  assistant's generation prompt (:class:`Turns`; the same rendering as single-turn prompts).
+* **A model turn** is one engine request over the whole conversation so far (the KV cache is not
+  kept across turns; a turn re-reads its context). Its tokens are trained on (``loss_mask`` 1) with
+  their behaviour logprobs. The action sent to the environment is the turn's decoded text.
+* **An environment turn**: ``client.step`` gives the next observation; its tokens are the chat
+  template's text between the end of the model's turn and the next generation prompt (end of turn,
+  the user turn holding the observation, the assistant header). They are context only:
+  ``loss_mask`` 0, logprob 0.
+* **Limits**: ``max_turns`` model turns; ``max_tokens_per_turn`` per model turn; the whole
+  sequence (prompt + every turn) stays within ``max_context_tokens`` (and the model's
+  ``max_position_embeddings``): a turn gets at most the room
+  left, and an episode whose next observation does not fit ends (``finish="context"``).
+* **Policy versions**: every turn records the weights version it started and ended with. The
+  caller keeps weight swaps out of turns (the rollout worker holds its swap lock while a turn
+  generates); :attr:`Trajectory.versions_consistent` says whether that held.
+* **Rewards**: one per model turn (the reward the environment returned for that action), in
+  :attr:`Trajectory.step_rewards`; the episode return is their sum.
+* **Failures**: an environment error (a crash or a timeout reported by the env worker, or the
+  client raising) ends the episode with ``finish="env_error"`` and the reason in ``error``; the turns
+  played so far are kept, so the sample is recorded and accounted for, never lost.
+
+Text-delta rendering (:class:`Turns`): after a model turn, the environment's tokens are found by
+rendering the conversation without and with the new observation and taking the text difference,
+so any chat template that is prefix-stable across turns works (ChatML, Llama-3 and most others).
+The model's own tokens are kept exactly as sampled (never decoded and re-encoded), so the trainer
+scores the very tokens the engine produced. A template that is not prefix-stable is refused with
+a clear error. Without a chat template, observations are appended as ``"\\n" + text + "\\n"``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Protocol
+
+from rollout.engine import Engine, GenerationRequest
+from rollout.sampling import SamplingParams
+
+Finish = Literal["terminated", "truncated", "max_turns", "context", "env_error"]
+
+
+@dataclass(frozen=True)
+class AgentLimits:
+    """Limits of one episode."""
+
+    max_turns: int = 8
+    """Model turns at most."""
+    max_tokens_per_turn: int = 32
+    """Generated tokens per model turn at most."""
+    max_context_tokens: int = 1024
+    """Prompt plus every turn, tokens at most."""
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the environment answered to a reset or a step."""
+
+    text: str
+    reward: float = 0.0
+    terminated: bool = False
+    truncated: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+    """Non-empty: the environment failed on this step (crash, timeout); the episode ends."""
+    env_s: float = 0.0
+    """Seconds the environment took (simulated latency included)."""
+
+
+class EnvClient(Protocol):
+    """How the agent loop reaches an environment (over Kafka in the rollout worker; in-process in tests)."""
+
+    async def reset(self, episode_id: str, env: str, kwargs: dict[str, Any], seed: int) -> Observation: ...
+
+    async def step(self, episode_id: str, step: int, action: str, *, history: list[str],
+                   policy_version: int) -> Observation: ...
+
+
+@dataclass
+class Trajectory:
+    """One episode as the trainer sees it (a ``Generation`` with per-turn rewards)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    """Model and environment tokens interleaved, after the prompt."""
+    logprobs: list[float] = field(default_factory=list)
+    """Behaviour logprob of each model token; 0.0 on environment tokens."""
+    loss_mask: list[int] = field(default_factory=list)
+    """1 on model tokens, 0 on environment tokens."""
+    step_rewards: list[float] = field(default_factory=list)
+    """One reward per model turn."""
+    actions: list[str] = field(default_factory=list)
+    observations: list[str] = field(default_factory=list)
+    """Every observation, the reset's first."""
+    versions: list[tuple[int, int]] = field(default_factory=list)
+    """(start, end) weights version of every model turn."""
+    infos: list[dict[str, Any]] = field(default_factory=list)
+    finish: Finish = "max_turns"
+    last_finish_reason: str = "stop"
+    """The engine's finish reason of the last model turn (``stop`` / ``length``)."""
+    success: bool = False
+    error: str = ""
+    gen_s: float = 0.0
+    env_s: float = 0.0
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.actions)
+
+    @property
+    def episode_return(self) -> float:
+        return float(sum(self.step_rewards))
+
+    @property
+    def versions_consistent(self) -> bool:
+        """Every turn ran on one weights version (no swap inside a turn)."""
+        return all(a == b for a, b in self.versions)
+
+
+class Turns:
+    """Token bookkeeping of a conversation rendered through a chat template (see the module doc)."""
+
+    def __init__(self, tokenizer: Any, chat: bool, system_prompt: str = "") -> None:
+        self.tok, self.chat = tokenizer, chat
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+
+    def _render(self, generation_prompt: bool) -> str:
+        return str(self.tok.apply_chat_template(self.messages, add_generation_prompt=generation_prompt, tokenize=False))
+
+    def _ids(self, text: str, specials: bool) -> list[int]:
+        return list(self.tok(text, add_special_tokens=specials)["input_ids"])
+
+    def start(self, observation: str) -> list[int]:
+        """Prompt ids: the system turn (if any) and the first observation as the user turn."""
+        if not self.chat:
+            return self._ids(observation, specials=True)
+        self.messages.append({"role": "user", "content": observation})
+        return self._ids(self._render(True), specials=False)
+
+    def after_turn(self, turn_ids: list[int], action: str, observation: str) -> list[int]:
+        """The environment's tokens after a model turn (``turn_ids`` as sampled) that answered
+        ``action`` and got ``observation``: everything up to the next generation prompt."""
+        if not self.chat:
+            return self._ids("\n" + observation + "\n", specials=False)
+        # what the template writes after an assistant message's content (its end-of-turn marker),
+        # found with a marker as the content so that the action's own text cannot confuse it
+        marker = "\x00rollstream-turn-end\x00"
+        self.messages.append({"role": "assistant", "content": marker})
+        with_marker = self._render(False)
+        tail = with_marker[with_marker.rindex(marker) + len(marker):]
+        self.messages[-1] = {"role": "assistant", "content": action}
+        closed = self._render(False)
+        self.messages.append({"role": "user", "content": observation})
+        opened = self._render(True)
+        if not opened.startswith(closed) or not closed.endswith(tail):
+            raise ValueError("the chat template is not prefix-stable across turns (rendering a new user turn "
+                             "changed the text before it); multi-turn episodes need one that is")
+        last = str(self.tok.decode(turn_ids[-1:])) if turn_ids else ""
+        if last and tail.startswith(last) and turn_ids[-1] in self.tok.all_special_ids:
+            tail = tail[len(last):]  # the model already wrote its end-of-turn token
+        return self._ids(tail + opened[len(closed):], specials=False)
+
+
+async def run_episode(
+    engine: Engine,
+    tokenizer: Any,
+    client: EnvClient,
+    *,
+    episode_id: str,
+    env: str,
+    env_kwargs: dict[str, Any],
+    seed: int,
+    params: SamplingParams,
+    limits: AgentLimits = AgentLimits(),
+    system_prompt: str = "",
+) -> Trajectory:
+    """Play one episode (see the module doc). Never raises for the environment's fault."""
+    turns = Turns(tokenizer, engine.chat, system_prompt)
+    t0 = time.perf_counter()
+    try:
+        first = await client.reset(episode_id, env, env_kwargs, seed)
+    except Exception as e:  # the client itself failed (timeout waiting for the env worker, ...)
+        first = Observation("", error=f"reset failed: {type(e).__name__}: {e}")
+    traj = Trajectory(prompt_ids=turns.start(first.text) if not first.error else [], env_s=first.env_s)
+    traj.observations.append(first.text)
+    traj.infos.append(dict(first.info))
+    if first.error:
+        traj.finish, traj.error = "env_error", first.error
+        return traj
+    # the model's own position limit bounds the context too (the engine refuses longer prompts)
+    context = min(limits.max_context_tokens, int(getattr(engine, "max_positions", limits.max_context_tokens)))
+    for step in range(1, limits.max_turns + 1):
+        used = len(traj.prompt_ids) + len(traj.response_ids)
+        room = min(limits.max_tokens_per_turn, context - used)
+        if room < 1:
+            traj.finish = "context"
+            break
+        req = GenerationRequest(f"{episode_id}/t{step}", traj.prompt_ids + traj.response_ids,
+                                replace(params, max_new_tokens=room))
+        completion = None
+        async for c in engine.generate([req]):
+            completion = c
+        assert completion is not None
+        if completion.error:
+            raise RuntimeError(f"engine error: {completion.error}")
+        traj.gen_s += completion.gen_s
+        traj.versions.append((completion.policy_version, completion.policy_version_end))
+        traj.response_ids += completion.token_ids
+        traj.logprobs += completion.logprobs
+        traj.loss_mask += [1] * len(completion.token_ids)
+        traj.last_finish_reason = completion.finish_reason
+        action = completion.text
+        traj.actions.append(action)
+        try:
+            obs = await client.step(episode_id, step, action, history=traj.actions[:-1],
+                                    policy_version=completion.policy_version)
+        except Exception as e:
+            obs = Observation("", error=f"step failed: {type(e).__name__}: {e}")
+        traj.env_s += obs.env_s
+        traj.step_rewards.append(float(obs.reward))
+        traj.observations.append(obs.text)
+        traj.infos.append(dict(obs.info))
+        if obs.error:
+            traj.finish, traj.error = "env_error", obs.error
+            break
+        if obs.terminated or obs.truncated:
+            traj.finish = "terminated" if obs.terminated else "truncated"
+            traj.success = bool(obs.info.get("success", False))
+            break
+        if step == limits.max_turns:
+            traj.finish = "max_turns"
+            break
+        env_ids = turns.after_turn(completion.token_ids, action, obs.text)
+        if len(traj.prompt_ids) + len(traj.response_ids) + len(env_ids) >= context:
+            traj.finish = "context"
+            break
+        traj.response_ids += env_ids
+        traj.logprobs += [0.0] * len(env_ids)
+        traj.loss_mask += [0] * len(env_ids)
+    traj.gen_s = traj.gen_s or (time.perf_counter() - t0 - traj.env_s)
+    return traj
+
+
+class LocalEnvClient:
+    """An :class:`EnvClient` that runs registered environments in this process (tests, offline
+    benchmarks); the env workers serve the same protocol over Kafka."""
+
+    def __init__(self, make_env: Any) -> None:
+        self._make = make_env
+        self.episodes: dict[str, Any] = {}
+
+    async def reset(self, episode_id: str, env: str, kwargs: dict[str, Any], seed: int) -> Observation:
+        try:
+            instance = self._make(env, prompt="", reference="", **kwargs)
+            text, info = instance.reset(seed)
+        except Exception as e:
+            return Observation("", error=f"{type(e).__name__}: {e}", terminated=True)
+        self.episodes[episode_id] = instance
+        return Observation(text, info=dict(info))
+
+    async def step(self, episode_id: str, step: int, action: str, *, history: list[str],
+                   policy_version: int) -> Observation:
+        instance = self.episodes.get(episode_id)
+        if instance is None:
+            return Observation("", error=f"unknown episode {episode_id}", terminated=True)
+        try:
+            res = instance.step(action)
+        except Exception as e:
+            return Observation("", error=f"{type(e).__name__}: {e}", terminated=True)
+        return Observation(res.observation, reward=float(res.reward), terminated=bool(res.terminated),
+                           truncated=bool(res.truncated), info=dict(res.info))
+
+
+def turn_spans(loss_mask: Iterable[int]) -> list[tuple[int, int]]:
+    """``[start, end)`` of every contiguous run of ``loss_mask == 1`` (the model turns), in order."""
+    spans: list[tuple[int, int]] = []
+    start = -1
+    mask = list(loss_mask)
+    for i, m in enumerate(mask):
+        if m and start < 0:
+            start = i
+        elif not m and start >= 0:
+            spans.append((start, i))
+            start = -1
+    if start >= 0:
+        spans.append((start, len(mask)))
+    return spans

@@ -1,0 +1,173 @@
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from envs import Env, TaskSource, make_env, make_source
+from envs.frozenlake import FrozenLakeSource, expert_actions, generate_map, make_frozenlake_env, shortest_path
+
+
+def play(env: Env, seed: int, actions: list[str]) -> list[tuple[object, ...]]:
+    obs, info = env.reset(seed)
+    out: list[tuple[object, ...]] = [(obs, info["state_hash"])]
+    for a in actions:
+        res = env.step(a)
+        out.append((res.observation, res.reward, res.terminated, res.truncated, res.info["state_hash"]))
+        if res.terminated or res.truncated:
+            break
+    return out
+
+
+def test_registered_and_built_like_make_env_does() -> None:
+    env = make_env("frozenlake", prompt="ignored", reference="ignored", size=5)
+    assert isinstance(env, Env)
+    obs, info = env.reset(0)
+    assert "left, down, right or up" in obs
+    board = obs.split("\n\n")[-1].splitlines()
+    assert len(board) == 5 and board[0].split()[0] == "P" and board[-1].split()[-1] == "G"
+    assert set(info) >= {"state_hash", "success", "invalid_action", "turn", "seed"}
+    assert isinstance(make_source("frozenlake"), TaskSource)
+
+
+def test_episode_is_determined_by_the_seed() -> None:
+    actions = ["down", "right", "right", "down", "up", "right", "down"] * 2
+    for slippery in (False, True):
+        a, b = make_frozenlake_env(slippery=slippery), make_frozenlake_env(slippery=slippery)
+        for seed in range(20):
+            assert play(a, seed, actions) == play(b, seed, actions)
+    maps = {generate_map(4, 0.8, s) for s in range(50)}
+    assert len(maps) > 20  # different seeds, different maps
+
+
+def test_generated_maps_are_solvable() -> None:
+    for size in (4, 8):
+        for seed in range(100):
+            path = shortest_path(generate_map(size, 0.8, seed))
+            assert len(path) >= 2 * size - 2
+
+
+def test_expert_solves_heldout_episodes() -> None:
+    src = make_source("frozenlake")
+    assert isinstance(src, FrozenLakeSource)
+    for p in src.heldout(30):
+        seed = src.seed_of(p)
+        env = make_frozenlake_env()
+        obs, _ = env.reset(seed)
+        assert obs == p.prompt
+        demo = src.demonstration(p, random.Random(0)).split("\n")
+        assert demo == src.expert_actions(seed) == expert_actions(seed)
+        for i, a in enumerate(demo):
+            res = env.step(a)
+            assert res.terminated == (i == len(demo) - 1)
+            assert res.reward == (1.0 if res.terminated else 0.0)
+        assert res.info["success"] is True and not res.truncated
+        assert all(type(v) in (str, int, float, bool) for v in res.info.values())  # JSON scalars
+        assert "reached the goal" in res.observation
+
+
+def test_falling_into_a_hole_ends_without_reward() -> None:
+    env = make_frozenlake_env(size=8)
+    for seed in range(50):
+        desc = generate_map(8, 0.8, seed)
+        if desc[0][1] == "H":
+            env.reset(seed)
+            res = env.step("right")
+            assert res.terminated and res.reward == 0.0 and res.info["success"] is False
+            assert "hole" in res.observation
+            return
+    pytest.fail("no map with a hole right of the start")
+
+
+def test_invalid_action_and_edges() -> None:
+    env = make_frozenlake_env(invalid_penalty=-0.05)
+    _, info = env.reset(3)
+    res = env.step("I am not sure what to do")
+    assert res.reward == -0.05 and res.info["invalid_action"] is True and res.info["turn"] == 1
+    assert res.info["state_hash"] == info["state_hash"] and res.observation.startswith("Invalid action")
+    res = env.step("LEFT")  # the start is in the top-left corner: blocked by the edge
+    assert res.reward == 0.0 and res.info["invalid_action"] is False
+    assert res.info["state_hash"] == info["state_hash"] and "edge" in res.observation
+
+
+def test_truncates_at_max_turns() -> None:
+    env = make_frozenlake_env(max_turns=3)
+    env.reset(0)
+    assert not env.step("up").truncated
+    assert not env.step("?").truncated
+    res = env.step("up")
+    assert res.truncated and not res.terminated and res.info["turn"] == 3
+    with pytest.raises(RuntimeError):
+        env.step("up")
+    assert "You have 30 moves" in make_frozenlake_env(size=6).reset(0)[0]  # default 5 * size
+
+
+def test_state_hash() -> None:
+    env = make_frozenlake_env(p=1.0)  # all frozen: every seed has the same map
+    a = play(env, 1, ["down", "right"])[-1][-1]
+    b = play(env, 2, ["right", "down"])[-1][-1]
+    c = play(env, 1, ["right", "right"])[-1][-1]
+    assert a == b != c  # equal states, equal hashes (even across seeds); other states differ
+    seeds = [s for s in range(50) if generate_map(4, 0.8, s) != generate_map(4, 0.8, 0)]
+    env = make_frozenlake_env()
+    assert env.reset(0)[1]["state_hash"] != env.reset(seeds[0])[1]["state_hash"]  # other map
+
+
+def test_slippery_is_random_across_seeds_but_fixed_per_seed() -> None:
+    actions = ["right", "down"] * 6
+    env = make_frozenlake_env(p=1.0, slippery=True, max_turns=12)
+    runs = [play(env, s, actions) for s in range(10)]
+    assert runs == [play(env, s, actions) for s in range(10)]
+    assert len({tuple(r[-1][-1] for r in run[1:]) for run in runs}) > 1  # seeds slip differently
+    assert any("slipped" in str(step[0]) for run in runs for step in run[1:])
+    still = make_frozenlake_env(p=1.0, max_turns=12)
+    assert len({tuple(step[-1] for step in play(still, s, actions)[1:]) for s in range(10)}) == 1
+
+
+def test_heldout_is_deterministic_and_disjoint_from_training() -> None:
+    src, other = make_source("frozenlake"), make_source("frozenlake")
+    held = src.heldout(40)
+    assert held == other.heldout(40) and held[:10] == src.heldout(10)
+    assert len({p.prompt_id for p in held}) == 40 and all(src.is_heldout(p) for p in held)
+    rng = random.Random(0)
+    train = [src.sample(rng) for _ in range(1000)]
+    assert not any(src.is_heldout(p) for p in train)
+    held_maps = {p.prompt.split("\n\n")[-1] for p in held}
+    assert not held_maps & {p.prompt.split("\n\n")[-1] for p in train}
+    assert not {p.prompt_id for p in held} & {p.prompt_id for p in train}
+
+
+def test_reference_rebuilds_the_episode() -> None:
+    src = make_source("frozenlake", size=5, slippery=True)
+    p = src.sample(random.Random(3))
+    ref = json.loads(p.reference)
+    assert ref["env"] == "frozenlake" and p.prompt_id == f"frozenlake:{ref['seed']}" and p.verifier == ""
+    env = make_env(ref["env"], prompt=p.prompt, reference=p.reference, **ref["kwargs"])
+    assert env.reset(ref["seed"])[0] == p.prompt
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"size": 1}, "size"),
+        ({"size": 4.0}, "size"),
+        ({"size": True}, "size"),
+        ({"p": 0.2}, "p"),
+        ({"slippery": "yes"}, "slippery"),
+        ({"success_rate": 0.0}, "success_rate"),
+        ({"max_turns": -1}, "max_turns"),
+        ({"invalid_penalty": 0.5}, "invalid_penalty"),
+        ({"holes": 3}, "holes"),
+    ],
+)
+def test_kwargs_are_validated(kwargs: dict[str, object], name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        make_frozenlake_env(**kwargs)
+    with pytest.raises(ValueError, match=name):
+        make_source("frozenlake", **kwargs)
+
+
+def test_source_kwargs_are_validated() -> None:
+    with pytest.raises(ValueError, match="heldout_fraction"):
+        make_source("frozenlake", heldout_fraction=1.5)

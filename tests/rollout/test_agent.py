@@ -1,0 +1,131 @@
+"""The agent loop: a multi-turn episode as one token sequence, on a tiny BPE model with a ChatML
+template and an in-process environment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from envs.base import StepResult
+from rollout.agent import AgentLimits, LocalEnvClient, Observation, run_episode, turn_spans
+from rollout.engine import TorchEngine
+from rollout.model_init import init_tiny_model
+from rollout.sampling import SamplingParams
+from schemas.config import TinyModelSpec
+from trainer.batch import TrainSample, collate
+from trainer.strategy import TorchStrategy
+
+SPEC = TinyModelSpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=2048,
+                     tokenizer="bpe", chat_template=True)
+SYSTEM = "You walk a corridor."
+
+
+class Corridor:
+    """Scripted: reward 0.5 per turn, ends after ``length`` turns (or raises at ``crash_at``)."""
+
+    def __init__(self, length: int = 3, crash_at: int = 0, **_: Any) -> None:
+        self.length, self.crash_at, self.t = length, crash_at, 0
+
+    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        self.t = 0
+        return f"start {seed}", {"state_hash": "s0"}
+
+    def step(self, action: str) -> StepResult:
+        self.t += 1
+        if self.t == self.crash_at:
+            raise RuntimeError("the corridor collapsed")
+        done = self.t >= self.length
+        return StepResult(f"room {self.t}", 0.5, done, False, {"success": done, "state_hash": f"s{self.t}"})
+
+
+def client() -> LocalEnvClient:
+    return LocalEnvClient(lambda name, prompt="", reference="", **kw: Corridor(**kw))
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_tiny_model(tmp_path_factory.mktemp("agent") / "bpe", SPEC, seed=5)
+
+
+async def episode(engine: TorchEngine, limits: AgentLimits = AgentLimits(max_turns=5, max_tokens_per_turn=6),
+                  **kw: Any):
+    return await run_episode(engine, engine.tokenizer, client(), episode_id="e1", env="corridor", env_kwargs=kw,
+                             seed=7, params=SamplingParams(max_new_tokens=6, temperature=1.0), limits=limits,
+                             system_prompt=SYSTEM)
+
+
+async def test_tokens_are_the_rendered_conversation_with_model_tokens_masked_in(chat_dir: Path) -> None:
+    engine = TorchEngine(chat_dir, max_batch=4, seed=1)
+    traj = await episode(engine, length=3)
+    assert traj.finish == "terminated" and traj.success and traj.num_turns == 3
+    assert traj.step_rewards == [0.5, 0.5, 0.5] and traj.episode_return == 1.5
+    assert traj.observations == ["start 7", "room 1", "room 2", "room 3"]
+    assert len(traj.response_ids) == len(traj.logprobs) == len(traj.loss_mask)
+    spans = turn_spans(traj.loss_mask)
+    assert len(spans) == 3  # one contiguous run of model tokens per turn
+    assert all(traj.logprobs[i] == 0.0 for i, m in enumerate(traj.loss_mask) if not m)
+    tok = engine.tokenizer
+    text = tok.decode(traj.prompt_ids + traj.response_ids)
+    # the whole sequence is the chat template's rendering of the conversation (the last turn open)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "start 7"}]
+    for i, action in enumerate(traj.actions[:-1]):
+        messages += [{"role": "assistant", "content": action}, {"role": "user", "content": f"room {i + 1}"}]
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    last = tok.decode(traj.response_ids[spans[-1][0]:])
+    assert text == rendered + last
+    # model tokens are exactly what was sampled: the trainer's logprobs of the whole sequence agree
+    strategy = TorchStrategy(chat_dir, temperature=1.0, micro_batch_size=2)
+    batch = collate([TrainSample(traj.prompt_ids, traj.response_ids, traj.logprobs, traj.loss_mask, 1.0,
+                                 group_id="g")], strategy.pad_id)
+    mask = batch.loss_mask.bool()
+    assert torch.allclose(strategy.logprobs(batch)[mask], batch.old_logprobs[mask], atol=1e-4)
+    assert traj.versions == [(0, 0)] * 3 and traj.versions_consistent
+
+
+async def test_limits_and_failures_end_the_episode_with_what_was_played(chat_dir: Path) -> None:
+    engine = TorchEngine(chat_dir, max_batch=4, seed=2)
+    capped = await episode(engine, AgentLimits(max_turns=2, max_tokens_per_turn=4), length=9)
+    assert capped.finish == "max_turns" and capped.num_turns == 2 and not capped.success
+    assert all(b - a <= 4 for a, b in turn_spans(capped.loss_mask))
+    tight = await episode(engine, AgentLimits(max_turns=9, max_tokens_per_turn=6, max_context_tokens=70), length=9)
+    assert tight.finish == "context" and len(tight.prompt_ids) + len(tight.response_ids) <= 70
+    crashed = await episode(engine, length=5, crash_at=2)
+    assert crashed.finish == "env_error" and "the corridor collapsed" in crashed.error
+    assert crashed.num_turns == 2 and crashed.step_rewards == [0.5, 0.0]
+
+
+async def test_a_failed_reset_is_an_env_error_not_an_exception(chat_dir: Path) -> None:
+    engine = TorchEngine(chat_dir, max_batch=2)
+    bad = LocalEnvClient(lambda *a, **k: (_ for _ in ()).throw(ValueError("no such env")))
+    traj = await run_episode(engine, engine.tokenizer, bad, episode_id="e", env="x", env_kwargs={}, seed=0,
+                             params=SamplingParams(max_new_tokens=4))
+    assert traj.finish == "env_error" and "no such env" in traj.error and traj.num_turns == 0
+
+
+async def test_frozenlake_expert_through_the_loop(chat_dir: Path) -> None:
+    """A real registered environment through the in-process client, with the model's actions replaced
+    by the expert's (the loop, the env protocol and the rewards line up)."""
+    import envs
+    from envs.frozenlake import expert_actions
+
+    actions = iter(expert_actions(3))
+
+    class Scripted(LocalEnvClient):
+        async def step(self, episode_id: str, step: int, action: str, *, history: list[str],
+                       policy_version: int) -> Observation:
+            return await super().step(episode_id, step, next(actions), history=history, policy_version=policy_version)
+
+    engine = TorchEngine(chat_dir, max_batch=2)
+    traj = await run_episode(engine, engine.tokenizer, Scripted(envs.make_env), episode_id="f", env="frozenlake",
+                             env_kwargs={"size": 4}, seed=3, params=SamplingParams(max_new_tokens=3),
+                             limits=AgentLimits(max_turns=20, max_tokens_per_turn=3, max_context_tokens=2000))
+    assert traj.success and traj.finish == "terminated" and traj.episode_return == 1.0
+    assert traj.step_rewards[-1] == 1.0 and sum(traj.step_rewards[:-1]) == 0.0
+
+
+def test_turn_spans() -> None:
+    assert turn_spans([0, 1, 1, 0, 0, 1, 0, 1]) == [(1, 3), (5, 6), (7, 8)]
+    assert turn_spans([]) == [] and turn_spans([0, 0]) == []

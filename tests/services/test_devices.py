@@ -1,0 +1,46 @@
+"""Where the model services run: ``rollout.device`` / ``train.device`` resolved against this machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from schemas.config import ConfigError, parse_config, resolve_dtype
+from services.devices import describe, placement, resolve_device
+
+
+def test_resolve_dtype_follows_the_device() -> None:
+    assert resolve_dtype("auto", "cpu") == "float32"
+    assert resolve_dtype("auto", "cuda:0") == "bfloat16"
+    assert resolve_dtype("float16", "cpu") == "float16"
+
+
+def test_cpu_and_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto") == "cpu"
+    with pytest.raises(ConfigError, match=r"^config: train.device='cuda:1' but this machine has no CUDA device"):
+        resolve_device("cuda:1", "train.device")
+
+
+def test_cuda_index_beyond_the_visible_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("auto") == "cuda:0"
+    assert resolve_device("cuda") == "cuda:0"
+    assert resolve_device("cuda:1") == "cuda:1"
+    with pytest.raises(ConfigError, match=r"rollout.device='cuda:2' but this machine has 2 CUDA device\(s\)"):
+        resolve_device("cuda:2", "rollout.device")
+
+
+def test_placement_and_the_line_run_prints(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    shared = parse_config("rollout: {device: cuda:0, workers: 2}\ntrain: {device: auto}")
+    assert placement(shared) == {"rollout": ("cuda:0", "bfloat16"), "trainer": ("cuda:0", "bfloat16")}
+    assert describe(shared) == ("devices: rollout ×2 on cuda:0 (bfloat16), trainer on cuda:0 (bfloat16) "
+                                "(one shared GPU)")
+    split = parse_config("rollout: {device: cuda:1}\ntrain: {device: cuda:0}\nmodel: {dtype: float32}")
+    assert describe(split) == "devices: rollout on cuda:1 (float32), trainer on cuda:0 (float32)"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert describe(parse_config("{}")) == "devices: rollout on cpu (float32), trainer on cpu (float32)"
