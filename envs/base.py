@@ -8,6 +8,7 @@ single-turn verifier is an environment with exactly one step: ``reset`` returns 
 
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -85,3 +86,17 @@ class TaskSource(Protocol):
     def demonstration(self, problem: Problem, rng: random.Random) -> str:
         """A correct response to ``problem`` to imitate in the supervised warm-up."""
         ...
+
+
+def seed_heldout(salt: str, seed: int, fraction: float) -> bool:
+    """Whether ``seed`` is in the held-out split: ``sha256(salt|seed)`` in ``[0, 1)`` < fraction."""
+    digest = hashlib.sha256(f"{salt}|{seed}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def seed_of(problem: Problem, name: str) -> int:
+    """The seed of a ``"<name>:<seed>"`` problem id."""
+    prefix, _, seed = problem.prompt_id.partition(":")
+    if prefix != name or not seed.lstrip("-").isdigit():
+        raise ValueError(f"not a {name} problem id: {problem.prompt_id!r}")
+    return int(seed)

@@ -44,7 +44,6 @@ A seed is held out iff ``sha256("tool_use|<seed>")`` mapped to ``[0, 1)`` is bel
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
 import math
 import random
@@ -53,7 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from envs.base import Problem, StepResult
+from envs.base import Problem, StepResult, seed_heldout, seed_of
 from envs.registry import register_env, register_source
 from envs.sandbox import SandboxLimits, SandboxResult, run_python
 
@@ -451,20 +450,6 @@ def make_tool_use_env(**kwargs: Any) -> ToolUseEnv:
 
 
 # =========================================================================== the task source
-
-
-def seed_heldout(salt: str, seed: int, fraction: float) -> bool:
-    """Whether ``seed`` is in the held-out split: ``sha256(salt|seed)`` in ``[0, 1)`` < fraction."""
-    digest = hashlib.sha256(f"{salt}|{seed}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
-
-
-def seed_of(problem: Problem, name: str) -> int:
-    """The seed of a ``"<name>:<seed>"`` problem id."""
-    prefix, _, seed = problem.prompt_id.partition(":")
-    if prefix != name or not seed.lstrip("-").isdigit():
-        raise ValueError(f"not a {name} problem id: {problem.prompt_id!r}")
-    return int(seed)
 
 
 class ToolUseSource:

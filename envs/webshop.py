@@ -51,7 +51,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from envs.base import Problem, StepResult
+from envs.base import Problem, StepResult, seed_heldout, seed_of
 from envs.registry import register_env, register_source
 
 NAME = "webshop"
@@ -442,18 +442,6 @@ def make_webshop_env(**kwargs: Any) -> WebShopEnv:
 # =========================================================================== the task source
 
 
-def _seed_heldout(seed: int, fraction: float) -> bool:
-    digest = hashlib.sha256(f"{NAME}|{seed}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
-
-
-def _seed_of(problem: Problem) -> int:
-    prefix, _, seed = problem.prompt_id.partition(":")
-    if prefix != NAME or not seed.lstrip("-").isdigit():
-        raise ValueError(f"not a {NAME} problem id: {problem.prompt_id!r}")
-    return int(seed)
-
-
 class WebShopSource:
     """Episodes of ``webshop`` as problems (see the module doc). Registered as ``webshop``."""
 
@@ -476,19 +464,19 @@ class WebShopSource:
         return Problem(prompt_id=f"{NAME}:{seed}", prompt=obs, reference=ref, verifier="")
 
     def is_heldout(self, problem: Problem) -> bool:
-        return _seed_heldout(_seed_of(problem), self.heldout_fraction)
+        return seed_heldout(NAME, seed_of(problem, NAME), self.heldout_fraction)
 
     def sample(self, rng: random.Random) -> Problem:
         while True:
             seed = rng.randrange(2**31)
-            if not _seed_heldout(seed, self.heldout_fraction):
+            if not seed_heldout(NAME, seed, self.heldout_fraction):
                 return self.problem(seed)
 
     def heldout_seeds(self, n: int) -> list[int]:
         out: list[int] = []
         seed = 0
         while len(out) < n:
-            if _seed_heldout(seed, self.heldout_fraction):
+            if seed_heldout(NAME, seed, self.heldout_fraction):
                 out.append(seed)
             seed += 1
         return out
@@ -511,7 +499,7 @@ class WebShopSource:
         return [*actions, "buy"]
 
     def demonstration(self, problem: Problem, rng: random.Random) -> str:
-        return DEMO_SEP.join(self.expert_actions(_seed_of(problem)))
+        return DEMO_SEP.join(self.expert_actions(seed_of(problem, NAME)))
 
 
 @register_source(NAME)
