@@ -357,9 +357,13 @@ def test_works_for_an_unprivileged_caller() -> None:
 
 
 def _run_as_nobody(python: Path, script: Path) -> subprocess.CompletedProcess[str]:
+    # a copy of the module beside the script: the checkout itself may be private to root (mktemp -d)
+    module = script.with_name("sandbox_copy.py")
+    module.write_text(Path(sandbox.__file__).read_text())
+    module.chmod(0o644)
     script.write_text(
         "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('sb', {sandbox.__file__!r})\n"
+        f"spec = importlib.util.spec_from_file_location('sb', {str(module)!r})\n"
         "sb = importlib.util.module_from_spec(spec); sys.modules['sb'] = sb; spec.loader.exec_module(sb)\n"
         "lim = sb.SandboxLimits(wall_s=3, max_processes=8, memory_mb=256)\n"
         "r = sb.run_python('import os\\nprint(os.getuid())\\nopen(\"/tmp/x-nonroot-probe\", \"w\")', limits=lim,"
