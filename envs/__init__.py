@@ -15,7 +15,9 @@ from envs import (
 from envs.base import Env, Problem, StepResult, TaskSource, Verifier, VerifyResult
 from envs.extract import extract_answer
 from envs.registry import (
+    episodic_domains,
     get_verifier,
+    is_episodic,
     make_source,
     register_env,
     register_source,
@@ -35,10 +37,12 @@ __all__ = [
     "VerifyResult",
     "arith",
     "code",
+    "episodic_domains",
     "extract_answer",
     "frozenlake",
     "get_verifier",
     "gym_text",
+    "is_episodic",
     "make_env",
     "make_source",
     "reasoning_gym",

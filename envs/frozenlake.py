@@ -22,7 +22,9 @@ with 0). The episode truncates after ``max_turns`` steps (0 = ``5 * size``).
 Env kwargs (:class:`FrozenLakeConfig`): ``size`` (2..16, default 4), ``p`` (probability of a
 frozen cell, 0.6..1, default 0.8), ``slippery`` (default false), ``success_rate`` (probability of
 moving in the intended direction when slippery, default 1/3), ``max_turns``, ``invalid_penalty``
-(<= 0).
+(<= 0), ``neighbors`` (default false: true adds a line under the board naming what lies one move
+away in each direction, ``Around you: left edge, down hole, right ice, up edge.``, so a small model
+need not locate itself on the board to avoid holes).
 
 Task source ``frozenlake``: one problem per episode seed, ``prompt_id = "frozenlake:<seed>"``,
 the prompt is the first observation, the reference ``{"env", "seed", "kwargs"}`` as JSON. The
@@ -62,6 +64,7 @@ class FrozenLakeConfig:
     success_rate: float = 1.0 / 3.0
     max_turns: int = 0
     invalid_penalty: float = 0.0
+    neighbors: bool = False
 
     def __post_init__(self) -> None:
         check_kwargs("frozenlake", asdict(self), _TYPES)
@@ -89,6 +92,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "success_rate": float,
     "max_turns": int,
     "invalid_penalty": float,
+    "neighbors": bool,
 }
 
 
@@ -131,6 +135,21 @@ def render_board(desc: tuple[str, ...], pos: int) -> str:
     )
 
 
+_CELL_NAMES = {"S": "start", "F": "ice", "H": "hole", "G": "goal"}
+
+
+def neighbor_line(desc: tuple[str, ...], pos: int) -> str:
+    """What lies one move away in each direction, e.g. ``Around you: left edge, down hole, right ice, up edge.``"""
+    cols = len(desc[0])
+    r, c = divmod(pos, cols)
+    parts = []
+    for a, (dr, dc) in _DELTA.items():
+        rr, cc = r + dr, c + dc
+        what = _CELL_NAMES[desc[rr][cc]] if 0 <= rr < len(desc) and 0 <= cc < cols else "edge"
+        parts.append(f"{ACTIONS[a]} {what}")
+    return f"Around you: {', '.join(parts)}."
+
+
 class FrozenLake(GymTextEnv):
     """The ``frozenlake`` text environment (see the module doc)."""
 
@@ -170,7 +189,8 @@ class FrozenLake(GymTextEnv):
         return FrozenLakeEnv(desc=list(self.desc), is_slippery=cfg.slippery, success_rate=cfg.success_rate)
 
     def _render(self, obs: Any) -> str:
-        return render_board(self.desc, int(obs))
+        board = render_board(self.desc, int(obs))
+        return f"{board}\n{neighbor_line(self.desc, int(obs))}" if self.config.neighbors else board
 
     def _state_key(self, obs: Any) -> str:
         return f"frozenlake|{'/'.join(self.desc)}|{int(obs)}"
@@ -219,6 +239,7 @@ class FrozenLakeSource(EpisodeSource):
     success_rate: float = 1.0 / 3.0
     max_turns: int = 0
     invalid_penalty: float = 0.0
+    neighbors: bool = False
     heldout_fraction: float = 0.05
     salt: str = "frozenlake"
     name: str = "frozenlake"

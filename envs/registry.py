@@ -69,3 +69,33 @@ def get_env_factory(name: str) -> EnvFactory:
     """The registered environment factory ``name``."""
     factory: EnvFactory = _lookup(ENVS, "environment", name)
     return factory
+
+
+def is_episodic(source: str) -> bool:
+    """Whether task source ``source`` is multi-turn: registered as an environment too, so its problems
+    are episodes played by the rollout agent loop against environment workers (``frozenlake``,
+    ``sokoban``, ``tool_use``, ``webshop``) rather than single responses scored by a verifier."""
+    return source in ENVS and source in SOURCES
+
+
+def episodic_domains(cfg: Any) -> list[str]:
+    """Names of the run config's multi-turn domains (:func:`is_episodic` sources), in config order."""
+    return [d.name for d in cfg.data.domains if is_episodic(d.source)]
+
+
+def load_plugins(modules: list[str]) -> None:
+    """Import ``modules`` (``data.plugins``) so their registrations take effect; the current directory
+    is searched too. Raises ``ImportError`` naming the module and why."""
+    import importlib
+    import os
+    import sys
+
+    here = os.getcwd()
+    if modules and here not in sys.path:
+        sys.path.append(here)
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ImportError(f"cannot import plugin module {name!r}: {type(e).__name__}: {first}") from None

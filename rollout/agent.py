@@ -36,15 +36,17 @@ a clear error. Without a chat template, observations are appended as ``"\\n" + t
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from rollout.engine import Engine, GenerationRequest
 from rollout.sampling import SamplingParams
 
-Finish = Literal["terminated", "truncated", "max_turns", "context", "env_error"]
+Finish = Literal["terminated", "truncated", "max_turns", "context", "env_error", "cancelled"]
 
 
 @dataclass(frozen=True)
@@ -180,8 +182,16 @@ async def run_episode(
     params: SamplingParams,
     limits: AgentLimits = AgentLimits(),
     system_prompt: str = "",
+    turn_guard: Callable[[], contextlib.AbstractAsyncContextManager[None]] | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> Trajectory:
-    """Play one episode (see the module doc). Never raises for the environment's fault."""
+    """Play one episode (see the module doc). Never raises for the environment's fault.
+
+    ``turn_guard()`` is entered around every model turn's generation (the rollout worker passes
+    :meth:`SwapLock.turn`, so weights are never swapped inside a turn). ``cancelled()`` is asked
+    before every model turn: true ends the episode there (``finish="cancelled"``; a redundant
+    episode whose group finished without it)."""
+    guard = turn_guard or contextlib.nullcontext
     turns = Turns(tokenizer, engine.chat, system_prompt)
     t0 = time.perf_counter()
     try:
@@ -197,6 +207,9 @@ async def run_episode(
     # the model's own position limit bounds the context too (the engine refuses longer prompts)
     context = min(limits.max_context_tokens, int(getattr(engine, "max_positions", limits.max_context_tokens)))
     for step in range(1, limits.max_turns + 1):
+        if cancelled is not None and cancelled():
+            traj.finish = "cancelled"
+            break
         used = len(traj.prompt_ids) + len(traj.response_ids)
         room = min(limits.max_tokens_per_turn, context - used)
         if room < 1:
@@ -205,8 +218,9 @@ async def run_episode(
         req = GenerationRequest(f"{episode_id}/t{step}", traj.prompt_ids + traj.response_ids,
                                 replace(params, max_new_tokens=room))
         completion = None
-        async for c in engine.generate([req]):
-            completion = c
+        async with guard():
+            async for c in engine.generate([req]):
+                completion = c
         assert completion is not None
         if completion.error:
             raise RuntimeError(f"engine error: {completion.error}")
@@ -248,6 +262,48 @@ async def run_episode(
     return traj
 
 
+class SwapLock:
+    """Keeps weight swaps out of agent turns: any number of turns at once, or one swap.
+
+    A swap waits for the turns in progress to end; turns that start while a swap waits wait for it
+    (the swap is never starved by a stream of overlapping turns, and a turn is short: at most
+    ``max_new_tokens`` tokens)."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._turns = 0
+        self._swapping = False
+        self._swaps_waiting = 0
+
+    @contextlib.asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._swapping and not self._swaps_waiting)
+            self._turns += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._turns -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def swap(self) -> AsyncIterator[None]:
+        async with self._cond:
+            self._swaps_waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._swapping and self._turns == 0)
+            finally:
+                self._swaps_waiting -= 1
+            self._swapping = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._swapping = False
+                self._cond.notify_all()
+
+
 class LocalEnvClient:
     """An :class:`EnvClient` that runs registered environments in this process (tests, offline
     benchmarks); the env workers serve the same protocol over Kafka."""
@@ -276,6 +332,49 @@ class LocalEnvClient:
             return Observation("", error=f"{type(e).__name__}: {e}", terminated=True)
         return Observation(res.observation, reward=float(res.reward), terminated=bool(res.terminated),
                            truncated=bool(res.truncated), info=dict(res.info))
+
+
+def expert_episode(
+    tokenizer: Any,
+    chat: bool,
+    env: Any,
+    seed: int,
+    actions: list[str],
+    *,
+    end_of_turn_id: int,
+    system_prompt: str = "",
+    limits: AgentLimits = AgentLimits(),
+) -> tuple[list[int], list[int], list[int]]:
+    """An expert's episode as the agent loop would have produced it, for the supervised warm-up:
+    ``(prompt_ids, target_ids, target_mask)``.
+
+    ``env`` (a fresh environment) is reset with ``seed`` and the ``actions`` are played in order;
+    each model turn is the action's tokens plus ``end_of_turn_id`` (what ends a turn in rollout:
+    an EOS token) with mask 1, each environment turn the tokens :class:`Turns` renders, mask 0 —
+    the same layout :func:`run_episode` produces. It stops when the episode ends, after
+    ``limits.max_turns`` turns, or where the next turn would not fit in ``limits.max_context_tokens``.
+    """
+    turns = Turns(tokenizer, chat, system_prompt)
+    text, _ = env.reset(seed=seed)
+    prompt = turns.start(text)
+    target: list[int] = []
+    mask: list[int] = []
+    for i, action in enumerate(actions[: limits.max_turns]):
+        turn_ids = [*tokenizer(action, add_special_tokens=False)["input_ids"], end_of_turn_id]
+        if len(prompt) + len(target) + len(turn_ids) > limits.max_context_tokens:
+            break
+        target += turn_ids
+        mask += [1] * len(turn_ids)
+        obs, _, terminated, truncated, _ = env.step(action)
+        if terminated or truncated or i + 1 == len(actions):
+            break
+        env_ids = turns.after_turn(turn_ids, action, obs)
+        target += env_ids
+        mask += [0] * len(env_ids)
+    while mask and mask[-1] == 0:  # never end on environment tokens
+        target.pop()
+        mask.pop()
+    return prompt, target, mask
 
 
 def turn_spans(loss_mask: Iterable[int]) -> list[tuple[int, int]]:

@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from safetensors.torch import load_file
@@ -101,6 +101,10 @@ class Engine(Protocol):
     """Version of the weights in use (the last :meth:`load_weights`)."""
     chat: bool
     """Whether :meth:`encode` renders prompts through the tokenizer's chat template."""
+    tokenizer: Any
+    """The model's Hugging Face tokenizer (multi-turn episodes render their turns with it)."""
+    max_positions: int
+    """Longest sequence the model takes (``max_position_embeddings``), tokens."""
 
     def encode(self, prompt: str, system_prompt: str | None = None) -> list[int]:
         """Prompt token ids as this engine renders them (chat template or bare text with BOS);

@@ -195,6 +195,12 @@ class DataConfig(Section):
     """Domains mixed by ``ratio``."""
     heldout_size: int = 128
     """Fixed held-out prompts per domain for greedy evaluation (never trained on)."""
+    plugins: list[str] = msgspec.field(default_factory=list)
+    """Python modules every service imports before it builds its task sources, verifiers and
+    environments, so that your own ``@register_source`` / ``@register_env`` / ``@register_verifier``
+    code is known by name (``docs/agentic.md``). Found on ``sys.path`` plus the directory
+    ``rollstream`` was started in (``my_envs`` for ``./my_envs.py``). A module that cannot be imported
+    is refused before anything starts."""
 
 
 class RolloutConfig(Section):
@@ -225,6 +231,19 @@ class RolloutConfig(Section):
     device: str = "auto"
     """Torch device of the rollout engine: ``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda``
     or ``cuda:N``. A CUDA device that is not there is refused before anything starts."""
+    group_size_redundancy: int = 0
+    """``r``: extra samples per group. ``group_size + r`` are started and the first ``group_size`` to
+    finish (to be scored) are kept; the others are cancelled — a multi-turn episode stops before its
+    next turn, a sample that finishes anyway is not trained — and recorded as ``filtered`` with a
+    reason starting ``cancelled:``. Against stragglers (slow or hanging environments); the feeder's
+    in-flight bound grows by ``(group_size + r) / group_size``."""
+    max_turns: int = 8
+    """Multi-turn domains: agent turns per episode at most (each turn generates at most
+    ``max_new_tokens``); an episode still running after them ends with ``env_finish: max_turns``."""
+    max_context_tokens: int = 1024
+    """Multi-turn domains: prompt plus every agent and environment turn, tokens at most (also capped
+    by the model's ``max_position_embeddings``); an episode whose next observation would not fit ends
+    with ``env_finish: context``."""
 
 
 class TrainConfig(Section):
@@ -537,6 +556,13 @@ class EnvWorkersConfig(Section):
     max_episodes: int = 1024
     """Episodes one worker keeps in memory (least recently used are evicted; an evicted episode is
     rebuilt from the history its next step carries)."""
+    workers: int = 1
+    """Environment worker processes ``rollstream run`` starts when a domain is multi-turn (one
+    consumer group on ``env.requests``; none are started for single-turn runs)."""
+    request_timeout_s: float = 120.0
+    """How long the rollout agent waits for the answer to one reset or step, seconds (it covers a
+    worker's restart and the rebuild of its episodes by another); past it the episode ends with
+    ``env_finish: env_error``."""
 
 
 class RunConfig(Section):
@@ -558,6 +584,9 @@ class RunConfig(Section):
         for key, value in (("rollout.group_size", self.rollout.group_size), ("rollout.workers", self.rollout.workers),
                            ("rollout.max_batch", self.rollout.max_batch),
                            ("rollout.max_new_tokens", self.rollout.max_new_tokens),
+                           ("rollout.max_turns", self.rollout.max_turns),
+                           ("rollout.max_context_tokens", self.rollout.max_context_tokens),
+                           ("env.workers", self.env.workers),
                            ("train.batch_size", self.train.batch_size),
                            ("train.micro_batch_size", self.train.micro_batch_size)):
             if value < 1:
@@ -567,6 +596,10 @@ class RunConfig(Section):
                 f"train.batch_size={self.train.batch_size} must be a multiple of "
                 f"rollout.group_size={self.rollout.group_size} (batches hold whole groups)"
             )
+        if self.rollout.group_size_redundancy < 0:
+            raise ValueError(f"rollout.group_size_redundancy={self.rollout.group_size_redundancy} must be >= 0")
+        if self.env.request_timeout_s <= 0:
+            raise ValueError(f"env.request_timeout_s={self.env.request_timeout_s} must be > 0")
         if self.rollout.async_ratio < 0:
             raise ValueError(f"rollout.async_ratio={self.rollout.async_ratio} must be >= 0")
         if self.rollout.temperature <= 0:
@@ -595,8 +628,11 @@ class RunConfig(Section):
 
     @property
     def max_inflight(self) -> int:
-        """Samples the feeder keeps outstanding: ``batch_size × (1 + async_ratio)``."""
-        return int(self.train.batch_size * (1 + self.rollout.async_ratio) * (1 + self.algorithm.oversample_ratio))
+        """Samples the feeder keeps outstanding: ``batch_size × (1 + async_ratio) × (1 +
+        oversample_ratio)``, times ``(group_size + group_size_redundancy) / group_size``."""
+        n, r = self.rollout.group_size, self.rollout.group_size_redundancy
+        return int(self.train.batch_size * (1 + self.rollout.async_ratio) * (1 + self.algorithm.oversample_ratio)
+                   * (n + r) / n)
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

@@ -83,6 +83,10 @@ class RolloutTask(Event, frozen=True, kw_only=True):
     """Latest weights version the feeder had seen when it issued the task."""
     max_new_tokens: int | None = None
     """Per-task cap on generated tokens; ``None`` uses the rollout config."""
+    redundancy: int = 0
+    """``rollout.group_size_redundancy``: the group has ``group_size + redundancy`` tasks (indices
+    ``0 .. group_size + redundancy - 1``) of which the first ``group_size`` to finish are kept.
+    (Added after v4.)"""
 
 
 # --------------------------------------------------------------------------- environments
@@ -172,6 +176,28 @@ class Generation(Event, frozen=True, kw_only=True):
     """Seconds spent waiting on environments (multi-turn)."""
     num_turns: int = 1
     """Agent turns in the episode (1 for single-turn tasks)."""
+    episode_id: str = ""
+    """Multi-turn: the episode's id on ``env.requests`` / ``env.responses`` (unique per attempt:
+    ``<sample_id>@<8 hex>``); empty for single-turn tasks. (Added after v4.)"""
+    step_rewards: list[float] = msgspec.field(default_factory=list)
+    """Multi-turn: the environment's reward for each agent turn, in order (``len == num_turns``).
+    (Added after v4.)"""
+    turn_versions: list[int] = msgspec.field(default_factory=list)
+    """Multi-turn: the weights version each agent turn was generated with (weights are swapped
+    between turns, never inside one). (Added after v4.)"""
+    state_hashes: list[str] = msgspec.field(default_factory=list)
+    """Multi-turn: the environment state each agent turn acted from (``info["state_hash"]`` of the
+    observation before the turn; empty string where the environment reports none), GiGPO's step
+    anchors. (Added after v4.)"""
+    env_finish: str = ""
+    """Multi-turn: how the episode ended: ``terminated``, ``truncated`` (by the environment),
+    ``max_turns``, ``context`` (a rollout limit), ``env_error`` (the environment failed: see
+    ``env_error``). Empty for single-turn tasks. (Added after v4.)"""
+    env_error: str = ""
+    """Multi-turn: why the environment failed (crash, timeout, unreachable), one line. (Added after v4.)"""
+    success: bool = False
+    """Multi-turn: the environment reported success (``info["success"]``) when the episode ended.
+    (Added after v4.)"""
 
 
 # --------------------------------------------------------------------------- scored

@@ -5,7 +5,10 @@ start it reads the run's ``tasks``, ``metrics``, ``dlq``, ``weights`` and ``cont
 beginning (commits nothing) and :meth:`Feeder.observe` rebuilds its state from them; it acts in
 ``on_tick``, after every poll, once it has caught up with the topics' ends.
 
-* Each prompt is replicated into ``rollout.group_size`` independent tasks sharing a
+* A multi-turn domain's tasks (:func:`envs.is_episodic` sources) carry the episode's environment
+  in ``RolloutTask.env`` (the seed is in the reference); the rollout worker plays them.
+* Each prompt is replicated into ``rollout.group_size`` (plus ``rollout.group_size_redundancy``
+  redundant ones, whose surplus the trainer cancels) independent tasks sharing a
   ``group_id`` (``g000000``, ``g000001``...; sample ids ``<group_id>/<index>``). Domains are mixed
   by ``data.domains[].ratio``; group ``k`` draws its prompt from ``Random(f"{seed}/{k}")``, so
   a restarted feeder continues the same prompt sequence.
@@ -139,19 +142,20 @@ class Feeder(BatchService):
         i = rng.choices(range(len(domains)), weights=[d.ratio for d in domains])[0]
         problem = self.sources[i].sample(rng)
         group_id = f"g{k:06d}"
-        n = self.cfg.rollout.group_size
+        n, r = self.cfg.rollout.group_size, self.cfg.rollout.group_size_redundancy
+        env = episode_spec(problem.reference) if envs.is_episodic(domains[i].source) else None
         return [
             ev.RolloutTask(
                 run_id=self.s.run_id, sample_id=f"{group_id}/{j}", group_id=group_id, index=j, group_size=n,
                 prompt_id=problem.prompt_id, domain=domains[i].name, prompt=problem.prompt,
-                reference=problem.reference, policy_version=self.version,
+                reference=problem.reference, policy_version=self.version, env=env, redundancy=r,
             )
-            for j in range(n)
+            for j in range(n + r)
         ]
 
     def short_groups(self) -> list[ev.RolloutTask]:
         """The tasks missing from groups only partly on ``tasks`` (a feeder killed mid-send)."""
-        n = self.cfg.rollout.group_size
+        n = self.cfg.rollout.group_size + self.cfg.rollout.group_size_redundancy
         out: list[ev.RolloutTask] = []
         for gid, have in sorted(self.members.items()):
             if len(have) < n and gid[:1] == "g" and gid[1:].isdigit():
@@ -164,7 +168,8 @@ class Feeder(BatchService):
             and not self.finished
             and self.version >= self.steps_seen
             and self.steps_seen < self.cfg.train.steps  # the last step's samples are out already
-            and self.outstanding + self.cfg.rollout.group_size <= self.cfg.max_inflight
+            and self.outstanding + self.cfg.rollout.group_size + self.cfg.rollout.group_size_redundancy
+            <= self.cfg.max_inflight
         )
 
     # -- the service
@@ -249,6 +254,13 @@ class Feeder(BatchService):
         # "stopped": someone drained the run (rollstream stop) before its last step
         await runner.send("control", ev.RunFinished(run_id=run_id, status="stopped" if self.stopped_by else "completed"))
         self.finished = True
+
+
+def episode_spec(reference: str) -> ev.EnvSpec:
+    """The environment of a multi-turn problem, from its reference (``{"env", "seed", "kwargs"}`` as
+    JSON, :class:`envs.gym_text.EpisodeSource`); the seed stays in the reference."""
+    ref = json.loads(reference)
+    return ev.EnvSpec(name=str(ref["env"]), kwargs=dict(ref.get("kwargs") or {}))
 
 
 async def run(settings: FeederSettings, stop: asyncio.Event | None = None) -> int:

@@ -97,6 +97,8 @@ def score(gen: ev.Generation, table: VerifierTable, reward: RewardConfig) -> ev.
     bounded by ``reward.timeout_s`` with ``reward.isolation``. A domain without a verifier, or a
     verifier error, scores 0 with the reason in ``details``.
     """
+    if gen.episode_id:
+        return score_episode(gen)
     task = gen.task
     scoring = table.get(task.domain)
     if task.env is not None:
@@ -118,6 +120,24 @@ def score(gen: ev.Generation, table: VerifierTable, reward: RewardConfig) -> ev.
         rewards={"correct": float(result.correct), **result.components},
         verifier=verifier, details=details, reward_s=time.perf_counter() - t0,
         policy_version=gen.policy_version,
+    )
+
+
+def score_episode(gen: ev.Generation) -> ev.ScoredSample:
+    """Score a multi-turn episode (``gen.episode_id`` set): the environment already rewarded every
+    turn, so no verifier runs. ``reward`` is the episode return (the sum of ``step_rewards``);
+    ``step_rewards`` go on to the step-level estimators; components: ``correct`` (the environment
+    reported success), ``return`` and ``turns``. ``details`` says how the episode ended."""
+    ret = float(sum(gen.step_rewards))
+    name = gen.task.env.name if gen.task.env is not None else gen.task.domain
+    details = f"{gen.env_finish or 'ended'} after {gen.num_turns} turn(s)"
+    if gen.env_error:
+        details += f"; environment error: {gen.env_error}"
+    return ev.ScoredSample(
+        run_id=gen.run_id, generation=gen, reward=ret,
+        rewards={"correct": float(gen.success), "return": ret, "turns": float(gen.num_turns)},
+        verifier=f"env:{name}", details=details, policy_version=gen.policy_version,
+        step_rewards=list(gen.step_rewards),
     )
 
 

@@ -12,6 +12,19 @@ weights, and the runtime dead-letters it — like undecodable bytes, an engine e
 timeout — naming its sample and group, so the sample ends as ``dead_letter`` and its group
 completes without it.
 
+Multi-turn domains (:func:`envs.is_episodic` sources): a task is one episode played by
+:func:`rollout.agent.run_episode` against the environment workers over Kafka
+(:class:`services.env_client.KafkaEnvClient`), limited by ``rollout.max_turns``,
+``rollout.max_new_tokens`` per turn and ``rollout.max_context_tokens``. Its ``Generation``
+interleaves the model's turns (``loss_mask`` 1) and the environment's (0) and carries the per-turn
+rewards, weights versions and state hashes. Weights are swapped between turns, never inside one
+(:class:`rollout.agent.SwapLock`). With ``rollout.group_size_redundancy`` a follower of ``metrics``
+collects the samples the trainer cancelled (their group finished without them): they are not
+started, and an episode stops before its next turn (nothing is emitted: the trainer's ``filtered``
+outcome is their record). An episode the environment failed (a crash, a timeout, no
+worker answering within ``env.request_timeout_s``) is dead-lettered with the reason: recorded,
+its group completes without it, and it is not trained on.
+
 Weights: a background consumer (no group) reads the run's compacted ``weights`` topic and
 hot-swaps every new ``WeightsPublished`` into the engine between decode steps (an undecodable
 record there is logged; the feeder dead-letters it). A task is not started before the
@@ -24,15 +37,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import socket
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from aiokafka.errors import KafkaError
 
+import envs
+from rollout.agent import AgentLimits, SwapLock, Trajectory, run_episode
 from rollout.engine import GenerationRequest
 from rollout.factory import make_engine
 from rollout.sampling import SamplingParams
@@ -40,6 +58,7 @@ from schemas import events as ev
 from schemas.config import RunConfig
 from schemas.topics import topic_name
 from services.devices import resolve_device
+from services.env_client import KafkaEnvClient
 from services.errors import one_line
 from services.kafka.bus import Consumer, Record
 from services.kafka.runtime import Context, Runner, Service, ServiceSettings, run_service
@@ -83,9 +102,28 @@ class RolloutWorker(Service):
         self.loaded_event_id = ""
         self._version_changed = asyncio.Condition()
         self._watcher: asyncio.Task[None] | None = None
+        self.episodic = set(envs.episodic_domains(cfg))
+        """Multi-turn domains: their tasks are episodes."""
+        self.limits = AgentLimits(max_turns=cfg.rollout.max_turns, max_tokens_per_turn=cfg.rollout.max_new_tokens,
+                                  max_context_tokens=cfg.rollout.max_context_tokens)
+        self.swap_lock = SwapLock()
+        self.env_client: KafkaEnvClient | None = None
+        self.cancelled: set[str] = set()
+        """Samples the trainer cancelled (``rollout.group_size_redundancy``): not started, or stopped
+        before their next turn."""
+        self._canceller: asyncio.Task[None] | None = None
 
     async def on_start(self, runner: Runner) -> None:
+        if self.episodic:
+            async def send(event: ev.Event, key: str) -> object:
+                return await runner.send("env.requests", event, key=key)
+
+            self.env_client = KafkaEnvClient(self.s.config.kafka, self.s.run_id, send,
+                                             timeout_s=self.s.config.env.request_timeout_s, worker_id=self.worker_id)
+            await self.env_client.start()
         self._watcher = asyncio.create_task(self._watch_weights())
+        if self.s.config.rollout.group_size_redundancy > 0:
+            self._canceller = asyncio.create_task(self._watch_cancellations())
 
         def ended(task: asyncio.Task[None]) -> None:  # tasks would wait for weights forever: fail instead
             err = None if task.cancelled() else task.exception()
@@ -95,9 +133,12 @@ class RolloutWorker(Service):
         self._watcher.add_done_callback(ended)
 
     async def on_stop(self, runner: Runner) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
-            await asyncio.gather(self._watcher, return_exceptions=True)
+        for task in (self._watcher, self._canceller):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if self.env_client is not None:
+            await self.env_client.close()
 
     async def _watch_weights(self) -> None:
         consumer = Consumer(self.s.config.kafka, group_id=None, topics=[topic_name(self.s.run_id, "weights")],
@@ -121,7 +162,8 @@ class RolloutWorker(Service):
                 if latest is None or latest.event_id == self.loaded_event_id:
                     continue
                 try:
-                    await self.engine.load_weights(latest.uri, latest.policy_version)
+                    async with self.swap_lock.swap():  # between agent turns, never inside one
+                        await self.engine.load_weights(latest.uri, latest.policy_version)
                 except (OSError, RuntimeError, ValueError) as e:
                     # e.g. removed meanwhile (the trainer keeps the newest few versions): a newer
                     # message follows; tasks wait for it
@@ -133,6 +175,26 @@ class RolloutWorker(Service):
                 log.info("rollout %s: now at policy version %d", self.worker_id, latest.policy_version)
                 async with self._version_changed:
                     self._version_changed.notify_all()
+        finally:
+            await consumer.stop()
+
+    async def _watch_cancellations(self) -> None:
+        """Follow the run's ``metrics`` (no group, from the start) for the trainer's ``cancelled:``
+        outcomes of redundant samples."""
+        consumer = Consumer(self.s.config.kafka, group_id=None, topics=[topic_name(self.s.run_id, "metrics")],
+                            auto_offset_reset="earliest", client_suffix="rollout-cancel")
+        await consumer.start()
+        try:
+            while True:
+                try:
+                    recs = await consumer.getmany(timeout_ms=500)
+                except KafkaError as e:
+                    log.warning("rollout %s: reading metrics failed (%s); retrying", self.worker_id, one_line(e))
+                    await asyncio.sleep(1.0)
+                    continue
+                for rec in recs:
+                    if isinstance(rec.event, ev.SampleOutcome) and rec.event.reason.startswith("cancelled:"):
+                        self.cancelled.add(rec.event.sample_id)
         finally:
             await consumer.stop()
 
@@ -156,6 +218,12 @@ class RolloutWorker(Service):
             raise RuntimeError(
                 f"weights version {task.policy_version} not published within {self.s.weights_timeout_s:g}s"
             ) from None
+        if task.sample_id in self.cancelled:
+            log.debug("rollout %s: %s was cancelled before it started", self.worker_id, task.sample_id)
+            return
+        if task.domain in self.episodic:
+            await self._episode(task, ctx)
+            return
         params = self.params
         if task.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=task.max_new_tokens)
@@ -176,6 +244,64 @@ class RolloutWorker(Service):
             policy_version_end=completion.policy_version_end, worker_id=self.worker_id,
             queued_s=wait_s, gen_s=completion.gen_s,
         ), key=task.sample_id)
+
+
+    async def _episode(self, task: ev.RolloutTask, ctx: Context) -> None:
+        """Play the task's episode and emit it as one ``Generation`` (see the module doc)."""
+        assert self.env_client is not None
+        try:
+            ref = json.loads(task.reference)
+            seed = int(ref["seed"])
+            name = task.env.name if task.env is not None else str(ref["env"])
+            kwargs = dict(task.env.kwargs) if task.env is not None else dict(ref.get("kwargs") or {})
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"task {task.sample_id}: the reference of a multi-turn task must be JSON with env, seed "
+                             f"and kwargs: {e}") from None
+        params = self.params
+        if task.max_new_tokens:
+            params = dataclasses.replace(params, max_new_tokens=task.max_new_tokens)
+        limits = dataclasses.replace(self.limits, max_tokens_per_turn=params.max_new_tokens)
+        episode_id = f"{task.sample_id}@{uuid.uuid4().hex[:8]}"
+        started = time.time()
+        try:
+            traj = await run_episode(
+                self.engine, self.engine.tokenizer, self.env_client, episode_id=episode_id, env=name,
+                env_kwargs=kwargs, seed=seed, params=params, limits=limits,
+                system_prompt=self.system_prompts.get(task.domain) or "", turn_guard=self.swap_lock.turn,
+                cancelled=lambda: task.sample_id in self.cancelled)
+        finally:
+            self.env_client.forget(episode_id)
+        if traj.finish == "cancelled":
+            log.debug("rollout %s: episode %s cancelled after %d turn(s)", self.worker_id, episode_id, traj.num_turns)
+            return
+        if traj.finish == "env_error":
+            raise RuntimeError(f"episode {episode_id}: environment failed after {traj.num_turns} turn(s): {traj.error}")
+        if traj.num_turns == 0:
+            raise ValueError(f"episode {episode_id}: the first observation ({len(traj.prompt_ids)} tokens) leaves no "
+                             f"room for a turn within rollout.max_context_tokens={self.limits.max_context_tokens} "
+                             "(and the model's max_position_embeddings)")
+        self.versions_used.update(v for pair in traj.versions for v in pair)
+        ctx.emit("generations", generation_of(task, traj, episode_id, self.worker_id,
+                                              self.engine.tokenizer, queued_s=max(0.0, started - task.ts)),
+                 key=task.sample_id)
+
+
+def generation_of(task: ev.RolloutTask, traj: Trajectory, episode_id: str, worker_id: str, tokenizer: Any,
+                  queued_s: float) -> ev.Generation:
+    """A played episode as the ``Generation`` the reward router and trainer read."""
+    n = traj.num_turns
+    # the state each turn acted from: the observation before it (the reset's for turn 1)
+    hashes = [str(traj.infos[i].get("state_hash", "")) if i < len(traj.infos) else "" for i in range(n)]
+    finish: ev.FinishReason = "length" if traj.finish == "context" or traj.last_finish_reason == "length" else "stop"
+    return ev.Generation(
+        run_id=task.run_id, task=task, prompt_ids=traj.prompt_ids, response_ids=traj.response_ids,
+        response_text=str(tokenizer.decode(traj.response_ids)),
+        logprobs=traj.logprobs, loss_mask=traj.loss_mask, finish_reason=finish,
+        policy_version=traj.versions[0][0], policy_version_end=traj.versions[-1][1], worker_id=worker_id,
+        queued_s=queued_s, gen_s=traj.gen_s, env_s=traj.env_s, num_turns=n, episode_id=episode_id,
+        step_rewards=list(traj.step_rewards), turn_versions=[a for a, _ in traj.versions], state_hashes=hashes,
+        env_finish=traj.finish, env_error=traj.error, success=traj.success,
+    )
 
 
 async def run(settings: RolloutSettings, stop: asyncio.Event | None = None) -> object:

@@ -7,7 +7,8 @@ positions it covers; :class:`services.trainer_service.Trainer` drives it from th
 
 * :meth:`TrainerCore.warm_up` — the supervised warm-up on the task sources' demonstrations
   (``Strategy.warmup``);
-* :meth:`TrainerCore.evaluate` — greedy accuracy on every domain's held-out problems;
+* :meth:`TrainerCore.evaluate` — greedy accuracy on every domain's held-out problems (multi-turn
+  domains: the success rate of greedy episodes against in-process environments);
 * :meth:`TrainerCore.weights_event` — export the weights of the current version to
   ``<run>/weights/v<version>`` and describe them (``WeightsPublished``);
 * :meth:`TrainerCore.save_checkpoint` / :meth:`TrainerCore.load_checkpoint` —
@@ -19,6 +20,7 @@ positions it covers; :class:`services.trainer_service.Trainer` drives it from th
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import shutil
 from collections.abc import Iterator
@@ -28,6 +30,7 @@ import msgspec
 import torch
 
 import envs
+from rollout.agent import AgentLimits, LocalEnvClient, Trajectory, expert_episode, run_episode
 from rollout.engine import GenerationRequest
 from rollout.factory import make_engine
 from rollout.model_init import encode_prompt
@@ -109,6 +112,8 @@ class TrainerCore:
             (d, src.heldout(cfg.data.heldout_size), d.verifier or src.default_verifier)
             for d, src in zip(cfg.data.domains, self.sources, strict=True)
         ]
+        self.limits = AgentLimits(max_turns=cfg.rollout.max_turns, max_tokens_per_turn=cfg.rollout.max_new_tokens,
+                                  max_context_tokens=min(cfg.rollout.max_context_tokens, self.eval_engine.max_positions))
         self.version = 0
         """The policy version being trained (weights of ``version`` are the latest published)."""
         self.buffer = GroupBuffer()
@@ -138,6 +143,12 @@ class TrainerCore:
         reward = self.cfg.reward
         for domain, problems, verifier in self.heldout:
             system = domain.system_prompt or self.cfg.model.system_prompt
+            if envs.is_episodic(domain.source):
+                ok, tokens = await self._evaluate_episodes(domain.name, problems, system, params, metrics)
+                length += tokens
+                correct += ok
+                total += len(problems)
+                continue
             reqs = [GenerationRequest(p.prompt_id, self.eval_engine.encode(p.prompt, system), params) for p in problems]
             by_id = {p.prompt_id: p for p in problems}
             done = [c async for c in self.eval_engine.generate(reqs)]
@@ -157,6 +168,29 @@ class TrainerCore:
         metrics["eval/response_len"] = length / max(1, total)
         self.last_eval = metrics
         return metrics
+
+    async def _evaluate_episodes(self, name: str, problems: list[envs.Problem], system: str, params: SamplingParams,
+                                 metrics: dict[str, float]) -> tuple[int, int]:
+        """Greedy episodes of a multi-turn domain's held-out problems, all at once, against in-process
+        environments (evaluation needs no environment workers). Metrics: ``eval/<domain>/accuracy``
+        (success rate), ``eval/<domain>/return`` and ``eval/<domain>/turns`` (means). Returns
+        (successes, model tokens generated)."""
+        client = LocalEnvClient(envs.make_env)
+
+        async def play(p: envs.Problem) -> Trajectory:
+            ref = json.loads(p.reference)
+            return await run_episode(self.eval_engine, self.eval_engine.tokenizer, client,
+                                     episode_id=f"eval/{p.prompt_id}", env=str(ref["env"]),
+                                     env_kwargs=dict(ref.get("kwargs") or {}), seed=int(ref["seed"]), params=params,
+                                     limits=self.limits, system_prompt=system)
+
+        trajs = await asyncio.gather(*(play(p) for p in problems))
+        n = max(1, len(problems))
+        ok = sum(int(t.success) for t in trajs)
+        metrics[f"eval/{name}/accuracy"] = ok / n
+        metrics[f"eval/{name}/return"] = sum(t.episode_return for t in trajs) / n
+        metrics[f"eval/{name}/turns"] = sum(t.num_turns for t in trajs) / n
+        return ok, sum(sum(t.loss_mask) for t in trajs)
 
     async def eval_event(self, split: str) -> ev.EvalResult:
         """:meth:`evaluate` as the ``EvalResult`` to publish."""
@@ -184,13 +218,28 @@ class TrainerCore:
                     i = rng.choices(range(len(self.sources)), weights=weights)[0]
                     src, domain = self.sources[i], cfg.data.domains[i]
                     p = src.sample(rng)
+                    system = domain.system_prompt or cfg.model.system_prompt
+                    if envs.is_episodic(domain.source):
+                        out.append(self._expert_example(src, p, chat, system))
+                        continue
                     demo = format_answer(src.demonstration(p, rng), domain.answer)
                     target = [*tok(demo, add_special_tokens=False)["input_ids"], tok.eos_token_id]
-                    system = domain.system_prompt or cfg.model.system_prompt
                     out.append(SFTExample(encode_prompt(tok, p.prompt, chat=chat, system_prompt=system), target))
                 yield out
 
         return self.strategy.warmup(batches(), lr=cfg.train.warmup_lr, grad_clip=cfg.train.grad_clip)
+
+    def _expert_example(self, source: object, problem: envs.Problem, chat: bool, system: str) -> SFTExample:
+        """A multi-turn warm-up example: the source's expert actions played in a local environment
+        and rendered as the agent loop renders an episode (:func:`rollout.agent.expert_episode`)."""
+        ref = json.loads(problem.reference)
+        seed = int(ref["seed"])
+        env = envs.make_env(str(ref["env"]), prompt="", reference="", **dict(ref.get("kwargs") or {}))
+        actions = list(source.expert_actions(seed))  # type: ignore[attr-defined]
+        prompt, target, mask = expert_episode(self.tokenizer, chat, env, seed, actions,
+                                              end_of_turn_id=self.tokenizer.eos_token_id, system_prompt=system,
+                                              limits=self.limits)
+        return SFTExample(prompt, target, mask)
 
     # ----------------------------------------------------------------- weights
 

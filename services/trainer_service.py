@@ -187,8 +187,8 @@ class Trainer(TrainerCore, BatchService):
                 if why is None:
                     if event.generation.task.sample_id in self.replay_ids:
                         self.pool.setdefault(event.generation.task.sample_id, event)
-                    else:
-                        self.buffer.add(event)
+                    elif self.buffer.add(event):
+                        self.cancel_surplus(event.generation.task.group_id, ctx)
                 else:
                     ctx.reject(rec, why)
                     self.buffer.dead_letter(event.generation.task.sample_id, event.generation.task.group_id)
@@ -294,12 +294,41 @@ class Trainer(TrainerCore, BatchService):
             self.replay.clear()
         if not self.replay:
             for s in self.pool.values():  # not in any recorded batch any more: an ordinary sample
-                self.buffer.add(s)
+                if self.buffer.add(s):
+                    self.cancel_surplus(s.generation.task.group_id, ctx)
             self.pool.clear()
             self.replay_ids.clear()
             log.info("caught up with the record at step %d (%d step(s) re-run)", self.strategy.step, self.replayed)
             if (weights := await self.weights_if_behind()) is not None:
                 ctx.emit("weights", weights, key="latest")
+
+    def cancel_surplus(self, group_id: str, ctx: BatchContext) -> None:
+        """``rollout.group_size_redundancy``: once ``group_size`` members of a redundant group arrived,
+        keep those (arrival order) and cancel the rest: a surplus member already here, and every member
+        not arrived, dead-lettered or decided yet, gets ``filtered`` with a ``cancelled:`` reason (the
+        feeder frees their slots; rollout workers stop their episodes before the next turn; a late
+        arrival is then a decided sample and ignored)."""
+        members = self.buffer.groups.get(group_id)
+        if not members:
+            return
+        task = members[0].generation.task
+        if not task.redundancy or len(members) < task.group_size:
+            return
+        reason = (f"cancelled: {task.group_size} of the group's {task.group_size + task.redundancy} samples finished "
+                  f"first (rollout.group_size_redundancy={task.redundancy})")
+        surplus = members[task.group_size:]
+        del members[task.group_size:]
+        for s in surplus:
+            ctx.emit("metrics", self.outcome(s, "filtered", reason), key=group_id)
+        kept = {s.generation.task.sample_id for s in members} | self.buffer.dead.get(group_id, set())
+        for index in range(task.group_size + task.redundancy):
+            sid = f"{group_id}/{index}"
+            if sid in kept or sid in self.buffer.decided:
+                continue
+            self.buffer.decide(sid)
+            ctx.emit("metrics", ev.SampleOutcome(run_id=self.s.run_id, sample_id=sid, group_id=group_id,
+                                                 status="filtered", reason=reason, trained_version=self.version),
+                     key=group_id)
 
     def outcome(self, s: ev.ScoredSample, status: ev.SampleStatus, reason: str = "", step: int = -1) -> ev.SampleOutcome:
         self.buffer.decide(s.generation.task.sample_id)

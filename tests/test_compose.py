@@ -21,7 +21,7 @@ from services.store import check_dsn
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
-ROLLSTREAM_SERVICES = ("prepare", "feeder", "rollout", "reward", "trainer", "recorder")
+ROLLSTREAM_SERVICES = ("prepare", "feeder", "rollout", "reward", "trainer", "recorder", "env")
 RUN_SERVICES = ROLLSTREAM_SERVICES[1:]
 
 
@@ -193,11 +193,13 @@ def test_every_container_command_parses_with_the_real_cli(compose: dict[str, Any
 
 
 def test_compose_runs_every_service_the_cli_offers(compose: dict[str, Any]) -> None:
-    """No container for a service that does not exist (the old `env`), none missing."""
+    """One container per service of `rollstream service` (`env` included: multi-turn domains need
+    it), none for a service that does not exist."""
     from services.cli import SERVICES
 
     assert set(RUN_SERVICES) == set(SERVICES), f"compose: {RUN_SERVICES}, CLI: {SERVICES}"
-    assert "env" not in compose["services"]
+    rollstream = {name for name, svc in compose["services"].items() if svc.get("image") == "rollstream:dev"}
+    assert rollstream == set(ROLLSTREAM_SERVICES), rollstream
 
 
 def test_containers_get_the_environment_and_volumes_they_need(compose: dict[str, Any]) -> None:

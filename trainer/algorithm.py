@@ -177,6 +177,28 @@ def _step_rows(
     return torch.tensor(rows_r), torch.tensor(rows_e), torch.tensor(rows_t), turns
 
 
+def step_anchors(episodes: torch.Tensor, steps: torch.Tensor, state_hashes: list[tuple[str, ...]] | None) -> torch.Tensor:
+    """GiGPO's anchor id of every (episode, step) row: steps that acted from the same environment
+    state share an id (with the group id, :func:`trainer.advantages.gigpo_advantages` forms the
+    step groups).
+
+    episodes, steps (S,) -> (S,) long. The state is the turn's ``state_hashes`` entry. A turn
+    without one (empty hash, or no hashes for that sample): step 0 shares anchor 0 (every episode
+    of a group starts from the same state), any later step is its own anchor (no step-level
+    comparison), as in the paper's fallback where no state repeats.
+    """
+    ids: dict[str, int] = {"": 0}
+    out: list[int] = []
+    for row, (e, t) in enumerate(zip(episodes.tolist(), steps.tolist(), strict=True)):
+        hashes = state_hashes[e] if state_hashes is not None and e < len(state_hashes) else ()
+        h = hashes[t] if t < len(hashes) else ""
+        if h:
+            out.append(ids.setdefault(h, len(ids)))
+        else:
+            out.append(0 if t == 0 else -(row + 1))  # unique negative id: its own anchor
+    return torch.tensor(out, dtype=torch.long)
+
+
 def _broadcast_steps(step_adv: torch.Tensor, episodes: torch.Tensor, steps: torch.Tensor,
                      turns: torch.Tensor) -> torch.Tensor:
     """Per-step advantages (S,) onto the tokens of their turn: (B, T), 0 on masked positions."""
@@ -201,11 +223,13 @@ def compute_advantages(
     values: torch.Tensor | None = None,
     kl: torch.Tensor | None = None,
     step_rewards: list[tuple[float, ...]] | None = None,
+    state_hashes: list[tuple[str, ...]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
     """Steps 1–5 of the module doc.
 
     rewards, group_ids (B,); mask (B, T); values (B, T) for ``gae``; kl (B, T) the per-token
-    KL(π ‖ π_ref) estimate when ``add_token_level_kl`` is on. Returns ``(advantages (B, T),
+    KL(π ‖ π_ref) estimate when ``add_token_level_kl`` is on; ``step_rewards`` / ``state_hashes``
+    per sample (multi-turn: one per agent turn; GiGPO's anchors, :func:`step_anchors`). Returns ``(advantages (B, T),
     returns (B, T) or None, metrics)``; advantages are 0 on masked positions.
     """
     m = (mask > 0).float()  # (B, T)
@@ -253,7 +277,7 @@ def compute_advantages(
         step_r, episodes, steps, turns = _step_rows(r, m, step_rewards)
         ep_group = group_ids[episodes]  # (S,)
         if est == "gigpo":
-            anchors = torch.where(steps == 0, torch.zeros_like(steps), 1 + torch.arange(steps.numel()))  # (S,)
+            anchors = step_anchors(episodes, steps, state_hashes)  # (S,)
             step_adv = A.gigpo_advantages(step_r, episodes, steps, ep_group, anchors, cfg.step_reward_gamma,
                                           cfg.episode_reward_weight, cfg.step_reward_weight)
         else:

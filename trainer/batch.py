@@ -58,6 +58,9 @@ class TrainSample:
     outcome ``reward`` on the last turn."""
     policy_version: int = 0
     """Weights version that generated it."""
+    state_hashes: tuple[str, ...] = ()
+    """Multi-turn: the environment state each agent turn acted from (GiGPO's anchors); empty or
+    ``""`` entries = unknown (such a turn is its own anchor group)."""
 
 
 @dataclass(frozen=True)
@@ -149,14 +152,17 @@ MIN_GROUP_MEMBERS = 2
 
 def group_complete(members: Sequence[ScoredSample], dead: Collection[str], group_size: int | None = None) -> bool:
     """True when every one of the group's ``group_size`` members has arrived (``members``) or
-    been dead-lettered (``dead``: sample ids). ``group_size`` defaults to the members' task's;
+    been dead-lettered (``dead``: sample ids). A redundant group (``task.redundancy = r``) is complete
+    once ``group_size`` members arrived, or all ``group_size + r`` arrived or were dead-lettered.
+    ``group_size`` defaults to the members' task's;
     without members it must be given (else the group cannot be known complete)."""
+    redundancy = members[0].generation.task.redundancy if members else 0
     if group_size is None:
         if not members:
             return False
         group_size = members[0].generation.task.group_size
-    ended = {m.generation.task.sample_id for m in members} | set(dead)
-    return len(ended) >= group_size
+    arrived = {m.generation.task.sample_id for m in members}
+    return len(arrived) >= group_size or len(arrived | set(dead)) >= group_size + redundancy
 
 
 def group_reject_reason(members: Sequence[ScoredSample], algo: AlgorithmConfig | None, dead: int = 0) -> str | None:
@@ -245,8 +251,9 @@ def samples_from_scored(scored: list[ScoredSample]) -> list[TrainSample]:
             sample_id=s.generation.task.sample_id,
             group_id=s.generation.task.group_id,
             truncated=s.generation.finish_reason == "length",
-            step_rewards=tuple(s.step_rewards),
+            step_rewards=tuple(s.step_rewards or s.generation.step_rewards),
             policy_version=s.generation.policy_version,
+            state_hashes=tuple(s.generation.state_hashes),
         )
         for s in scored
     ]

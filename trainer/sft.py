@@ -25,13 +25,17 @@ class SFTExample:
 
     prompt_ids: list[int]
     target_ids: list[int]
+    target_mask: list[int] | None = None
+    """Which target tokens are trained on (1) or context only (0: a multi-turn demonstration's
+    environment turns); ``None`` = all of them."""
 
 
 def sft_batch(examples: list[SFTExample], pad_id: int) -> TokenBatch:
-    """Collate examples; ``loss_mask`` covers exactly the target tokens."""
+    """Collate examples; ``loss_mask`` covers the target tokens (those ``target_mask`` keeps)."""
     return collate(
         [
-            TrainSample(e.prompt_ids, e.target_ids, [0.0] * len(e.target_ids), [1] * len(e.target_ids), 0.0)
+            TrainSample(e.prompt_ids, e.target_ids, [0.0] * len(e.target_ids),
+                        list(e.target_mask) if e.target_mask is not None else [1] * len(e.target_ids), 0.0)
             for e in examples
         ],
         pad_id,

@@ -582,7 +582,7 @@ class TorchStrategy:
                 kl = L.kl_penalty(current, ref, cfg.kl_penalty) * (mask > 0)  # (B, T)
         adv, returns, m = alg.compute_advantages(
             cfg, self.algo_state, ex["rewards"], ex["group_ids"], mask, values=values, kl=kl,
-            step_rewards=[s.step_rewards for s in samples])
+            step_rewards=[s.step_rewards for s in samples], state_hashes=[s.state_hashes for s in samples])
         metrics.update(m)
         mask, m = alg.data_masks(cfg, mask, ex["rewards"], ex["group_ids"], ex["truncated"])
         metrics.update(m)

@@ -22,11 +22,10 @@ from services.cli.app import (
     setup_logging,
 )
 
-SERVICES = ("feeder", "rollout", "reward", "trainer", "recorder")
-"""The services a run starts (the supervisor, compose)."""
-EXTRA_SERVICES = ("env",)
-"""Services ``rollstream service`` starts that runs do not start yet (``env``: multi-turn domains are
-refused for now)."""
+SERVICES = ("feeder", "rollout", "reward", "trainer", "recorder", "env")
+"""The services of a run (``rollstream service NAME``; the supervisor, compose). ``env`` (environment
+workers) serves multi-turn domains only: ``rollstream run`` starts it (× ``env.workers``) only when a
+domain is multi-turn; a compose stack always runs it, idle for single-turn runs."""
 
 
 def read_config(path: Path, overrides: list[str]) -> Any:
@@ -74,17 +73,20 @@ def check_devices(cfg: Any) -> None:
 def check_domains(cfg: Any) -> None:
     """Every domain's task source and verifier are registered and the source takes its kwargs."""
     import envs  # noqa: F401  (registers the built-in sources and verifiers)
-    from envs.registry import ENVS, SOURCES, VERIFIERS, make_source
+    from envs.registry import SOURCES, VERIFIERS, is_episodic, load_plugins, make_source
     from schemas.config import ConfigError
 
+    try:
+        load_plugins(list(cfg.data.plugins))
+    except ImportError as e:
+        raise ConfigError(f"config: data.plugins: {e} (a module on sys.path or in the current directory)") from None
     for i, d in enumerate(cfg.data.domains):
         key = f"config: data.domains[{i}]"
-        if d.source in ENVS:
-            raise ConfigError(f"{key}.source={d.source!r} is a multi-turn environment; this version does not run "
-                              "multi-turn episodes yet (the rollout agent loop is not wired): use a single-turn source "
-                              f"({', '.join(sorted(set(SOURCES) - set(ENVS)))})")
         if d.source not in SOURCES:
             raise ConfigError(f"{key}.source={d.source!r} is not a task source; registered: {', '.join(sorted(SOURCES))}")
+        if is_episodic(d.source) and (d.verifier or d.verifier_kwargs or d.answer != "raw" or d.format_reward):
+            raise ConfigError(f"{key}: source {d.source!r} is a multi-turn environment, scored by its own step rewards; "
+                              "remove verifier, verifier_kwargs, answer and format_reward from this domain")
         if d.verifier and d.verifier not in VERIFIERS:
             raise ConfigError(f"{key}.verifier={d.verifier!r} is not a verifier; registered: {', '.join(sorted(VERIFIERS))}")
         try:
@@ -217,14 +219,15 @@ def run_cmd(
 @app.command("service")
 @friendly
 def service_cmd(
-    name: str = typer.Argument(..., help="One of: " + ", ".join((*SERVICES, *EXTRA_SERVICES))),
+    name: str = typer.Argument(..., help="One of: " + ", ".join(SERVICES) + " (env: an environment worker "
+                               "for multi-turn domains; it idles in a single-turn run)."),
     run: str = typer.Option(..., "--run", help="Run id (its config is read from <runs-dir>/<run>/config.yaml)."),
     runs_dir: str = typer.Option("runs", "--runs-dir", help="Directory of run folders."),
     set_: list[str] = typer.Option([], "--set", help="Override a config key: section.key=value (repeatable)."),
     log_level: str = typer.Option("INFO", "--log-level", help="Logging level of the service's log (its stderr): "
                                   "DEBUG, INFO, WARNING or ERROR."),
 ) -> None:
-    """Start one service of a run in this process (`rollstream run` starts them all; `rollstream run --prepare-only` prepares a run for services started one by one).
+    """Start one service of a run in this process (`rollstream run` starts them all, env only when a domain is multi-turn; `rollstream run --prepare-only` prepares a run for services started one by one).
 
     The service logs to stderr. It records to / reads the store of --store / ROLLSTREAM_STORE when given (as `rollstream run` does), else store.dsn of the run's config, else <runs-dir>/<run>/store.
     """
@@ -235,8 +238,8 @@ def service_cmd(
     from schemas.topics import check_run_id
     from services.launch import supervisor
 
-    if name not in (*SERVICES, *EXTRA_SERVICES):
-        raise UserError(f"unknown service {name!r}; one of: {', '.join((*SERVICES, *EXTRA_SERVICES))}")
+    if name not in SERVICES:
+        raise UserError(f"unknown service {name!r}; one of: {', '.join(SERVICES)}")
     check_run_id(run)
     level = logging.getLevelName(log_level.upper())
     if not isinstance(level, int):
@@ -297,4 +300,7 @@ async def _run_service(name: str, cfg: Any, run: str, run_dir: Path, model_dir: 
     elif name == "env":
         from services import env_worker
 
-        await env_worker.run(env_worker.EnvSettings(run_id=run, config=cfg), stop)
+        # as many requests at once as can be in flight: one per episode, one episode per rollout handler
+        # call (a worker may own every partition of env.requests: alone, or while the others restart)
+        concurrency = cfg.rollout.workers * cfg.rollout.max_batch
+        await env_worker.run(env_worker.EnvSettings(run_id=run, config=cfg, concurrency=concurrency), stop)

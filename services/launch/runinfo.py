@@ -2,9 +2,10 @@
 
 :func:`probe_run` reads, with short-lived clients and without joining any group:
 
-* per service group ``rs-<service>-<run_id>`` (rollout on ``tasks``, reward on ``generations``,
-  trainer on ``scored``, recorder on every topic): its consumer lag, end offsets minus the
-  group's committed offsets (a partition the group never committed counts from its beginning);
+* per service group ``rs-<service>-<run_id>`` (rollout on ``tasks``, env on ``env.requests``
+  (multi-turn runs only), reward on ``generations``, trainer on ``scored``, recorder on every
+  topic): its consumer lag, end offsets minus the group's committed offsets (a partition the
+  group never committed counts from its beginning);
 * the feeder's output: how many tasks are on ``tasks`` and when the newest was issued;
 * the trainer's progress: the newest ``WeightsPublished`` (``weights`` is compacted: its last
   message) and the newest ``TrainStep`` (a bounded look back over ``metrics``);
@@ -31,6 +32,7 @@ from services.kafka.connection import start_bounded
 
 GROUP_TOPICS: dict[str, tuple[str, ...]] = {
     "rollout": ("tasks",),
+    "env": ("env.requests",),
     "reward": ("generations",),
     "trainer": ("scored",),
     "recorder": tuple(TOPICS),

@@ -11,6 +11,7 @@ step for ``run.stall_after_s`` seconds, with what every stage is doing.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,21 @@ from services.launch.runinfo import RunInfo, probe_run
 from services.launch.state import pid_alive, read_state
 from services.trainer_history import is_own_drain
 
-ORDER = ("recorder", "feeder", "reward", "rollout", "trainer")
+ORDER = ("recorder", "feeder", "reward", "env", "rollout", "trainer")
+"""Services in the order the supervisor starts them (``env``: only for multi-turn domains)."""
 WARM_UP_FACTOR = 5
 """Before the first weights version (the trainer's supervised warm-up) a stall takes this many
 times ``run.stall_after_s``."""
-LAG_NAMES = {"rollout": "rollout lag", "reward": "reward lag", "trainer": "scored lag"}
+LAG_NAMES = {"rollout": "rollout lag", "env": "env lag", "reward": "reward lag", "trainer": "scored lag"}
+"""The groups whose lag a stall names (``env``'s only when it is given: multi-turn runs)."""
+OPTIONAL_LAGS = ("env",)
+
+
+def lag_services(services: Iterable[str]) -> list[str]:
+    """The services of :data:`LAG_NAMES` whose lag a stall names for a run with these service
+    labels: the optional ones (``env``) only when the run has them."""
+    present = {service_of(label) for label in services}
+    return [s for s in LAG_NAMES if s not in OPTIONAL_LAGS or s in present]
 
 
 def ago(ts: float | None, now: float) -> float | None:
@@ -42,13 +53,15 @@ def stall_text(*, idle_s: float, stall_after_s: float, any_weights: bool, lags: 
     """One line naming a stall (``None``: the run is not stalled): no training step (no new
     weights version) for ``idle_s`` >= ``stall_after_s`` seconds (before the first weights
     version, the trainer's warm-up, ``WARM_UP_FACTOR`` times as long), then what each stage
-    shows: the lag of the rollout, reward and trainer groups, how long the feeder has issued
-    nothing, the services not running, and a drain under way."""
+    shows: the lag of the rollout, reward and trainer groups (and of the env workers' when ``lags``
+    has ``env``), how long the feeder has issued nothing, the services not running, and a drain
+    under way."""
     if idle_s < stall_after_s * (1 if any_weights else WARM_UP_FACTOR):
         return None
     parts = [f"no training step for {idle_s:.0f} s" if any_weights
              else f"no weights published {idle_s:.0f} s after the start (trainer still warming up?)"]
-    seen = [f"{LAG_NAMES[s]} {'?' if lags.get(s) is None else lags[s]}" for s in LAG_NAMES]
+    seen = [f"{LAG_NAMES[s]} {'?' if lags.get(s) is None else lags[s]}" for s in LAG_NAMES
+            if s not in OPTIONAL_LAGS or s in lags]
     parts.append(", ".join(seen))
     if feeder_idle_s is None:
         parts.append("feeder has issued no task yet")
@@ -148,7 +161,7 @@ async def gather(run_id: str, run_dir: Path, *, bootstrap: str | None, kafka: Ka
     if info is not None and phase in ("running", "draining", "starting", "abandoned") and idle is not None:
         report["stall"] = stall_text(
             idle_s=idle, stall_after_s=stall_after_s, any_weights=w is not None,
-            lags={s: info.lag(s) for s in LAG_NAMES}, feeder_idle_s=ago(info.last_task_ts, now),
+            lags={s: info.lag(s) for s in lag_services(services)}, feeder_idle_s=ago(info.last_task_ts, now),
             tasks_issued=info.tasks_issued, services=services, draining=report["draining"],
             drain_age_s=ago(drain.ts, now) if drain else None)
     return report

@@ -6,16 +6,19 @@
    ``config.yaml``;
 3. create the tiny model (when ``model.path`` is empty) in ``runs/<run_id>/model``
    (:func:`~services.launch.prepare.prepare_run`; ``rollstream run --prepare-only`` stops here);
-4. start ``rollstream service <name> --run <run_id>`` for recorder, feeder, reward,
-   rollout (× ``rollout.workers``) and trainer, each logging to ``runs/<run_id>/logs/<name>.log``,
-   with the bootstrap address and the store DSN in their environment (``ROLLSTREAM_BOOTSTRAP``,
+4. start ``rollstream service <name> --run <run_id>`` for recorder, feeder, reward, env
+   (× ``env.workers``, only when a domain is multi-turn: :func:`envs.episodic_domains`), rollout
+   (× ``rollout.workers``) and trainer, in that order, each logging to
+   ``runs/<run_id>/logs/<label>.log`` (labels: :meth:`Supervisor.labels`), with the bootstrap
+   address and the store DSN in their environment (``ROLLSTREAM_BOOTSTRAP``,
    ``ROLLSTREAM_STORE``); publish ``ServiceStarted`` for each on the run's ``control`` topic;
 5. follow the run's ``metrics``, ``control`` and ``weights`` topics and show live progress (a
    run where no training step happened for ``run.stall_after_s`` seconds is shown as
    ``stalled: ...`` with what every stage is doing), heal the services (below), and keep
    ``runs/<run_id>/supervisor.json`` current for ``rollstream status`` (:mod:`services.launch.state`);
 6. on ``RunFinished`` (the end of training, or a ``Drain`` from ``rollstream stop``): wait for
-   the services to exit (SIGTERM the long-running ones), let the recorder catch up, compute
+   the services to exit (SIGTERM the long-running ones: rollout and reward, then the env
+   workers, which rollout may still be waiting on), let the recorder catch up, compute
    ``summary.json`` from the record (SQL) and print its gist.
 
 Healing (:mod:`services.launch.healing`): a service process that exits unexpectedly is restarted
@@ -74,11 +77,11 @@ from services.launch.progress import Progress, summarize
 from services.launch.runinfo import RunInfo, probe_run
 from services.launch.runs import run_dir_of, store_dsn_of
 from services.launch.state import write_state
-from services.launch.status import WARM_UP_FACTOR, stall_text
+from services.launch.status import WARM_UP_FACTOR, lag_services, stall_text
 
 __all__ = [
-    "LONG_RUNNING", "Progress", "RunError", "Supervisor", "config_text", "last_log_line", "load_run_config",
-    "new_run_id", "prepare_model", "prepare_run", "run_dir_of", "run_supervised", "service_command",
+    "LONG_RUNNING", "STOPPED_AT_END", "Progress", "RunError", "Supervisor", "config_text", "last_log_line", "load_run_config",
+    "multi_turn", "new_run_id", "prepare_model", "prepare_run", "run_dir_of", "run_supervised", "service_command",
     "store_dsn_of", "summarize", "write_run_config",
 ]
 
@@ -90,10 +93,28 @@ LINE_EVERY_S = 5.0
 """How often the progress line is printed, seconds."""
 STALL_PROBE_EVERY_S = 30.0
 """While stalled: how often the broker is asked what each stage is doing, seconds."""
+ENV_SERVICE = "env"
+"""The environment workers of multi-turn domains (started only when a domain is multi-turn)."""
+STOPPED_AT_END = (*LONG_RUNNING, ENV_SERVICE)
+"""Services that run until told to stop: SIGTERMed once the run has finished (the env workers last:
+rollout workers may still wait on them)."""
 
 
 def service_command(name: str, run_id: str, runs_dir: str) -> list[str]:
+    """The command line of one service process (``name``: the service, ``env`` for ``env0``)."""
     return [sys.executable, "-m", "services.cli", "service", name, "--run", run_id, "--runs-dir", runs_dir]
+
+
+def numbered(service: str, n: int) -> list[str]:
+    """Labels of ``n`` processes of ``service``: ``[service]`` for one, ``service0``, ``service1``... for several."""
+    return [f"{service}{i}" for i in range(n)] if n > 1 else [service]
+
+
+def multi_turn(cfg: RunConfig) -> bool:
+    """Whether a domain of ``cfg`` is multi-turn (its task source is also an environment)."""
+    import envs  # registers the built-in sources and environments
+
+    return bool(envs.episodic_domains(cfg))
 
 
 class Supervisor:
@@ -127,10 +148,11 @@ class Supervisor:
     # ----------------------------------------------------------------- processes
 
     def labels(self) -> list[str]:
-        """Service labels in start order (``rollout0``, ``rollout1``... with several workers)."""
-        workers = self.cfg.rollout.workers
-        rollouts = [f"rollout{i}" for i in range(workers)] if workers > 1 else ["rollout"]
-        return ["recorder", "feeder", "reward", *rollouts, "trainer"]
+        """Service labels in start order (``rollout0``, ``rollout1``... with several workers); the
+        env workers (``env``, or ``env0``, ``env1``...) only when a domain is multi-turn, before
+        the rollout workers that send them episodes."""
+        env_workers = numbered(ENV_SERVICE, self.cfg.env.workers) if multi_turn(self.cfg) else []
+        return ["recorder", "feeder", "reward", *env_workers, *numbered("rollout", self.cfg.rollout.workers), "trainer"]
 
     def start_children(self) -> None:
         logs = self.run_dir / "logs"
@@ -284,7 +306,7 @@ class Supervisor:
         services = {s.label: s.as_dict() for s in self.slots}
         text = stall_text(
             idle_s=idle, stall_after_s=limit, any_weights=self.progress.policy_version >= 0,
-            lags={s: info.lag(s) if info else None for s in ("rollout", "reward", "trainer")},
+            lags={s: info.lag(s) if info else None for s in lag_services(services)},
             feeder_idle_s=(now - info.last_task_ts) if info and info.last_task_ts else None,
             tasks_issued=info.tasks_issued if info else 0, services=services, draining=self.progress.draining)
         if info is None:
@@ -350,8 +372,9 @@ async def run_supervised(cfg: RunConfig, run_id: str, bootstrap: str, console: C
         raise
     finally:
         if ok:
-            # trainer and feeder exit on RunFinished; rollout and reward run until told to stop
+            # trainer and feeder exit on RunFinished; rollout, reward and env run until told to stop
             await asyncio.to_thread(sup.terminate, LONG_RUNNING)
+            await asyncio.to_thread(sup.terminate, STOPPED_AT_END)
             await asyncio.to_thread(sup.wait_recorder)
         else:
             console.print("[yellow]stopping the services...[/yellow]")

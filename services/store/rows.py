@@ -22,7 +22,9 @@ COLUMNS: dict[str, list[str]] = {
                "policy_version", "payload"],
     "sample_tasks": ["run_id", "sample_id", "group_id", "prompt_id", "domain", "issued_version", "issued_ts"],
     "sample_generations": ["run_id", "sample_id", "policy_version", "policy_version_end", "response_len",
-                           "finish_reason", "worker_id", "queued_s", "gen_s", "env_s", "generated_ts", "num_turns"],
+                           "finish_reason", "worker_id", "queued_s", "gen_s", "env_s", "generated_ts", "num_turns",
+                           "episode_id", "env_finish", "env_error", "success", "step_rewards", "turn_versions",
+                           "state_hashes"],
     "sample_rewards": ["run_id", "sample_id", "reward", "rewards", "verifier", "details", "reward_s", "scored_ts"],
     "sample_outcomes": ["run_id", "sample_id", "group_id", "status", "reason", "policy_version",
                         "trained_version", "step", "decided_ts"],
@@ -32,7 +34,7 @@ COLUMNS: dict[str, list[str]] = {
     "dlq": ["run_id", "source_topic", "partition", "offset", "sample_id", "service", "stage", "error", "ts",
             "group_id"],
     "env_events": ["run_id", "episode_id", "sample_id", "kind", "step", "env", "policy_version", "text", "reward",
-                   "terminated", "truncated", "error", "event_id", "ts"],
+                   "terminated", "truncated", "error", "event_id", "ts", "env_s", "failed"],
     "recorder_lag": ["run_id", "group_id", "ts", "lag_records", "partitions", "recorded_total", "skipped_total"],
     "service_events": ["run_id", "service", "kind", "pid", "previous_pid", "exit_code", "restarts", "reason",
                        "backoff_s", "event_id", "ts"],
@@ -70,7 +72,8 @@ def typed_rows(event: ev.Event) -> dict[str, list[list[Any]]]:
         out["sample_generations"].append([
             r, event.task.sample_id, event.policy_version, event.policy_version_end, len(event.response_ids),
             event.finish_reason, event.worker_id, event.queued_s, event.gen_s, event.env_s, dt(event.ts),
-            event.num_turns])
+            event.num_turns, event.episode_id, event.env_finish, event.env_error[:TEXT_MAX_CHARS], int(event.success),
+            [float(x) for x in event.step_rewards], [int(v) for v in event.turn_versions], list(event.state_hashes)])
     elif isinstance(event, ev.ScoredSample):
         out["sample_rewards"].append([r, event.generation.task.sample_id, event.reward, dict(event.rewards),
                                       event.verifier, event.details[:TEXT_MAX_CHARS], event.reward_s, dt(event.ts)])
@@ -88,14 +91,15 @@ def typed_rows(event: ev.Event) -> dict[str, list[list[Any]]]:
                                event.num_bytes, dt(event.ts)])
     elif isinstance(event, ev.EnvReset):
         out["env_events"].append([r, event.episode_id, event.sample_id, "EnvReset", 0, event.env.name, -1, "",
-                                  0.0, 0, 0, "", event.event_id, dt(event.ts)])
+                                  0.0, 0, 0, "", event.event_id, dt(event.ts), 0.0, 0])
     elif isinstance(event, ev.EnvStep):
         out["env_events"].append([r, event.episode_id, "", "EnvStep", event.step, "", event.policy_version,
-                                  event.action[:TEXT_MAX_CHARS], 0.0, 0, 0, "", event.event_id, dt(event.ts)])
+                                  event.action[:TEXT_MAX_CHARS], 0.0, 0, 0, "", event.event_id, dt(event.ts), 0.0, 0])
     elif isinstance(event, ev.EnvObservation):
         out["env_events"].append([r, event.episode_id, "", "EnvObservation", event.step, "", -1,
                                   event.observation[:TEXT_MAX_CHARS], event.reward, int(event.terminated),
-                                  int(event.truncated), event.error, event.event_id, dt(event.ts)])
+                                  int(event.truncated), event.error, event.event_id, dt(event.ts), float(event.env_s),
+                                  int(event.failed)])
     elif isinstance(event, ev.DeadLetter):
         out["dlq"].append([r, event.source_topic, event.partition, event.offset, event.sample_id, event.service,
                            event.stage, event.error, dt(event.ts), event.group_id])

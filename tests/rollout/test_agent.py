@@ -129,3 +129,62 @@ async def test_frozenlake_expert_through_the_loop(chat_dir: Path) -> None:
 def test_turn_spans() -> None:
     assert turn_spans([0, 1, 1, 0, 0, 1, 0, 1]) == [(1, 3), (5, 6), (7, 8)]
     assert turn_spans([]) == [] and turn_spans([0, 0]) == []
+
+
+async def test_swap_lock_keeps_swaps_out_of_turns_and_is_not_starved() -> None:
+    import asyncio
+
+    from rollout.agent import SwapLock
+
+    lock = SwapLock()
+    log: list[str] = []
+
+    async def turn(name: str, hold_s: float) -> None:
+        async with lock.turn():
+            log.append(f"{name}+")
+            await asyncio.sleep(hold_s)
+            log.append(f"{name}-")
+
+    async def swap() -> None:
+        async with lock.swap():
+            log.append("swap+")
+            await asyncio.sleep(0.01)
+            log.append("swap-")
+
+    first = asyncio.create_task(turn("a", 0.05))
+    await asyncio.sleep(0.01)
+    swapper = asyncio.create_task(swap())
+    await asyncio.sleep(0.01)
+    late = asyncio.create_task(turn("b", 0.01))  # starts while the swap waits: goes after it
+    await asyncio.gather(first, swapper, late)
+    assert log == ["a+", "a-", "swap+", "swap-", "b+", "b-"]
+
+
+def test_expert_episode_has_the_agent_loops_layout(chat_dir: Path) -> None:
+    """The warm-up's rendering of an expert episode: model turns (action + EOS) trained on, the
+    environment's turns context only, ending on the last model turn; the same text the agent loop
+    renders for those actions."""
+    import envs
+    from envs.frozenlake import expert_actions
+    from rollout.agent import expert_episode
+
+    engine = TorchEngine(chat_dir, max_batch=2)
+    tok = engine.tokenizer
+    actions = expert_actions(3)
+    env = envs.make_env("frozenlake", prompt="", reference="", size=4)
+    prompt, target, mask = expert_episode(tok, True, env, 3, actions, end_of_turn_id=tok.eos_token_id,
+                                          limits=AgentLimits(max_turns=20, max_context_tokens=4000))
+    assert len(target) == len(mask) and mask[-1] == 1
+    spans = turn_spans(mask)
+    assert len(spans) == len(actions)
+    for (a, b), action in zip(spans, actions, strict=True):
+        assert tok.decode(target[a:b - 1]) == action and target[b - 1] == tok.eos_token_id
+    text = tok.decode(prompt + target)
+    assert "You moved" in text and text.count("<|im_start|>user") == len(actions)
+    # limits: fewer turns, and a context too small for any turn gives no target at all
+    _, _, m2 = expert_episode(tok, True, envs.make_env("frozenlake", prompt="", reference="", size=4), 3, actions,
+                               end_of_turn_id=tok.eos_token_id, limits=AgentLimits(max_turns=2, max_context_tokens=4000))
+    assert len(turn_spans(m2)) == 2
+    _, t3, m3 = expert_episode(tok, True, envs.make_env("frozenlake", prompt="", reference="", size=4), 3, actions,
+                               end_of_turn_id=tok.eos_token_id, limits=AgentLimits(max_context_tokens=len(prompt)))
+    assert t3 == [] and m3 == []

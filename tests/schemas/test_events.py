@@ -103,3 +103,16 @@ def test_env_fields_added_after_v3_default_in_old_payloads() -> None:
     old_obs = obs.decode((FIXTURES / "v3" / "EnvObservation.msgpack").read_bytes())
     assert (old_obs.env_s, old_obs.failed) == (0.0, False)
     assert obs.decode((FIXTURES / "v4" / "EnvObservation.msgpack").read_bytes()).env_s == 0.25
+
+
+def test_generation_episode_fields_added_after_v4_default_in_old_payloads() -> None:
+    """Generation.episode_id/step_rewards/turn_versions/state_hashes/env_finish/env_error/success:
+    v4 payloads decode with the defaults (a single-turn generation), v5 payloads carry them."""
+    dec = msgspec.msgpack.Decoder(TOPICS["generations"].event_type)
+    old = dec.decode((FIXTURES / "v4" / "Generation.msgpack").read_bytes())
+    assert (old.episode_id, old.step_rewards, old.turn_versions, old.state_hashes) == ("", [], [], [])
+    assert (old.env_finish, old.env_error, old.success) == ("", "", False)
+    new = dec.decode((FIXTURES / "v5" / "Generation.msgpack").read_bytes())
+    assert new.step_rewards == [0.0, 1.0] and new.turn_versions == [3, 4] and new.state_hashes == ["aa11", "bb22"]
+    assert (new.episode_id, new.env_finish, new.success) == ("g1/0@0a1b2c3d", "terminated", True)
+    assert old.task.redundancy == 0 and new.task.redundancy == 1  # RolloutTask.redundancy, added after v4

@@ -174,7 +174,7 @@ def test_latency_none_and_config_checks() -> None:
     assert draw_latency_s("none", 1.0, 1.0, "x") == 0.0
     with pytest.raises(ValueError, match="tail index"):
         draw_latency_s("pareto", 1.0, 1.0, "x")
-    for text, key in (("env: {workers: 2}", "env.workers"), ("env: {step_timeout_s: 0}", "env.step_timeout_s"),
+    for text, key in (("env: {workers: 0}", "env.workers"), ("env: {request_timeout_s: 0}", "env.request_timeout_s"), ("env: {step_timeout_s: 0}", "env.step_timeout_s"),
                       ("env: {latency: pareto, latency_mean_s: 0.1, latency_sigma: 1.0}", "env.latency_sigma"),
                       ("env: {latency: lognormal}", "env.latency"), ("env: {max_episodes: 0}", "env.max_episodes"),
                       ("env: {latency: gamma}", "env.latency")):

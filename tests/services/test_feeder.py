@@ -156,3 +156,25 @@ def test_a_drain_the_trainer_did_not_publish_ends_the_run_as_stopped() -> None:
     g.observe(ev.Drain(run_id="r", reason="training complete"))
     g.observe(ev.Drain(run_id="r", reason="stopped by user"))  # after the end of training: still completed
     assert g.draining and g.stopped_by == ""
+
+
+def test_multi_turn_tasks_carry_their_environment() -> None:
+    import json
+
+    cfg = parse_config("data: {domains: [{name: lake, source: frozenlake, kwargs: {size: 3}}]}\n"
+                       "rollout: {group_size: 2}\ntrain: {batch_size: 4}")
+    group = Feeder(FeederSettings(run_id="r", config=cfg)).next_group()
+    ref = json.loads(group[0].reference)
+    assert [t.env for t in group] == [ev.EnvSpec(name="frozenlake", kwargs=ref["kwargs"])] * 2
+    assert ref["kwargs"]["size"] == 3 and isinstance(ref["seed"], int)
+    plain = feeder(1.0).next_group()
+    assert all(t.env is None for t in plain)
+
+
+def test_redundant_groups_issue_n_plus_r_tasks_within_a_grown_bound() -> None:
+    cfg = parse_config("rollout: {group_size: 4, group_size_redundancy: 2, async_ratio: 0}\ntrain: {batch_size: 8}")
+    f = Feeder(FeederSettings(run_id="r", config=cfg))
+    group = f.next_group()
+    assert [t.index for t in group] == list(range(6)) and {(t.group_size, t.redundancy) for t in group} == {(4, 2)}
+    assert cfg.max_inflight == 12  # 8 x 6/4: two whole redundant groups
+    assert len(issue_all(f)) == 12

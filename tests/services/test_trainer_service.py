@@ -14,6 +14,7 @@ from schemas import events as ev
 from services.kafka.bus import Record, TopicPartition
 from services.sanity import check_generation, check_scored, check_task
 from services.trainer_buffer import GroupBuffer
+from trainer.batch import group_complete
 
 
 def scored(group: str, index: int, version: int = 0, size: int = 4, reward: float = 1.0) -> ev.ScoredSample:
@@ -151,6 +152,32 @@ async def test_handler_trains_groups_completed_by_dead_letters(trainer: Any) -> 
     await trainer.handle_batch(late, ctx2)
     assert ctx2.sent == [] and ctx2.rejected == []
     assert list(trainer.buffer.groups) == ["f"] and trainer.buffer.complete("f")  # f waits for a batch to fill
+
+
+async def test_redundant_groups_keep_the_first_finishers_and_cancel_the_rest(trainer: Any) -> None:
+    """rollout.group_size_redundancy: a group of 4 + 2 completes with its first 4 arrivals; the surplus
+    one already here and the 2 not arrived are filtered as cancelled; a late arrival is ignored."""
+    def red(group: str, index: int, reward: float) -> ev.ScoredSample:
+        s = scored(group, index, reward=reward)
+        task = msgspec.structs.replace(s.generation.task, redundancy=2)
+        return msgspec.structs.replace(s, generation=msgspec.structs.replace(s.generation, task=task))
+
+    order = [("a", 5), ("a", 0), ("a", 3), ("b", 1), ("a", 1), ("a", 4), ("b", 0), ("b", 2), ("b", 5), ("b", 4)]
+    recs = [record(red(g, i, float(i % 2)), "scored", k) for k, (g, i) in enumerate(order)]
+    assert not group_complete([red("a", i, 0.0) for i in (5, 0, 3)], set())
+    assert group_complete([red("a", i, 0.0) for i in (0, 1)], {"a/2", "a/3", "a/4", "a/5"})
+    ctx = FakeContext(recs)
+    await trainer.handle_batch(recs, ctx)
+    outcomes = {e.sample_id: e for _, e in ctx.sent if isinstance(e, ev.SampleOutcome)}
+    trained = {sid for sid, o in outcomes.items() if o.status == "trained"}
+    assert trained == {"a/5", "a/0", "a/3", "a/1", "b/1", "b/0", "b/2", "b/5"}
+    cancelled = {sid for sid, o in outcomes.items() if o.reason.startswith("cancelled:")}
+    assert cancelled == {"a/2", "a/4", "b/3", "b/4"}
+    assert all(outcomes[sid].status == "filtered" for sid in cancelled)
+    late = [record(red("a", 2, 1.0), "scored", 50)]
+    ctx2 = FakeContext(late)
+    await trainer.handle_batch(late, ctx2)
+    assert ctx2.sent == [] and not trainer.buffer.groups
 
 
 # --------------------------------------------------------------------------- checkpoints

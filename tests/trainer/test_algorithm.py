@@ -229,6 +229,26 @@ def test_step_rewards_reach_their_turns() -> None:
     assert adv[1, 0] == adv[1, 3]
 
 
+def test_gigpo_anchors_group_steps_by_state_hash() -> None:
+    """Two episodes of one group: their step-1 turns acted from the same state ("b"), so GiGPO compares
+    them (different step returns -> opposite step advantages); their step-0 turns share the start
+    state; turns without a hash are their own anchors."""
+    episodes, steps = torch.tensor([0, 0, 1, 1, 2]), torch.tensor([0, 1, 0, 1, 1])
+    anchors = alg.step_anchors(episodes, steps, [("a", "b"), ("a", "b"), ("a", "")])
+    assert anchors[0] == anchors[2] and anchors[1] == anchors[3] and anchors[0] != anchors[1]
+    assert int(anchors[4]) not in anchors[:4].tolist()
+    fallback = alg.step_anchors(episodes, steps, None)
+    assert fallback[0] == fallback[2] == 0 and len(set(fallback[[1, 3, 4]].tolist())) == 3
+    cfg = algo(adv_estimator="gigpo", episode_reward_weight=0.0, step_reward_weight=1.0, step_reward_gamma=1.0)
+    mask = torch.tensor([[1.0, 0, 1], [1.0, 0, 1]])
+    adv, _, _ = alg.compute_advantages(cfg, alg.initial_state(cfg), torch.tensor([1.0, 0.0]), torch.tensor([0, 0]),
+                                       mask, step_rewards=[(0.0, 1.0), (0.0, 0.0)], state_hashes=[("s", "t"), ("s", "t")])
+    assert adv[0, 2] > 0 > adv[1, 2]  # same state "t": the better action wins
+    blind, _, _ = alg.compute_advantages(cfg, alg.initial_state(cfg), torch.tensor([1.0, 0.0]), torch.tensor([0, 0]),
+                                         mask, step_rewards=[(0.0, 1.0), (0.0, 0.0)], state_hashes=[("s", ""), ("s", "")])
+    assert blind[0, 2] == 0 and blind[1, 2] == 0  # no shared state: no step-level comparison
+
+
 def test_impossible_combinations_name_the_keys() -> None:
     cases = [
         ("algorithm: {adv_estimator: gae}", "algorithm.critic"),

@@ -152,7 +152,9 @@ def test_protocols_hold_exactly_what_services_call() -> None:
 
     assert members(Strategy) == {"step", "tokenizer", "warmup", "init_reference", "init_critic", "train_step",
                                  "save_checkpoint", "load_checkpoint", "export_weights"}
-    assert members(Engine) == {"policy_version", "chat", "encode", "generate", "load_weights"}  # chat: the warm-up renders as rollout does
+    # chat: the warm-up renders as rollout does; tokenizer, max_positions: the agent loop renders turns and fits them
+    assert members(Engine) == {"policy_version", "chat", "tokenizer", "max_positions", "encode", "generate",
+                               "load_weights"}
 
 
 def test_cosine_lr_schedule(model_dir: Path) -> None:
