@@ -171,3 +171,17 @@ def test_kwargs_are_validated(kwargs: dict[str, object], name: str) -> None:
 def test_source_kwargs_are_validated() -> None:
     with pytest.raises(ValueError, match="heldout_fraction"):
         make_source("frozenlake", heldout_fraction=1.5)
+
+
+def test_neighbors_line_names_what_lies_one_move_away() -> None:
+    from envs.frozenlake import neighbor_line
+
+    desc = ("SFH", "HFF", "FFG")
+    assert neighbor_line(desc, 0) == "Around you: left edge, down hole, right ice, up edge."
+    assert neighbor_line(desc, 4) == "Around you: left hole, down ice, right ice, up ice."
+    assert neighbor_line(desc, 5) == "Around you: left ice, down goal, right edge, up hole."
+    env = make_env("frozenlake", prompt="", reference="", neighbors=True)
+    first, _ = env.reset(seed=5)
+    assert first.splitlines()[-1].startswith("Around you: left edge,")
+    plain, _ = make_env("frozenlake", prompt="", reference="").reset(seed=5)
+    assert "Around you" not in plain and first.startswith(plain)
