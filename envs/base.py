@@ -9,6 +9,7 @@ single-turn verifier is an environment with exactly one step: ``reset`` returns 
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -86,6 +87,26 @@ class TaskSource(Protocol):
     def demonstration(self, problem: Problem, rng: random.Random) -> str:
         """A correct response to ``problem`` to imitate in the supervised warm-up."""
         ...
+
+
+@dataclass(frozen=True)
+class EpisodeRef:
+    """The reference of a multi-turn problem: which environment, with which kwargs, from which seed."""
+
+    env: str
+    kwargs: dict[str, Any]
+    seed: int
+
+
+def episode_ref(reference: str) -> EpisodeRef:
+    """Parse a multi-turn problem's reference (``{"env", "seed", "kwargs"}`` as JSON, as the episode
+    sources write it); ``ValueError`` naming what is missing or malformed."""
+    try:
+        ref = json.loads(reference)
+        return EpisodeRef(env=str(ref["env"]), kwargs=dict(ref.get("kwargs") or {}), seed=int(ref["seed"]))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"the reference of a multi-turn problem must be JSON with env, seed and kwargs: "
+                         f"{type(e).__name__}: {e}") from None
 
 
 def seed_heldout(salt: str, seed: int, fraction: float) -> bool:

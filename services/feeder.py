@@ -42,6 +42,7 @@ import time
 import msgspec
 
 import envs
+from envs.base import episode_ref
 from schemas import events as ev
 from schemas.config import RunConfig, redacted_dict
 from services.kafka.bus import Record
@@ -259,8 +260,8 @@ class Feeder(BatchService):
 def episode_spec(reference: str) -> ev.EnvSpec:
     """The environment of a multi-turn problem, from its reference (``{"env", "seed", "kwargs"}`` as
     JSON, :class:`envs.gym_text.EpisodeSource`); the seed stays in the reference."""
-    ref = json.loads(reference)
-    return ev.EnvSpec(name=str(ref["env"]), kwargs=dict(ref.get("kwargs") or {}))
+    ref = episode_ref(reference)
+    return ev.EnvSpec(name=ref.env, kwargs=ref.kwargs)
 
 
 async def run(settings: FeederSettings, stop: asyncio.Event | None = None) -> int:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import socket
@@ -50,6 +49,7 @@ import msgspec
 from aiokafka.errors import KafkaError
 
 import envs
+from envs.base import episode_ref
 from rollout.agent import AgentLimits, SwapLock, Trajectory, run_episode
 from rollout.engine import GenerationRequest
 from rollout.factory import make_engine
@@ -250,13 +250,10 @@ class RolloutWorker(Service):
         """Play the task's episode and emit it as one ``Generation`` (see the module doc)."""
         assert self.env_client is not None
         try:
-            ref = json.loads(task.reference)
-            seed = int(ref["seed"])
-            name = task.env.name if task.env is not None else str(ref["env"])
-            kwargs = dict(task.env.kwargs) if task.env is not None else dict(ref.get("kwargs") or {})
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"task {task.sample_id}: the reference of a multi-turn task must be JSON with env, seed "
-                             f"and kwargs: {e}") from None
+            ref = episode_ref(task.reference)
+        except ValueError as e:
+            raise ValueError(f"task {task.sample_id}: {e}") from None
+        name, kwargs = (task.env.name, dict(task.env.kwargs)) if task.env is not None else (ref.env, ref.kwargs)
         params = self.params
         if task.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=task.max_new_tokens)
@@ -266,7 +263,7 @@ class RolloutWorker(Service):
         try:
             traj = await run_episode(
                 self.engine, self.engine.tokenizer, self.env_client, episode_id=episode_id, env=name,
-                env_kwargs=kwargs, seed=seed, params=params, limits=limits,
+                env_kwargs=kwargs, seed=ref.seed, params=params, limits=limits,
                 system_prompt=self.system_prompts.get(task.domain) or "", turn_guard=self.swap_lock.turn,
                 cancelled=lambda: task.sample_id in self.cancelled)
         finally:

@@ -20,7 +20,6 @@ positions it covers; :class:`services.trainer_service.Trainer` drives it from th
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import shutil
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ import msgspec
 import torch
 
 import envs
+from envs.base import episode_ref
 from rollout.agent import AgentLimits, LocalEnvClient, Trajectory, expert_episode, run_episode
 from rollout.engine import GenerationRequest
 from rollout.factory import make_engine
@@ -178,10 +178,10 @@ class TrainerCore:
         client = LocalEnvClient(envs.make_env)
 
         async def play(p: envs.Problem) -> Trajectory:
-            ref = json.loads(p.reference)
+            ref = episode_ref(p.reference)
             return await run_episode(self.eval_engine, self.eval_engine.tokenizer, client,
-                                     episode_id=f"eval/{p.prompt_id}", env=str(ref["env"]),
-                                     env_kwargs=dict(ref.get("kwargs") or {}), seed=int(ref["seed"]), params=params,
+                                     episode_id=f"eval/{p.prompt_id}", env=ref.env, env_kwargs=ref.kwargs,
+                                     seed=ref.seed, params=params,
                                      limits=self.limits, system_prompt=system)
 
         trajs = await asyncio.gather(*(play(p) for p in problems))
@@ -232,11 +232,10 @@ class TrainerCore:
     def _expert_example(self, source: object, problem: envs.Problem, chat: bool, system: str) -> SFTExample:
         """A multi-turn warm-up example: the source's expert actions played in a local environment
         and rendered as the agent loop renders an episode (:func:`rollout.agent.expert_episode`)."""
-        ref = json.loads(problem.reference)
-        seed = int(ref["seed"])
-        env = envs.make_env(str(ref["env"]), prompt="", reference="", **dict(ref.get("kwargs") or {}))
-        actions = list(source.expert_actions(seed))  # type: ignore[attr-defined]
-        prompt, target, mask = expert_episode(self.tokenizer, chat, env, seed, actions,
+        ref = episode_ref(problem.reference)
+        env = envs.make_env(ref.env, prompt="", reference="", **ref.kwargs)
+        actions = list(source.expert_actions(ref.seed))  # type: ignore[attr-defined]
+        prompt, target, mask = expert_episode(self.tokenizer, chat, env, ref.seed, actions,
                                               end_of_turn_id=self.tokenizer.eos_token_id, system_prompt=system,
                                               limits=self.limits)
         return SFTExample(prompt, target, mask)

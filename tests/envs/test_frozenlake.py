@@ -185,3 +185,14 @@ def test_neighbors_line_names_what_lies_one_move_away() -> None:
     assert first.splitlines()[-1].startswith("Around you: left edge,")
     plain, _ = make_env("frozenlake", prompt="", reference="").reset(seed=5)
     assert "Around you" not in plain and first.startswith(plain)
+
+
+def test_episode_ref_reads_a_sources_reference_and_names_what_is_wrong() -> None:
+    from envs.base import episode_ref
+
+    problem = FrozenLakeSource().sample(random.Random(0))
+    ref = episode_ref(problem.reference)
+    assert ref.env == "frozenlake" and ref.seed == int(problem.prompt_id.split(":")[1]) and ref.kwargs["size"] == 4
+    for bad in ("not json", '{"env": "frozenlake"}', "[1, 2]"):
+        with pytest.raises(ValueError, match="env, seed and kwargs"):
+            episode_ref(bad)
