@@ -397,6 +397,21 @@ class TorchEngine:
             copy_weights_(self.model, state)
             self.policy_version = self.policy_version + 1 if version is None else version
 
+    @torch.inference_mode()
+    def next_token_logprobs(self, prompts: list[list[int]]) -> torch.Tensor:
+        """``log_softmax`` of the next-token logits after each prompt, in one batched, left-padded
+        forward pass (no sampling, no slot taken; between two engine steps). Returns ``(b, V)``
+        float32 on the CPU. A judge reads its score labels' probabilities from it."""
+        for i, p in enumerate(prompts):
+            self._validate(GenerationRequest(f"logprobs-{i}", p))
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=self.device)  # (b, P)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)  # (b, P)
+        pos = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (b, P)
+        with self._step_lock:
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]  # (b, V)
+        return torch.log_softmax(logits.float(), dim=-1).cpu()  # (b, V)
+
     # ----------------------------------------------------------------- scheduling
 
     def _validate(self, req: GenerationRequest) -> None:

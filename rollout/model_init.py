@@ -168,6 +168,26 @@ def init_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, seed
     return out
 
 
+def init_tiny_reward_model(out_dir: str | Path, spec: TinyModelSpec | None = None, seed: int = 0) -> Path:
+    """Write a freshly initialised tiny reward model (``LlamaForSequenceClassification``, one output,
+    the tiny model's tokenizer) to ``out_dir``; return the dir. For tests and examples of
+    ``judge.models.<name>.kind: reward_model``: its scores are random but deterministic (``seed``)."""
+    from transformers import LlamaForSequenceClassification
+
+    spec = spec or TinyModelSpec()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(spec)
+    config = tiny_llama_config(spec, vocab_size=len(tokenizer))
+    config.num_labels = 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForSequenceClassification(config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu") -> PreTrainedModel:
     """Load a local HF causal LM (no network) in eval mode with SDPA attention."""
     model = AutoModelForCausalLM.from_pretrained(

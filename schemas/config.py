@@ -186,6 +186,27 @@ class DomainConfig(Section):
     ``format``); 0 = no format reward. Needs ``answer`` other than ``raw``."""
     system_prompt: str = ""
     """System turn for this domain's prompts (empty = ``model.system_prompt``)."""
+    judge: str = ""
+    """A judge of ``judge.models`` (an LLM-as-a-judge or a reward model) that also scores this
+    domain's responses, in the ``judge`` service (reward component ``judge``, in ``[0, 1]``); empty =
+    the verifier alone. Not for multi-turn domains (their environment rewards every turn)."""
+    rewards: dict[str, float] = msgspec.field(default_factory=dict)
+    """How the reward is made of components: ``{component: weight}``, reward = the weighted sum.
+    Components: ``verifier`` (the verifier's reward, format reward included), ``correct`` (0/1),
+    ``format`` (0/1, needs ``answer`` other than ``raw``) and ``judge`` (needs ``judge``). Empty =
+    the verifier's reward, or ``{judge: 1.0}`` when the domain has a judge. Every component is
+    recorded whatever its weight, so SQL can compare judge and verifier."""
+
+
+REWARD_COMPONENTS = ("verifier", "correct", "format", "judge")
+"""Names ``data.domains[].rewards`` may weight."""
+
+
+def reward_weights(domain: DomainConfig) -> dict[str, float]:
+    """``domain.rewards``, or its default: ``{judge: 1.0}`` with a judge, ``{verifier: 1.0}`` without."""
+    if domain.rewards:
+        return dict(domain.rewards)
+    return {"judge": 1.0} if domain.judge else {"verifier": 1.0}
 
 
 class DataConfig(Section):
@@ -565,6 +586,68 @@ class EnvWorkersConfig(Section):
     ``env_finish: env_error``."""
 
 
+class JudgeModelConfig(Section):
+    """One judge: an LLM that reads a rubric, the prompt and the response and answers a score, or a
+    reward model (a sequence-classification head) that scores prompt + response."""
+
+    kind: Literal["llm", "reward_model"] = "llm"
+    """``llm``: a causal LM answers in the format ``score`` names; ``reward_model``: an
+    ``AutoModelForSequenceClassification`` with one output, mapped to ``[0, 1]`` by ``normalize``."""
+    path: str = ""
+    """Local Hugging Face model directory (required; nothing is downloaded)."""
+    source: Literal["", "smollm2-135m-instruct"] = ""
+    """A packaged pretrained model converted into ``path`` when that directory does not exist yet
+    (as ``model.source``); ``llm`` only."""
+    rubric: str = ""
+    """``llm``: what the judge is asked to rate (empty = a generic helpfulness rubric); the prompt,
+    the response and the answer format follow it. Not for reward models."""
+    score: Literal["", "number", "choice", "logprobs"] = ""
+    """``llm``: how the score is read. ``number``: the judge writes an integer in ``[min_score,
+    max_score]`` (greedy, at most ``max_new_tokens``), normalised to ``[0, 1]``; ``choice``: the judge
+    writes one label of ``choices``, whose value is the score; ``logprobs``: no generation, one
+    forward pass: the probability-weighted mean of the labels ``min_score..max_score`` (each one
+    token) at the answer's first position, normalised. Empty = ``number``. Not for reward models."""
+    min_score: int = 1
+    """Lowest score the judge may answer (``number``, ``logprobs``)."""
+    max_score: int = 5
+    """Highest score (``number``, ``logprobs``)."""
+    choices: dict[str, float] = msgspec.field(default_factory=dict)
+    """``choice``: ``{label: score in [0, 1]}``, e.g. ``{"yes": 1.0, "no": 0.0}``."""
+    min_label_mass: float = 0.1
+    """``logprobs``: below this total probability on the score labels the answer counts as
+    unparseable (score 0, reason recorded)."""
+    max_new_tokens: int = 8
+    """``number`` / ``choice``: tokens the judge may write."""
+    answer_prefix: str = "Score: "
+    """The start of the judge's answer, written for it after the generation prompt (the score is
+    read from what follows); it puts a small judge's probability on the score labels (SmolLM2-135M:
+    68% with ``Score: ``, 1% with nothing). Empty = none."""
+    normalize: Literal["sigmoid", "none"] = "sigmoid"
+    """``reward_model``: ``sigmoid`` maps its output to ``(0, 1)``; ``none`` uses it as is."""
+    chat_template: bool | Literal["auto"] = "auto"
+    """Render the judge's input with the tokenizer's chat template (as ``model.chat_template``)."""
+
+
+class JudgeConfig(Section):
+    """The ``judge`` service: judges and reward models that score domains with ``data.domains[].judge``."""
+
+    models: dict[str, JudgeModelConfig] = msgspec.field(default_factory=dict)
+    """Judges by name; a domain names one in ``judge``."""
+    workers: int = 1
+    """Judge worker processes ``rollstream run`` starts when a domain has a judge (one consumer group
+    on ``judge.requests``; none are started otherwise)."""
+    device: str = "auto"
+    """Torch device of the judge models: ``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda`` or
+    ``cuda:N``."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Judge model dtype; ``auto`` = ``bfloat16`` on CUDA, ``float32`` on the CPU."""
+    max_batch: int = 16
+    """Responses one worker judges at once (one batched forward pass, or continuous batching for
+    generated answers)."""
+    batch_wait_s: float = 0.02
+    """How long a forward-pass batch waits for more responses once it has one, seconds."""
+
+
 class RunConfig(Section):
     """A whole run."""
 
@@ -579,6 +662,7 @@ class RunConfig(Section):
     reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
     tracking: TrackingConfig = msgspec.field(default_factory=TrackingConfig)
     env: EnvWorkersConfig = msgspec.field(default_factory=EnvWorkersConfig)
+    judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
 
     def __post_init__(self) -> None:
         for key, value in (("rollout.group_size", self.rollout.group_size), ("rollout.workers", self.rollout.workers),
@@ -778,6 +862,7 @@ def check_values(cfg: RunConfig) -> None:
         raise ValueError(f"env.latency_sigma={e.latency_sigma:g} must be > 0 (> 1 for pareto: a finite mean)")
     if e.max_episodes < 1:
         raise ValueError(f"env.max_episodes={e.max_episodes} must be >= 1")
+    check_judges(cfg)
     if not cfg.model.path and not cfg.model.source:
         check_tiny_spec(cfg.model.init, "model.init.")
         if cfg.rollout.max_new_tokens >= cfg.model.init.max_position_embeddings:
@@ -785,6 +870,62 @@ def check_values(cfg: RunConfig) -> None:
                 f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} must be < "
                 f"model.init.max_position_embeddings={cfg.model.init.max_position_embeddings} (the prompt needs room too)"
             )
+
+
+def check_judges(cfg: RunConfig) -> None:
+    """The ``judge`` section and the domains' ``judge`` / ``rewards`` (values only; the models are
+    checked on disk by the CLI)."""
+    j = cfg.judge
+    if j.workers < 1:
+        raise ValueError(f"judge.workers={j.workers} must be >= 1")
+    if j.max_batch < 1:
+        raise ValueError(f"judge.max_batch={j.max_batch} must be >= 1")
+    if j.batch_wait_s < 0:
+        raise ValueError(f"judge.batch_wait_s={j.batch_wait_s:g} must be >= 0")
+    if not _DEVICE_RE.match(j.device):
+        raise ValueError(f"judge.device={j.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    for name, m in j.models.items():
+        key = f"judge.models.{name}"
+        if not name:
+            raise ValueError("judge.models: a judge needs a non-empty name")
+        if not m.path:
+            raise ValueError(f"{key}.path is empty: a judge needs a local Hugging Face model directory")
+        if m.kind == "reward_model":
+            for field, bad in (("rubric", m.rubric), ("score", m.score), ("choices", m.choices),
+                               ("source", m.source)):
+                if bad:
+                    raise ValueError(f"{key}.{field} is set but {key}.kind='reward_model' does not use it "
+                                     "(a reward model reads prompt + response and has its own head); remove it")
+            continue
+        if m.min_score >= m.max_score:
+            raise ValueError(f"{key}: min_score={m.min_score} must be < max_score={m.max_score}")
+        if m.max_new_tokens < 1:
+            raise ValueError(f"{key}.max_new_tokens={m.max_new_tokens} must be >= 1")
+        if not 0 <= m.min_label_mass < 1:
+            raise ValueError(f"{key}.min_label_mass={m.min_label_mass:g} must be in [0, 1)")
+        if m.score == "choice":
+            if not m.choices:
+                raise ValueError(f"{key}.score='choice' needs {key}.choices, e.g. {{yes: 1.0, no: 0.0}}")
+            for label, value in m.choices.items():
+                if not label.strip() or not 0 <= value <= 1:
+                    raise ValueError(f"{key}.choices: {label!r}: {value:g} needs a non-empty label and a score in [0, 1]")
+        elif m.choices:
+            raise ValueError(f"{key}.choices is set but {key}.score={m.score or 'number'!r} does not use it; "
+                             "set score: choice or remove choices")
+    for i, d in enumerate(cfg.data.domains):
+        key = f"data.domains[{i}]"
+        if d.judge and d.judge not in j.models:
+            known = ", ".join(sorted(j.models)) or "none defined"
+            raise ValueError(f"{key}.judge={d.judge!r} is not in judge.models ({known})")
+        for comp, w in d.rewards.items():
+            if comp not in REWARD_COMPONENTS:
+                raise ValueError(f"{key}.rewards: unknown component {comp!r}; one of {', '.join(REWARD_COMPONENTS)}")
+            if comp == "judge" and not d.judge:
+                raise ValueError(f"{key}.rewards weights 'judge' but the domain has no judge (set {key}.judge)")
+            if comp == "format" and d.answer == "raw":
+                raise ValueError(f"{key}.rewards weights 'format' but {key}.answer='raw' has no format")
+            if not math.isfinite(w):
+                raise ValueError(f"{key}.rewards.{comp}={w} must be a finite number")
 
 
 # --------------------------------------------------------------------------- parsing

@@ -31,6 +31,8 @@ SECTIONS: list[tuple[str, type[msgspec.Struct]]] = [
     ("reward", cfg_mod.RewardConfig),
     ("tracking", cfg_mod.TrackingConfig),
     ("env", cfg_mod.EnvWorkersConfig),
+    ("judge", cfg_mod.JudgeConfig),
+    ("judge.models.<name>", cfg_mod.JudgeModelConfig),
 ]
 
 

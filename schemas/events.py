@@ -222,6 +222,25 @@ class ScoredSample(Event, frozen=True, kw_only=True):
     step_rewards: list[float] = msgspec.field(default_factory=list)
     """Multi-turn episodes: one reward per agent turn (a contiguous run of ``loss_mask == 1``), for
     the step-level estimators; empty = ``reward`` is the outcome of the last turn. (Added after v1.)"""
+    judge: str = ""
+    """The judge of ``judge.models`` that scored it (empty = no judge). (Added after v5.)"""
+    judge_s: float = 0.0
+    """Seconds the judge call that scored it took (its batch's forward pass or its generated
+    answer). (Added after v5.)"""
+    judge_error: str = ""
+    """Why the judge's answer gave no score (unparseable answer, judge failure); the ``judge``
+    component is then 0. Empty = scored. (Added after v5.)"""
+
+
+class JudgeRequest(Event, frozen=True, kw_only=True):
+    """A generation the reward router scored with its verifier, waiting for its domain's judge
+    (``judge.requests`` -> judge service -> ``scored``). (Added after v5.)"""
+
+    scored: ScoredSample
+    """The sample as the router scored it: verifier components in ``rewards``; the judge service
+    adds ``judge``, computes ``reward`` from the domain's weights and emits it to ``scored``."""
+    judge: str
+    """Which judge of ``judge.models``."""
 
 
 # --------------------------------------------------------------------------- weights
@@ -401,6 +420,7 @@ EnvRequestEvent = EnvReset | EnvStep
 EnvResponseEvent = EnvObservation
 GenerationEvent = Generation
 ScoredEvent = ScoredSample
+JudgeEvent = JudgeRequest
 WeightsEvent = WeightsPublished
 MetricsEvent = TrainStep | SampleOutcome | EvalResult
 ControlEvent = RunStarted | RunFinished | Pause | Resume | Drain | ServiceStarted | ServiceRestarted | ServiceFailed
@@ -413,6 +433,7 @@ ALL_EVENT_TYPES: tuple[type[Event], ...] = (
     EnvObservation,
     Generation,
     ScoredSample,
+    JudgeRequest,
     WeightsPublished,
     TrainStep,
     SampleOutcome,

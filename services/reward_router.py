@@ -8,6 +8,12 @@ are committed in one Kafka transaction, so a generation is scored exactly once e
 crashes. A verifier that crashes or hangs yields reward 0 with the error in ``details`` (the
 sample is still trained on, and the error is visible in the record) — never a lost sample.
 
+Judged domains (``data.domains[].judge``): the verifier runs here as for any domain; the sample,
+with its verifier components, then goes to ``judge.requests`` as a ``JudgeRequest`` (in the same
+transaction) instead of to ``scored``. The judge service (:mod:`services.judge_worker`) adds the
+judge's score, computes the reward from the domain's ``rewards`` weights (:func:`with_verdict`)
+and emits it to ``scored``, transactionally too: exactly once end to end.
+
 Bad input: a generation with impossible values (:func:`services.sanity.check_generation`:
 response, logprobs and loss-mask lengths that disagree, non-finite logprobs, an impossible
 group) is rejected and, like undecodable bytes, dead-lettered inside the batch's transaction,
@@ -26,7 +32,7 @@ import msgspec
 
 import envs
 from schemas import events as ev
-from schemas.config import RewardConfig, RunConfig
+from schemas.config import RewardConfig, RunConfig, reward_weights
 from services.kafka.bus import Record
 from services.kafka.runtime import Context, Service, ServiceSettings, run_service
 from services.sanity import check_generation
@@ -56,6 +62,11 @@ class DomainScoring:
     kwargs: dict[str, Any]
     answer: str = "raw"
     format_reward: float = 0.0
+    judge: str = ""
+    """The domain's judge (empty = none): the sample goes on to ``judge.requests``."""
+    weights: dict[str, float] = dataclasses.field(default_factory=dict)
+    """``{component: weight}`` when the domain sets ``rewards`` or has a judge; empty = the
+    verifier's reward as is."""
 
 
 VerifierTable = dict[str, DomainScoring]
@@ -67,7 +78,8 @@ def verifier_table(cfg: RunConfig) -> VerifierTable:
     table: VerifierTable = {}
     for d in cfg.data.domains:
         name = d.verifier or envs.make_source(d.source, **d.kwargs).default_verifier
-        table[d.name] = DomainScoring(name, dict(d.verifier_kwargs), d.answer, d.format_reward)
+        weights = reward_weights(d) if (d.rewards or d.judge) else {}
+        table[d.name] = DomainScoring(name, dict(d.verifier_kwargs), d.answer, d.format_reward, d.judge, weights)
     return table
 
 
@@ -86,7 +98,39 @@ class RewardRouter(Service):
         # off the event loop: a slow or hanging verifier (bounded by reward.timeout_s) must not stop
         # the consumer's heartbeats or the other calls
         scored = await asyncio.to_thread(score, gen, self.table, self.settings.config.reward)
-        ctx.emit("scored", scored, key=gen.task.group_id)
+        judge = judge_of(gen, self.table)
+        if judge:
+            ctx.emit("judge.requests", ev.JudgeRequest(run_id=gen.run_id, scored=scored, judge=judge),
+                     key=gen.task.sample_id)
+        else:
+            ctx.emit("scored", scored, key=gen.task.group_id)
+
+
+def judge_of(gen: ev.Generation, table: VerifierTable) -> str:
+    """The judge that still has to score ``gen`` (empty = none: it is scored)."""
+    if gen.episode_id:
+        return ""
+    scoring = table.get(gen.task.domain)
+    return scoring.judge if scoring is not None else ""
+
+
+def weighted_reward(components: dict[str, float], weights: dict[str, float]) -> float:
+    """``sum(weight * components[name])``; a component the sample lacks counts 0 (``format`` of a
+    response without the format, ``judge`` before the judge)."""
+    return float(sum(w * components.get(name, 0.0) for name, w in weights.items()))
+
+
+def with_verdict(scored: ev.ScoredSample, judge: str, weights: dict[str, float], *, score: float, answer: str,
+                 error: str, judge_s: float) -> ev.ScoredSample:
+    """``scored`` (as the router made it) completed by its judge's verdict: component ``judge``
+    (0 when the verdict has an ``error``), ``reward`` from ``weights``, the verdict in ``details``,
+    ``ts`` now (so ``scored_ts`` in the record is when the judge finished)."""
+    value = 0.0 if error else float(score)
+    rewards = {**scored.rewards, "judge": value}
+    note = f"judge {judge}: " + (f"unscored: {error}" if error else f"{value:.3f} ({answer})")
+    details = f"{scored.details}; {note}" if scored.details else note
+    return msgspec.structs.replace(scored, rewards=rewards, reward=weighted_reward(rewards, weights), judge=judge,
+                                   judge_s=judge_s, judge_error=error, details=details, ts=time.time())
 
 
 def score(gen: ev.Generation, table: VerifierTable, reward: RewardConfig) -> ev.ScoredSample:
@@ -115,9 +159,14 @@ def score(gen: ev.Generation, table: VerifierTable, reward: RewardConfig) -> ev.
             format_reward=scoring.format_reward, timeout_s=reward.timeout_s, isolation=reward.isolation,
         )
     details = f"error: {result.error}" if result.error else result.details
+    rewards = {"correct": float(result.correct), **result.components}
+    value = result.reward
+    if scoring is not None and scoring.weights:
+        rewards["verifier"] = result.reward
+        value = weighted_reward(rewards, scoring.weights)
     return ev.ScoredSample(
-        run_id=gen.run_id, generation=gen, reward=result.reward,
-        rewards={"correct": float(result.correct), **result.components},
+        run_id=gen.run_id, generation=gen, reward=value,
+        rewards=rewards,
         verifier=verifier, details=details, reward_s=time.perf_counter() - t0,
         policy_version=gen.policy_version,
     )

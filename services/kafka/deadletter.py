@@ -26,7 +26,7 @@ from services.kafka.bus import Record
 
 __all__ = ["SAMPLE_TOPICS", "dead_letter_for", "group_of", "subject_ids"]
 
-SAMPLE_TOPICS = ("tasks", "generations", "scored")
+SAMPLE_TOPICS = ("tasks", "generations", "scored", "judge.requests")
 """Logical topics whose every record is about one sample."""
 
 _ID_MAX_CHARS = 200
@@ -46,6 +46,8 @@ def _ids_of_event(event: Any) -> tuple[str, str]:
         task = event.task
     elif isinstance(event, ev.ScoredSample):
         task = event.generation.task
+    elif isinstance(event, ev.JudgeRequest):
+        task = event.scored.generation.task
     return (task.sample_id, task.group_id) if task is not None else ("", "")
 
 
@@ -57,7 +59,7 @@ def _ids_of_raw(raw: bytes | None) -> tuple[str, str]:
         obj = msgspec.msgpack.decode(raw)
     except (msgspec.DecodeError, ValueError, TypeError, RecursionError):  # hostile nesting too
         return "", ""
-    for path in ((), ("task",), ("generation", "task")):
+    for path in ((), ("task",), ("generation", "task"), ("scored", "generation", "task")):
         node: Any = obj
         for step in path:
             node = node.get(step) if isinstance(node, dict) else None
@@ -74,7 +76,7 @@ def _ids_of_key(name: str, key: bytes | None) -> tuple[str, str]:
     if not key:
         return "", ""
     text = key.decode("utf-8", "replace")[:_ID_MAX_CHARS]
-    if name in ("tasks", "generations"):
+    if name in ("tasks", "generations", "judge.requests"):
         return text, ""
     if name == "scored":
         return "", text

@@ -5,7 +5,11 @@ recorded config plus ``--set`` overrides (scoring exactly as the reward router d
 :func:`services.reward_router.score`), and recomputes each recorded training batch's per-sample
 advantages with the old and the new config (:func:`trainer.algorithm.sample_advantages`); it
 reports per domain how rewards and advantages would change (:func:`rescore_lines` prints it).
-Nothing is published.
+Judged domains (``data.domains[].judge`` in the new config) are judged again in this process
+(:func:`rollout.judge.load_judge`, on ``judge.device``), so ``--set judge.models.<name>.rubric=...``
+or another ``path`` shows how a different rubric or judge model would have scored the run; the
+report then adds per domain the mean judge score old/new and the responses the new judge could
+not score. Nothing is published.
 """
 
 from __future__ import annotations
@@ -83,7 +87,63 @@ def _domain_stats(items: list[_Rescored], groups: dict[Any, list[_Rescored]]) ->
             any(abs((r.adv_new or 0.0) - (r.adv_old or 0.0)) > ADV_TOL for r in members)
             for members in groups.values()),
         "max_abs_delta_adv": max(deltas, default=0.0),
+        **_judge_stats(items),
     }
+
+
+def _judge_stats(items: list[_Rescored]) -> dict[str, Any]:
+    """Mean ``judge`` component old/new and the new judge's unscored responses (only when a judge
+    scored the domain, then or now)."""
+    old = [r.scored.rewards["judge"] for r in items if "judge" in r.scored.rewards]
+    new = [r.new.rewards["judge"] for r in items if "judge" in r.new.rewards]
+    if not old and not new:
+        return {}
+    return {"judge_mean_old": sum(old) / len(old) if old else None,
+            "judge_mean_new": sum(new) / len(new) if new else None,
+            "judge_unscored_new": sum(bool(r.new.judge_error) for r in items)}
+
+
+def _judge_again(cfg: RunConfig, table: Any, items: list[_Rescored], progress: Progress) -> None:
+    """Replace ``r.new`` of every item of a judged domain by its judged version (in place)."""
+    import asyncio
+
+    from rollout.judge import load_judge
+    from schemas.config import resolve_dtype
+    from services.devices import resolve_device
+    from services.reward_router import judge_of, with_verdict
+
+    todo = [(r, judge_of(r.new.generation, table)) for r in items]
+    todo = [(r, j) for r, j in todo if j]
+    if not todo:
+        return
+    device = resolve_device(cfg.judge.device, "judge.device")
+    dtype = resolve_dtype(cfg.judge.dtype, device)
+    names = sorted({j for _, j in todo})
+    progress(f"loading judge(s) {', '.join(names)} on {device}...")
+    try:
+        judges = {n: load_judge(n, cfg.judge.models[n], device=device, dtype=dtype, max_batch=cfg.judge.max_batch,
+                                batch_wait_s=cfg.judge.batch_wait_s) for n in names}
+    except (OSError, ValueError) as e:
+        raise ReplayError(f"judge: {e}") from None
+
+    async def judge_all() -> None:
+        done = 0
+        sem = asyncio.Semaphore(cfg.judge.max_batch * 2)
+
+        async def one(r: _Rescored, name: str) -> None:
+            nonlocal done
+            async with sem:
+                gen = r.new.generation
+                v = await judges[name].judge(gen.task.prompt, gen.response_text)
+            r.new = with_verdict(r.new, name, table[gen.task.domain].weights, score=v.score, answer=v.answer,
+                                 error=v.error, judge_s=v.judge_s)
+            done += 1
+            if done % 50 == 0:
+                progress(f"judging: {done}/{len(todo)} samples")
+
+        await asyncio.gather(*(one(r, j) for r, j in todo))
+
+    asyncio.run(judge_all())
 
 
 def _example(r: _Rescored) -> dict[str, Any]:
@@ -138,6 +198,7 @@ def rescore(s: ReplaySettings, progress: Progress = no_progress, examples: int =
             items[sid] = _Rescored(smp, score(smp.generation, table, new_cfg.reward))
         if i % 200 == 0:
             progress(f"rescoring {s.run_id}: {i}/{len(recorded)} samples")
+    _judge_again(new_cfg, table, list(items.values()), progress)
 
     groups: dict[str, dict[Any, list[_Rescored]]] = defaultdict(dict)
     missing = 0
@@ -171,6 +232,7 @@ def rescore(s: ReplaySettings, progress: Progress = no_progress, examples: int =
         "steps": [sl.first, sl.last] if sl else None,
         "adv_estimator": {"old": old_cfg.algorithm.adv_estimator, "new": new_cfg.algorithm.adv_estimator},
         "verifiers": {d: sc.verifier for d, sc in table.items()},
+        "judges": {d: sc.judge for d, sc in table.items() if sc.judge},
         "train_steps": len(steps),
         "trained_samples_missing": missing,
         "total": _domain_stats(list(items.values()), all_groups),
@@ -203,6 +265,12 @@ def rescore_lines(report: dict[str, Any]) -> list[str]:
     lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cols, widths, strict=True))))
     for r in rows:
         lines.append("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths, strict=True))))
+    judged = {d: x for d, x in report["domains"].items() if "judge_mean_new" in x}
+    if judged:
+        lines += ["", "judges: " + ", ".join(f"{d}={j}" for d, j in report.get("judges", {}).items())]
+        for d, x in judged.items():
+            lines.append(f"  {d}: judge score {num(x['judge_mean_old'])} -> {num(x['judge_mean_new'])}, "
+                         f"{x['judge_unscored_new']} response(s) the new judge could not score")
     if report["trained_samples_missing"]:
         lines.append(f"note: {report['trained_samples_missing']} trained samples have no recorded score")
     if report["examples"]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from schemas import events as ev
 
 RUN = "fixture-run"
@@ -20,6 +22,9 @@ def example_events() -> list[ev.Event]:
         env_s=0.5, num_turns=2, episode_id="g1/0@0a1b2c3d", step_rewards=[0.0, 1.0], turn_versions=[3, 4],
         state_hashes=["aa11", "bb22"], env_finish="terminated", success=True,
     )
+    scored = ev.ScoredSample(run_id=RUN, event_id="e-scored", ts=4.0, generation=gen, reward=1.0,
+                             rewards={"correct": 1.0, "judge": 0.75}, verifier="exact", details="19 == 19",
+                             policy_version=3, judge="quality", judge_s=0.125, judge_error="")
     return [
         task,
         ev.EnvReset(run_id=RUN, event_id="e-reset", ts=1.0, episode_id="ep1", sample_id="g1/0",
@@ -29,8 +34,9 @@ def example_events() -> list[ev.Event]:
         ev.EnvObservation(run_id=RUN, event_id="e-obs", ts=3.0, episode_id="ep1", step=2, observation="7",
                           reward=1.0, terminated=True, info={"ok": True}, env_s=0.25, failed=False),
         gen,
-        ev.ScoredSample(run_id=RUN, event_id="e-scored", ts=4.0, generation=gen, reward=1.0,
-                        rewards={"correct": 1.0}, verifier="exact", details="19 == 19", policy_version=3),
+        scored,
+        ev.JudgeRequest(run_id=RUN, event_id="e-judge", ts=4.5, judge="quality",
+                        scored=msgspec.structs.replace(scored, rewards={"correct": 1.0}, judge="", judge_s=0.0)),
         ev.WeightsPublished(run_id=RUN, event_id="e-w", ts=5.0, policy_version=4, step=4, uri="/tmp/w/v4",
                             checksum="ab" * 32, num_bytes=1024),
         ev.TrainStep(run_id=RUN, event_id="e-ts", ts=6.0, step=4, policy_version=3,

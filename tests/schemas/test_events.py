@@ -116,3 +116,16 @@ def test_generation_episode_fields_added_after_v4_default_in_old_payloads() -> N
     assert new.step_rewards == [0.0, 1.0] and new.turn_versions == [3, 4] and new.state_hashes == ["aa11", "bb22"]
     assert (new.episode_id, new.env_finish, new.success) == ("g1/0@0a1b2c3d", "terminated", True)
     assert old.task.redundancy == 0 and new.task.redundancy == 1  # RolloutTask.redundancy, added after v4
+
+
+def test_judge_fields_added_after_v5_default_in_old_payloads() -> None:
+    """ScoredSample.judge/judge_s/judge_error: v5 payloads decode with the defaults (no judge), v6
+    payloads carry them; JudgeRequest exists from v6 on (topic judge.requests)."""
+    dec = msgspec.msgpack.Decoder(TOPICS["scored"].event_type)
+    old = dec.decode((FIXTURES / "v5" / "ScoredSample.msgpack").read_bytes())
+    assert (old.judge, old.judge_s, old.judge_error) == ("", 0.0, "")
+    new = dec.decode((FIXTURES / "v6" / "ScoredSample.msgpack").read_bytes())
+    assert (new.judge, new.judge_s, new.rewards["judge"]) == ("quality", 0.125, 0.75)
+    req = msgspec.msgpack.Decoder(TOPICS["judge.requests"].event_type).decode(
+        (FIXTURES / "v6" / "JudgeRequest.msgpack").read_bytes())
+    assert isinstance(req, ev.JudgeRequest) and req.judge == "quality" and req.scored.generation.response_text == "19"

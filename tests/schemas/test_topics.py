@@ -7,7 +7,8 @@ from schemas.topics import TOPICS, BadRunId, check_run_id, parse_topic, spec_for
 
 def test_registry_matches_design() -> None:
     assert set(TOPICS) == {
-        "tasks", "env.requests", "env.responses", "generations", "scored", "weights", "metrics", "control", "dlq",
+        "tasks", "env.requests", "env.responses", "generations", "scored", "judge.requests", "weights", "metrics",
+        "control", "dlq",
     }
     assert TOPICS["weights"].cleanup == "compact"
     assert TOPICS["weights"].configs()["cleanup.policy"] == "compact"

@@ -387,6 +387,28 @@ def test_rescore_with_another_verifier_reports_consistent_changes(recorded: Reco
     assert int(arith[4]) == report["total"]["rewards_changed"]
 
 
+def test_rescore_with_a_judge_judges_every_recorded_generation(recorded: Recorded, model_dir: Path) -> None:
+    judge = ["--set", f"judge.models.j.path={model_dir}", "--set", "judge.models.j.score=logprobs",
+             "--set", "judge.models.j.min_label_mass=0", "--set", "judge.device=cpu", "--set", "data.domains.0.judge=j"]
+    res = recorded.replay("rescore", *judge, "--set", "data.domains.0.rewards.correct=1",
+                          "--set", "data.domains.0.rewards.judge=0.5", "--format", "json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    arith = report["domains"]["arith"]
+    assert report["judges"] == {"arith": "j"} and arith["judge_mean_old"] is None
+    assert 0.0 < arith["judge_mean_new"] < 1.0 and arith["judge_unscored_new"] == 0
+    # reward = correct + 0.5 * judge: every sample's reward moved by its judge score, none is lost
+    assert arith["rewards_changed"] == arith["samples"] > 0
+    assert arith["reward_mean_new"] == pytest.approx(arith["reward_mean_old"] + 0.5 * arith["judge_mean_new"], abs=1e-6)
+    strict = recorded.replay("rescore", *judge[:4], "--set", "judge.models.j.min_label_mass=0.999",
+                             *judge[6:], "--format", "json")
+    assert strict.returncode == 0, strict.stderr
+    x = json.loads(strict.stdout)["domains"]["arith"]
+    assert x["judge_unscored_new"] == x["samples"] and x["reward_mean_new"] == 0.0
+    text = recorded.replay("rescore", *judge)
+    assert text.returncode == 0 and "could not score" in text.stdout and "judges: arith=j" in text.stdout
+
+
 @pytest.mark.slow
 def test_replay_errors_on_a_recorded_run_are_one_line(recorded: Recorded) -> None:
     assert "none >= 99" in one_error_line(recorded.replay("into", "x1", "--from-step", "99"))

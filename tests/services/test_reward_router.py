@@ -1,11 +1,16 @@
-"""The reward router's scoring of multi-turn episodes (pure: no Kafka; the router on the broker is
+"""The reward router's scoring of multi-turn episodes and judged domains (pure: no Kafka; the router on the broker is
 covered by the e2e and fuzz tests)."""
 
 from __future__ import annotations
 
+import re
+
+import msgspec
+import pytest
+
 from schemas import events as ev
-from schemas.config import RunConfig
-from services.reward_router import score, verifier_table
+from schemas.config import ConfigError, RunConfig, parse_raw
+from services.reward_router import judge_of, score, verifier_table, with_verdict
 
 
 def episode(**kw: object) -> ev.Generation:
@@ -30,3 +35,74 @@ def test_an_episode_is_scored_by_its_step_rewards_not_a_verifier() -> None:
     lost = score(episode(step_rewards=[0.0, -0.5], success=False, env_finish="max_turns"), verifier_table(cfg),
                  cfg.reward)
     assert lost.reward == -0.5 and lost.rewards["correct"] == 0.0 and lost.details.startswith("max_turns")
+
+
+def instruct_gen(response: str) -> ev.Generation:
+    task = ev.RolloutTask(run_id="r", sample_id="g1/0", group_id="g1", index=0, group_size=2, prompt_id="instruct:5",
+                          domain="writing", prompt="Write one sentence about tea. Use the word \"blue\".",
+                          reference='{"kind": "contains", "arg": "blue", "topic": "tea"}')
+    return ev.Generation(run_id="r", task=task, prompt_ids=[1], response_ids=[2], response_text=response,
+                         logprobs=[-0.1], loss_mask=[1], finish_reason="stop", policy_version=1, policy_version_end=1)
+
+
+def judged_config(rewards: dict[str, float]) -> RunConfig:
+    from schemas.config import DomainConfig, JudgeConfig, JudgeModelConfig
+
+    return RunConfig(
+        data=msgspec.structs.replace(RunConfig().data, domains=[
+            DomainConfig(name="writing", source="instruct", judge="j", rewards=rewards),
+            DomainConfig(name="arith")]),
+        judge=JudgeConfig(models={"j": JudgeModelConfig(path="models/j")}))
+
+
+def test_a_judged_domain_goes_to_its_judge_with_the_verifier_components() -> None:
+    cfg = judged_config({"correct": 1.0, "judge": 0.5})
+    table = verifier_table(cfg)
+    gen = instruct_gen("Tea is blue.")
+    assert judge_of(gen, table) == "j" and table["arith"].judge == "" and table["arith"].weights == {}
+    s = score(gen, table, cfg.reward)
+    assert s.rewards == {"correct": 1.0, "verifier": 1.0} and s.reward == 1.0  # judge not in yet
+    done = with_verdict(s, "j", table["writing"].weights, score=0.4, answer="p(...)", error="", judge_s=0.2)
+    assert done.rewards == {"correct": 1.0, "verifier": 1.0, "judge": 0.4}
+    assert done.reward == pytest.approx(1.0 + 0.5 * 0.4) and done.judge == "j" and done.judge_s == 0.2
+    assert done.details.endswith("judge j: 0.400 (p(...))") and done.judge_error == ""
+
+
+def test_an_unscored_verdict_counts_zero_with_its_reason() -> None:
+    cfg = judged_config({})  # default: the judge alone
+    table = verifier_table(cfg)
+    s = score(instruct_gen("Tea is green."), table, cfg.reward)
+    assert s.rewards["correct"] == 0.0 and s.reward == 0.0
+    done = with_verdict(s, "j", table["writing"].weights, score=0.9, answer="%%%", error="no integer in '%%%'",
+                        judge_s=0.1)
+    assert done.reward == 0.0 and done.rewards["judge"] == 0.0 and done.judge_error == "no integer in '%%%'"
+    assert "judge j: unscored: no integer" in done.details
+
+
+def test_weights_without_a_judge_mix_verifier_components() -> None:
+    from schemas.config import DomainConfig
+
+    cfg = RunConfig(data=msgspec.structs.replace(RunConfig().data, domains=[
+        DomainConfig(name="arith", answer="tag", format_reward=0.1, rewards={"correct": 2.0, "format": 0.5})]))
+    table = verifier_table(cfg)
+    gen = msgspec.structs.replace(instruct_gen("<answer>5</answer>"), task=msgspec.structs.replace(
+        instruct_gen("").task, domain="arith", prompt_id="arith:2+3", reference="5"))
+    s = score(gen, table, cfg.reward)
+    assert judge_of(gen, table) == ""
+    assert s.rewards["verifier"] == pytest.approx(1.1) and s.reward == pytest.approx(2.0 + 0.5)
+
+
+@pytest.mark.parametrize(("domain", "error"), [
+    ({"judge": "nope"}, "data.domains[0].judge='nope' is not in judge.models (j)"),
+    ({"rewards": {"style": 1.0}}, "data.domains[0].rewards: unknown component 'style'"),
+    ({"rewards": {"format": 1.0}}, "data.domains[0].rewards weights 'format' but data.domains[0].answer='raw'"),
+])
+def test_bad_judge_settings_are_refused_naming_the_key(domain: dict[str, object], error: str) -> None:
+    raw = {"judge": {"models": {"j": {"path": "m"}}}, "data": {"domains": [{"name": "w", **domain}]}}
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        parse_raw(raw)
+
+
+def test_a_weighted_judge_needs_the_domain_to_have_one() -> None:
+    with pytest.raises(ConfigError, match=re.escape("rewards weights 'judge' but the domain has no judge")):
+        parse_raw({"data": {"domains": [{"name": "w", "rewards": {"judge": 1.0}}]}})
