@@ -46,5 +46,10 @@ def describe(cfg: RunConfig) -> str:
     where = placement(cfg)
     shared = " (one shared GPU)" if where["rollout"][0] == where["trainer"][0] != "cpu" else ""
     workers = f" ×{cfg.rollout.workers}" if cfg.rollout.workers > 1 else ""
-    return (f"devices: rollout{workers} on {where['rollout'][0]} ({where['rollout'][1]}), "
+    line = (f"devices: rollout{workers} on {where['rollout'][0]} ({where['rollout'][1]}), "
             f"trainer on {where['trainer'][0]} ({where['trainer'][1]}){shared}")
+    if any(d.judge for d in cfg.data.domains):
+        judge = resolve_device(cfg.judge.device, "judge.device")
+        judges = f" ×{cfg.judge.workers}" if cfg.judge.workers > 1 else ""
+        line += f", judge{judges} on {judge} ({resolve_dtype(cfg.judge.dtype, judge)})"
+    return line

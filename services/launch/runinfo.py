@@ -34,6 +34,7 @@ GROUP_TOPICS: dict[str, tuple[str, ...]] = {
     "rollout": ("tasks",),
     "env": ("env.requests",),
     "reward": ("generations",),
+    "judge": ("judge.requests",),
     "trainer": ("scored",),
     "recorder": tuple(TOPICS),
 }

@@ -26,19 +26,22 @@ from services.launch.runinfo import RunInfo, probe_run
 from services.launch.state import pid_alive, read_state
 from services.trainer_history import is_own_drain
 
-ORDER = ("recorder", "feeder", "reward", "env", "rollout", "trainer")
-"""Services in the order the supervisor starts them (``env``: only for multi-turn domains)."""
+ORDER = ("recorder", "feeder", "reward", "judge", "env", "rollout", "trainer")
+"""Services in the order the supervisor starts them (``judge``: only for domains with a judge;
+``env``: only for multi-turn domains)."""
 WARM_UP_FACTOR = 5
 """Before the first weights version (the trainer's supervised warm-up) a stall takes this many
 times ``run.stall_after_s``."""
-LAG_NAMES = {"rollout": "rollout lag", "env": "env lag", "reward": "reward lag", "trainer": "scored lag"}
-"""The groups whose lag a stall names (``env``'s only when it is given: multi-turn runs)."""
-OPTIONAL_LAGS = ("env",)
+LAG_NAMES = {"rollout": "rollout lag", "env": "env lag", "reward": "reward lag", "judge": "judge lag",
+             "trainer": "scored lag"}
+"""The groups whose lag a stall names (``env``'s and ``judge``'s only when they are given: multi-turn
+runs, runs with a judged domain)."""
+OPTIONAL_LAGS = ("env", "judge")
 
 
 def lag_services(services: Iterable[str]) -> list[str]:
     """The services of :data:`LAG_NAMES` whose lag a stall names for a run with these service
-    labels: the optional ones (``env``) only when the run has them."""
+    labels: the optional ones (``env``, ``judge``) only when the run has them."""
     present = {service_of(label) for label in services}
     return [s for s in LAG_NAMES if s not in OPTIONAL_LAGS or s in present]
 
@@ -53,8 +56,8 @@ def stall_text(*, idle_s: float, stall_after_s: float, any_weights: bool, lags: 
     """One line naming a stall (``None``: the run is not stalled): no training step (no new
     weights version) for ``idle_s`` >= ``stall_after_s`` seconds (before the first weights
     version, the trainer's warm-up, ``WARM_UP_FACTOR`` times as long), then what each stage
-    shows: the lag of the rollout, reward and trainer groups (and of the env workers' when ``lags``
-    has ``env``), how long the feeder has issued nothing, the services not running, and a drain
+    shows: the lag of the rollout, reward and trainer groups (and of the env and judge workers' when
+    ``lags`` has ``env`` / ``judge``), how long the feeder has issued nothing, the services not running, and a drain
     under way."""
     if idle_s < stall_after_s * (1 if any_weights else WARM_UP_FACTOR):
         return None

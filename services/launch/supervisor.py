@@ -6,19 +6,21 @@
    ``config.yaml``;
 3. create the tiny model (when ``model.path`` is empty) in ``runs/<run_id>/model``
    (:func:`~services.launch.prepare.prepare_run`; ``rollstream run --prepare-only`` stops here);
-4. start ``rollstream service <name> --run <run_id>`` for recorder, feeder, reward, env
-   (× ``env.workers``, only when a domain is multi-turn: :func:`envs.episodic_domains`), rollout
+4. start ``rollstream service <name> --run <run_id>`` for recorder, feeder, reward, judge
+   (× ``judge.workers``, only when a domain has a judge: :func:`services.judge_worker.judged_domains`),
+   env (× ``env.workers``, only when a domain is multi-turn: :func:`envs.episodic_domains`), rollout
    (× ``rollout.workers``) and trainer, in that order, each logging to
    ``runs/<run_id>/logs/<label>.log`` (labels: :meth:`Supervisor.labels`), with the bootstrap
-   address and the store DSN in their environment (``ROLLSTREAM_BOOTSTRAP``,
-   ``ROLLSTREAM_STORE``); publish ``ServiceStarted`` for each on the run's ``control`` topic;
+   address, the store DSN and its own label in its environment (``ROLLSTREAM_BOOTSTRAP``,
+   ``ROLLSTREAM_STORE``, ``ROLLSTREAM_SERVICE_LABEL``: a judge worker's transactional id is made
+   of it); publish ``ServiceStarted`` for each on the run's ``control`` topic;
 5. follow the run's ``metrics``, ``control`` and ``weights`` topics and show live progress (a
    run where no training step happened for ``run.stall_after_s`` seconds is shown as
    ``stalled: ...`` with what every stage is doing), heal the services (below), and keep
    ``runs/<run_id>/supervisor.json`` current for ``rollstream status`` (:mod:`services.launch.state`);
 6. on ``RunFinished`` (the end of training, or a ``Drain`` from ``rollstream stop``): wait for
-   the services to exit (SIGTERM the long-running ones: rollout and reward, then the env
-   workers, which rollout may still be waiting on), let the recorder catch up, compute
+   the services to exit (SIGTERM the long-running ones: rollout and reward, then the judge and
+   env workers, which rollout and reward may still be waiting on), let the recorder catch up, compute
    ``summary.json`` from the record (SQL) and print its gist.
 
 Healing (:mod:`services.launch.healing`): a service process that exits unexpectedly is restarted
@@ -80,8 +82,8 @@ from services.launch.state import write_state
 from services.launch.status import WARM_UP_FACTOR, lag_services, stall_text
 
 __all__ = [
-    "LONG_RUNNING", "STOPPED_AT_END", "Progress", "RunError", "Supervisor", "config_text", "last_log_line", "load_run_config",
-    "multi_turn", "new_run_id", "prepare_model", "prepare_run", "run_dir_of", "run_supervised", "service_command",
+    "JUDGE_SERVICE", "LABEL_ENV", "LONG_RUNNING", "STOPPED_AT_END", "Progress", "RunError", "Supervisor", "config_text",
+    "judged", "last_log_line", "load_run_config", "multi_turn", "new_run_id", "prepare_model", "prepare_run", "run_dir_of", "run_supervised", "service_command",
     "store_dsn_of", "summarize", "write_run_config",
 ]
 
@@ -95,9 +97,14 @@ STALL_PROBE_EVERY_S = 30.0
 """While stalled: how often the broker is asked what each stage is doing, seconds."""
 ENV_SERVICE = "env"
 """The environment workers of multi-turn domains (started only when a domain is multi-turn)."""
-STOPPED_AT_END = (*LONG_RUNNING, ENV_SERVICE)
-"""Services that run until told to stop: SIGTERMed once the run has finished (the env workers last:
-rollout workers may still wait on them)."""
+JUDGE_SERVICE = "judge"
+"""The judge workers of judged domains (started only when a domain has a judge)."""
+STOPPED_AT_END = (*LONG_RUNNING, JUDGE_SERVICE, ENV_SERVICE)
+"""Services that run until told to stop: SIGTERMed once the run has finished (the judge and env
+workers last: reward and rollout workers may still wait on them)."""
+LABEL_ENV = "ROLLSTREAM_SERVICE_LABEL"
+"""The environment variable that tells a service process its label (``judge0``...): a judge
+worker's transactional id is made of it (``rs-judge-<run>-<label>``), stable across its restarts."""
 
 
 def service_command(name: str, run_id: str, runs_dir: str) -> list[str]:
@@ -115,6 +122,13 @@ def multi_turn(cfg: RunConfig) -> bool:
     import envs  # registers the built-in sources and environments
 
     return bool(envs.episodic_domains(cfg))
+
+
+def judged(cfg: RunConfig) -> bool:
+    """Whether a domain of ``cfg`` has a judge (``data.domains[].judge``)."""
+    from services.judge_worker import judged_domains
+
+    return bool(judged_domains(cfg))
 
 
 class Supervisor:
@@ -149,10 +163,13 @@ class Supervisor:
 
     def labels(self) -> list[str]:
         """Service labels in start order (``rollout0``, ``rollout1``... with several workers); the
-        env workers (``env``, or ``env0``, ``env1``...) only when a domain is multi-turn, before
-        the rollout workers that send them episodes."""
+        judge workers (``judge``, or ``judge0``, ``judge1``...) only when a domain has a judge, after
+        the reward router that sends them its samples; the env workers (``env``, or ``env0``,
+        ``env1``...) only when a domain is multi-turn; both before the rollout workers."""
+        judges = numbered(JUDGE_SERVICE, self.cfg.judge.workers) if judged(self.cfg) else []
         env_workers = numbered(ENV_SERVICE, self.cfg.env.workers) if multi_turn(self.cfg) else []
-        return ["recorder", "feeder", "reward", *env_workers, *numbered("rollout", self.cfg.rollout.workers), "trainer"]
+        return ["recorder", "feeder", "reward", *judges, *env_workers, *numbered("rollout", self.cfg.rollout.workers),
+                "trainer"]
 
     def start_children(self) -> None:
         logs = self.run_dir / "logs"
@@ -174,7 +191,8 @@ class Supervisor:
     def _spawn(self, slot: ServiceSlot) -> None:
         with open(slot.log_path, "ab") as fh:
             proc = subprocess.Popen(service_command(slot.service, self.run_id, self.cfg.run.runs_dir), stdout=fh,
-                                    stderr=subprocess.STDOUT, env=self._env, start_new_session=True)
+                                    stderr=subprocess.STDOUT, env={**self._env, LABEL_ENV: slot.label},
+                                    start_new_session=True)
         self.procs[slot.label] = proc
         slot.pid, slot.state, slot.started_at = int(getattr(proc, "pid", 0) or 0), "running", time.time()
 
@@ -372,7 +390,7 @@ async def run_supervised(cfg: RunConfig, run_id: str, bootstrap: str, console: C
         raise
     finally:
         if ok:
-            # trainer and feeder exit on RunFinished; rollout, reward and env run until told to stop
+            # trainer and feeder exit on RunFinished; rollout, reward, judge and env run until told to stop
             await asyncio.to_thread(sup.terminate, LONG_RUNNING)
             await asyncio.to_thread(sup.terminate, STOPPED_AT_END)
             await asyncio.to_thread(sup.wait_recorder)

@@ -3,7 +3,9 @@
 ``events`` gets every message (the raw record: payload as JSON); the typed tables
 (``sample_tasks``, ``sample_generations``, ``sample_rewards``, ``sample_outcomes``,
 ``train_steps``, ``evals``, ``weights``, ``dlq``, ``env_events``, ``service_events``) get one row
-per fact they describe. ``recorder_lag`` rows come from the recorder itself (:func:`lag_row`).
+per fact they describe (a ``JudgeRequest`` only goes to ``events``: the judged sample reaches
+``sample_rewards`` as the judge's ``ScoredSample``). ``recorder_lag`` rows come from the recorder
+itself (:func:`lag_row`).
 Column lists here match ``infra/clickhouse/*.sql``.
 """
 
@@ -25,7 +27,8 @@ COLUMNS: dict[str, list[str]] = {
                            "finish_reason", "worker_id", "queued_s", "gen_s", "env_s", "generated_ts", "num_turns",
                            "episode_id", "env_finish", "env_error", "success", "step_rewards", "turn_versions",
                            "state_hashes"],
-    "sample_rewards": ["run_id", "sample_id", "reward", "rewards", "verifier", "details", "reward_s", "scored_ts"],
+    "sample_rewards": ["run_id", "sample_id", "reward", "rewards", "verifier", "details", "reward_s", "scored_ts",
+                       "judge", "judge_s", "judge_error"],
     "sample_outcomes": ["run_id", "sample_id", "group_id", "status", "reason", "policy_version",
                         "trained_version", "step", "decided_ts"],
     "train_steps": ["run_id", "step", "policy_version", "ts", "metrics", "staleness_hist", "num_samples"],
@@ -76,7 +79,8 @@ def typed_rows(event: ev.Event) -> dict[str, list[list[Any]]]:
             [float(x) for x in event.step_rewards], [int(v) for v in event.turn_versions], list(event.state_hashes)])
     elif isinstance(event, ev.ScoredSample):
         out["sample_rewards"].append([r, event.generation.task.sample_id, event.reward, dict(event.rewards),
-                                      event.verifier, event.details[:TEXT_MAX_CHARS], event.reward_s, dt(event.ts)])
+                                      event.verifier, event.details[:TEXT_MAX_CHARS], event.reward_s, dt(event.ts),
+                                      event.judge, float(event.judge_s), event.judge_error[:TEXT_MAX_CHARS]])
     elif isinstance(event, ev.SampleOutcome):
         out["sample_outcomes"].append([r, event.sample_id, event.group_id, event.status, event.reason,
                                        event.policy_version, event.trained_version, event.step, dt(event.ts)])

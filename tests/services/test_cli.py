@@ -103,6 +103,33 @@ def test_init_model_creates_a_loadable_model(tmp_path: Path) -> None:
     assert "hidden_size" in one_error_line(bad)
 
 
+def test_init_model_creates_a_loadable_reward_model(tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out = tmp_path / "rm"
+    res = cli("init-model", str(out), "--reward-model", "--set", "hidden_size=64", "--set", "num_layers=2",
+              "--seed", "3")
+    assert res.returncode == 0, res.stderr
+    (line,) = [ln for ln in res.stdout.splitlines() if ln.strip()]
+    assert line.startswith(f"created {out}") and "reward model" in line and "M parameters" in line
+    model = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    assert type(model).__name__ == "LlamaForSequenceClassification"
+    assert model.config.num_labels == 1 and model.config.hidden_size == 64 and model.config.num_hidden_layers == 2
+    ids = AutoTokenizer.from_pretrained(out, local_files_only=True)("12+3=15", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert model(input_ids=ids).logits.shape == (1, 1)
+    # seeded: the same --seed gives the same weights, head included
+    again = tmp_path / "rm2"
+    assert cli("init-model", str(again), "--reward-model", "--set", "hidden_size=64", "--set", "num_layers=2",
+               "--seed", "3").returncode == 0
+    other = AutoModelForSequenceClassification.from_pretrained(again)
+    assert torch.equal(other.score.weight, model.score.weight)
+    assert "already holds a model" in one_error_line(cli("init-model", str(out), "--reward-model"))
+    both = cli("init-model", str(tmp_path / "x"), "--reward-model", "--from", "smollm2-135m-instruct")
+    assert "--reward-model" in one_error_line(both) and not (tmp_path / "x").exists()
+
+
 def test_sql_errors_are_one_line(tmp_path: Path) -> None:
     assert "no runs" in one_error_line(cli("sql", "SELECT 1", "--runs-dir", str(tmp_path)))
     (tmp_path / "r1").mkdir()
@@ -220,7 +247,7 @@ def test_run_prepare_only_prepares_and_starts_nothing(bootstrap: str, tmp_path: 
         assert (runs / rid / "config.yaml").is_file() and (runs / rid / "model" / "config.json").is_file()
         assert [p.name for p in (runs / rid / "logs").iterdir()] == ["cli.log"]  # no service was started
         listed = cli("--bootstrap", bootstrap, "topics", "list", rid, env=env)
-        assert f"{rid}: 9 topics" in listed.stdout, listed.stdout + listed.stderr
+        assert f"{rid}: 10 topics" in listed.stdout, listed.stdout + listed.stderr  # judge.requests included
         again = cli(*args, env=env)  # preparing the same run again changes nothing
         assert again.returncode == 0 and again.stdout.strip() == rid, again.stderr
         other = cli(*args[:-1], f"run.runs_dir={runs}", "--set", "train.lr=0.5", env=env)

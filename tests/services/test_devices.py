@@ -44,3 +44,14 @@ def test_placement_and_the_line_run_prints(monkeypatch: pytest.MonkeyPatch) -> N
     assert describe(split) == "devices: rollout on cuda:1 (float32), trainer on cuda:0 (float32)"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert describe(parse_config("{}")) == "devices: rollout on cpu (float32), trainer on cpu (float32)"
+
+
+def test_the_line_names_the_judge_device_when_a_domain_has_a_judge(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    judged = parse_config("rollout: {device: cuda:0}\ntrain: {device: cuda:0}\n"
+                          "judge: {device: cuda:1, workers: 2, models: {q: {path: m}}}\n"
+                          "data: {domains: [{name: w, source: instruct, judge: q}]}")
+    assert describe(judged).endswith("(one shared GPU), judge ×2 on cuda:1 (bfloat16)")
+    unjudged = parse_config("judge: {device: cuda:1, models: {q: {path: m}}}")
+    assert "judge" not in describe(unjudged)
