@@ -543,6 +543,15 @@ class RewardConfig(Section):
     isolation: Literal["inline", "thread", "process"] = "thread"
     """How verifiers run: ``inline`` (no bound), ``thread`` (bounded; a hung thread is abandoned)
     or ``process`` (a forked child per call, killed on timeout)."""
+    latency: Literal["none", "lognormal", "exponential", "pareto"] = "none"
+    """Simulated latency added to every verifier call, for benchmarks (``bench/async_speedup.py``):
+    ``none``, or drawn from this distribution with mean ``latency_mean_s``, seeded by the sample id
+    (a sample waits the same in every run). The router waits it out without holding a verifier
+    thread; a polled batch commits when its slowest sample is done."""
+    latency_mean_s: float = 0.0
+    """Mean of the simulated reward latency, seconds."""
+    latency_sigma: float = 1.0
+    """Shape of the simulated reward latency (as ``env.latency_sigma``)."""
 
 
 class TrackingConfig(Section):
@@ -851,6 +860,13 @@ def check_values(cfg: RunConfig) -> None:
             raise ValueError(f"train.lora_rank={t.lora_rank} works with train.strategy='torch' only")
     if cfg.tracking.wandb and not cfg.tracking.wandb_project:
         raise ValueError("tracking.wandb_project must not be empty")
+    r = cfg.reward
+    if r.latency_mean_s < 0:
+        raise ValueError(f"reward.latency_mean_s={r.latency_mean_s:g} must be >= 0")
+    if r.latency != "none" and not r.latency_mean_s > 0:
+        raise ValueError(f"reward.latency={r.latency!r} needs reward.latency_mean_s > 0, got {r.latency_mean_s:g}")
+    if r.latency_sigma <= 0 or (r.latency == "pareto" and r.latency_sigma <= 1):
+        raise ValueError(f"reward.latency_sigma={r.latency_sigma:g} must be > 0 (> 1 for pareto: a finite mean)")
     e = cfg.env
     if e.step_timeout_s <= 0:
         raise ValueError(f"env.step_timeout_s={e.step_timeout_s:g} must be > 0")

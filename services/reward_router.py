@@ -35,6 +35,7 @@ from schemas import events as ev
 from schemas.config import RewardConfig, RunConfig, reward_weights
 from services.kafka.bus import Record
 from services.kafka.runtime import Context, Service, ServiceSettings, run_service
+from services.env_worker import draw_latency_s
 from services.sanity import check_generation
 
 
@@ -51,7 +52,9 @@ class RewardSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     (with a per-start id, ``read_committed`` readers of ``scored`` would wait for the broker's
     transaction timeout). A second instance running at the same time needs its own id."""
     concurrency: int = 4
-    """Verifier calls at once (each in a worker thread, bounded by ``reward.timeout_s``)."""
+    """Verifier calls at once (each in a worker thread, bounded by ``reward.timeout_s``). Records of a
+    polled batch are handled concurrently beyond it (up to the feeder's in-flight bound) when
+    ``reward.latency`` simulates a slow reward."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +92,7 @@ class RewardRouter(Service):
     def __init__(self, settings: RewardSettings) -> None:
         self.settings = settings
         self.table = verifier_table(settings.config)
+        self.verifier_slots = asyncio.Semaphore(max(1, settings.concurrency))
 
     async def handle(self, rec: Record, ctx: Context) -> None:
         gen: ev.Generation = rec.event
@@ -97,7 +101,11 @@ class RewardRouter(Service):
             raise ValueError(why)
         # off the event loop: a slow or hanging verifier (bounded by reward.timeout_s) must not stop
         # the consumer's heartbeats or the other calls
-        scored = await asyncio.to_thread(score, gen, self.table, self.settings.config.reward)
+        async with self.verifier_slots:
+            scored = await asyncio.to_thread(score, gen, self.table, self.settings.config.reward)
+        r = self.settings.config.reward
+        if r.latency != "none":  # benchmarks: a reward that takes long, without holding a verifier thread
+            await asyncio.sleep(draw_latency_s(r.latency, r.latency_mean_s, r.latency_sigma, gen.task.sample_id))
         judge = judge_of(gen, self.table)
         if judge:
             ctx.emit("judge.requests", ev.JudgeRequest(run_id=gen.run_id, scored=scored, judge=judge),
@@ -196,6 +204,6 @@ async def run(settings: RewardSettings, stop: object = None) -> object:
     service_settings = ServiceSettings(
         group_id=f"rs-reward-{s.run_id}", run_id=s.run_id, topics=["generations"], kafka=s.config.kafka,
         transactional=True, transactional_id=s.transactional_id or f"rs-reward-{s.run_id}", batch_max_records=64,
-        max_concurrency=max(1, s.concurrency),
+        max_concurrency=max(1, s.concurrency, s.config.max_inflight if s.config.reward.latency != "none" else 0),
     )
     return await run_service(RewardRouter(s), service_settings, stop=stop)  # type: ignore[arg-type]

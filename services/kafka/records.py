@@ -40,7 +40,7 @@ def key_for(spec: TopicSpec, event: Event) -> bytes | None:
     The registry names a field (``sample_id``, ``group_id``, ``episode_id``, ``step``,
     ``run_id``); it is looked up on the event, then on its ``generation``/``task`` (a
     ``Generation`` keys by ``task.sample_id``, a ``ScoredSample`` by
-    ``generation.task.group_id``). ``weights`` uses the literal ``latest`` (compaction keeps
+    ``generation.task.group_id``, a ``JudgeRequest`` by ``scored.generation.task.sample_id``). ``weights`` uses the literal ``latest`` (compaction keeps
     the newest); ``dlq`` uses the dead letter's original key. ``None`` means Kafka picks a
     partition.
     """
@@ -48,7 +48,9 @@ def key_for(spec: TopicSpec, event: Event) -> bytes | None:
         return b"latest"
     if spec.name == "dlq":
         return getattr(event, "key", None)
-    for holder in (event, getattr(event, "generation", None), getattr(event, "task", None)):
+    scored = getattr(event, "scored", None)  # a JudgeRequest keys by its sample's task
+    generation = getattr(event, "generation", None) or getattr(scored, "generation", None)
+    for holder in (event, generation, getattr(event, "task", None)):
         if holder is None:
             continue
         value = getattr(holder, spec.key, None)

@@ -21,6 +21,7 @@ from schemas.events import (
     EvalResult,
     Event,
     Generation,
+    JudgeRequest,
     Pause,
     Resume,
     RolloutTask,
@@ -127,6 +128,10 @@ def sample_events(run_id: str) -> list[Event]:
             reward_s=0.01,
             policy_version=3,
         ),
+        JudgeRequest(
+            run_id=run_id, judge="quality",
+            scored=ScoredSample(run_id=run_id, generation=gen, reward=1.0, rewards={"correct": 1.0, "verifier": 1.0}),
+        ),
         WeightsPublished(
             run_id=run_id, policy_version=4, step=4, uri="/tmp/w/4", checksum="ab" * 32, num_bytes=123
         ),
@@ -226,6 +231,7 @@ async def test_round_trip_every_event_type(kafka: KafkaSettings, run_id: str, to
     keys = {type(r.event).__name__: r.key for r in recs}
     assert keys["Generation"] == b"g1/0"  # task.sample_id
     assert keys["ScoredSample"] == b"g1"  # generation.task.group_id
+    assert keys["JudgeRequest"] == b"g1/0"  # scored.generation.task.sample_id
     assert keys["WeightsPublished"] == b"latest"
     # what the topics hold, per topic and in all
     infos = {TOPICS[n].topic(run_id): TOPICS[n].partitions for n in TOPICS}

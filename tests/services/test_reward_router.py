@@ -106,3 +106,11 @@ def test_bad_judge_settings_are_refused_naming_the_key(domain: dict[str, object]
 def test_a_weighted_judge_needs_the_domain_to_have_one() -> None:
     with pytest.raises(ConfigError, match=re.escape("rewards weights 'judge' but the domain has no judge")):
         parse_raw({"data": {"domains": [{"name": "w", "rewards": {"judge": 1.0}}]}})
+
+
+def test_simulated_reward_latency_needs_a_mean_and_a_finite_tail() -> None:
+    with pytest.raises(ConfigError, match=re.escape("reward.latency='lognormal' needs reward.latency_mean_s > 0")):
+        parse_raw({"reward": {"latency": "lognormal"}})
+    with pytest.raises(ConfigError, match=re.escape("reward.latency_sigma=1 must be > 0 (> 1 for pareto")):
+        parse_raw({"reward": {"latency": "pareto", "latency_mean_s": 1.0, "latency_sigma": 1.0}})
+    assert parse_raw({"reward": {"latency": "exponential", "latency_mean_s": 0.5}}).reward.latency_mean_s == 0.5
