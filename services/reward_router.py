@@ -106,6 +106,7 @@ class RewardRouter(Service):
         r = self.settings.config.reward
         if r.latency != "none":  # benchmarks: a reward that takes long, without holding a verifier thread
             await asyncio.sleep(draw_latency_s(r.latency, r.latency_mean_s, r.latency_sigma, gen.task.sample_id))
+            scored = msgspec.structs.replace(scored, ts=time.time())  # scored_ts: when the reward was ready
         judge = judge_of(gen, self.table)
         if judge:
             ctx.emit("judge.requests", ev.JudgeRequest(run_id=gen.run_id, scored=scored, judge=judge),

@@ -8,12 +8,16 @@
   ``observed_topics``), seen ``event_id`` s skipped, then ``handle_batch(records, ctx)`` runs,
   its queued outputs and dead letters are sent and acknowledged, and (``commit="after_effect"``
   with a group) the poll's offsets are committed. Then ``on_tick``.
-* :meth:`Loops._loop_txn` — transactional record handlers: each poll is handled, then its
-  outputs and consumed offsets are committed in one Kafka transaction. Then ``on_tick``.
+* :meth:`Loops._loop_txn` — transactional record handlers, without a batch barrier: up to
+  ``max_concurrency`` handler calls at once across polls; at most every ``txn_interval_s`` one
+  Kafka transaction commits the outputs of every partition's longest finished prefix of records
+  together with those offsets. A slow record holds back only the records after it in its own
+  partition (their outputs wait in memory), never the polling or the other partitions.
 
 A batch in progress when the service stops or loses partitions gets ``shutdown_grace_s`` to
 finish (a transaction being committed always finishes); after that it is cancelled, nothing of
-it is committed, and its records are redelivered.
+it is committed, and its records are redelivered. Transactional handlers still running then are
+cancelled likewise; the finished prefix is committed first, the rest is redelivered.
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ class Loops:
     _revoking: set[TopicPartition]
     _batch: asyncio.Task[None] | None
     _txn_committing: bool
+    _fatal: BaseException | None
+    _txn_done: dict[tuple[TopicPartition, int], tuple[list[Output], Outcome | None, str | None]]
     outage: Outage
     _poll_retry: Retry
     _closing: set[asyncio.Task[Any]]
@@ -98,13 +104,14 @@ class Loops:
     async def commit(self, offsets: Mapping[TopicPartition, int]) -> dict[TopicPartition, int]:
         raise NotImplementedError
 
-    async def _poll(self, max_records: int | None = None) -> list[Record]:
+    async def _poll(self, max_records: int | None = None, timeout_s: float | None = None) -> list[Record]:
         """One poll (at most ``max_records``, default ``batch_max_records``). A poll that fails
         with an outage error returns nothing after a pause (retried by the next call, for at most
         ``kafka.outage_timeout_s`` of consecutive failures)."""
         s = self.settings
         try:
-            recs = await self.consumer.getmany(timeout_ms=int(s.poll_timeout_s * 1000),
+            wait_s = s.poll_timeout_s if timeout_s is None else timeout_s
+            recs = await self.consumer.getmany(timeout_ms=int(wait_s * 1000),
                                                max_records=max_records or s.batch_max_records)
         except KafkaError as e:
             await self._poll_retry.failed(e)
@@ -411,47 +418,87 @@ class Loops:
             return
 
     async def _loop_txn(self) -> None:
+        s = self.settings
+        cap = max(s.batch_max_records, s.max_concurrency)
+        loop = asyncio.get_running_loop()
+        last_poll = last_commit = loop.time()
         stop_wait = asyncio.ensure_future(self.stop.wait())
         try:
             while not self.stop.is_set():
-                recs = await self._poll()
-                if recs:
-                    await self._run_polled(asyncio.create_task(self._txn_batch(recs)), stop_wait)
+                room = cap - len(self._tasks)
+                if room > 0:
+                    # records in flight or waiting to commit: come back soon to commit them
+                    busy = bool(self._tasks or self._txn_done)
+                    recs = await self._poll(min(room, s.batch_max_records),
+                                            min(s.poll_timeout_s, s.txn_interval_s) if busy else None)
+                    last_poll = loop.time()
+                    for rec in recs:
+                        self._admit_txn(rec)
+                else:
+                    await asyncio.wait({*self._tasks, stop_wait}, timeout=s.txn_interval_s,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    if loop.time() - last_poll > s.max_poll_interval_s / 2:
+                        await self.consumer.keepalive()
+                        last_poll = loop.time()
+                if loop.time() - last_commit >= s.txn_interval_s:
+                    await self._commit_txn_ready()
+                    last_commit = loop.time()
                 if not self.stop.is_set():
                     await self._tick()
         finally:
             stop_wait.cancel()
 
-    async def _txn_batch(self, recs: list[Record]) -> None:
-        added: list[str] = []
-        todo: list[Record] = []
-        dups = 0
-        for rec in recs:
-            eid = rec.event_id
-            if self.settings.dedupe and rec.error is None and eid is not None:
-                if self.deduper.check_and_add(eid):
-                    dups += 1
-                    continue
-                added.append(eid)
-            todo.append(rec)
-        committed = False
+    def _admit_txn(self, rec: Record) -> None:
+        self._offsets.add(rec.tp, rec.offset)
+        eid = rec.event_id
+        if self.settings.dedupe and rec.error is None and eid is not None and self.deduper.check_and_add(eid):
+            self.counters.duplicates += 1
+            self._txn_done[(rec.tp, rec.offset)] = ([], None, None)
+            self._offsets.done(rec.tp, rec.offset)
+            return
+        task = asyncio.create_task(self._process_txn(rec), name=f"{self.service.name}:{rec.topic}@{rec.offset}")
+        self._tasks[task] = rec
+        task.add_done_callback(self._task_done)
+
+    async def _process_txn(self, rec: Record) -> None:
+        """Handle ``rec``; keep its outputs until its partition's prefix commits."""
+        eid = rec.event_id
+        finished = False
         try:
-
-            async def prepare(rec: Record) -> tuple[list[Output], Outcome]:
-                async with self._sem:
-                    return await self._outputs_for(rec)
-
-            results = await asyncio.gather(*(prepare(r) for r in todo))
-            self._txn_committing = True
-            try:
-                await self._commit_txn([o for outputs, _ in results for o in outputs], next_offsets(recs))
-            finally:
-                self._txn_committing = False
-            committed = True
+            async with self._sem:
+                if self.stop.is_set() or rec.tp in self._revoking:
+                    return  # not started: left uncommitted for whoever reads the partition next
+                outputs, outcome = await self._outputs_for(rec)
+            self._txn_done[(rec.tp, rec.offset)] = (outputs, outcome, eid)
+            self._offsets.done(rec.tp, rec.offset)
+            finished = True
         finally:
-            if not committed:
-                for eid in added:
-                    self.deduper.discard(eid)
-        self.counters.duplicates += dups
-        for outputs, outcome in results:
-            self._count(outputs, outcome)
+            if not finished and eid is not None and self.settings.dedupe:
+                self.deduper.discard(eid)
+
+    async def _commit_txn_ready(self, only: set[TopicPartition] | None = None) -> None:
+        """One transaction: the outputs of each partition's finished prefix and its offsets."""
+        ready = self._offsets.ready(only)
+        if not ready:
+            return
+        keys = sorted((k for k in self._txn_done if k[0] in ready and k[1] < ready[k[0]]),
+                      key=lambda k: (k[0].topic, k[0].partition, k[1]))
+        entries = [self._txn_done[k] for k in keys]
+        self._txn_committing = True
+        try:
+            await self._commit_txn([o for outputs, _, _ in entries for o in outputs], ready)
+        finally:
+            self._txn_committing = False
+        for k in keys:
+            del self._txn_done[k]
+        self._offsets.mark_committed(ready)
+        for outputs, outcome, _ in entries:
+            if outcome is not None:
+                self._count(outputs, outcome)
+
+    def _drop_txn(self, tps: set[TopicPartition] | None = None) -> None:
+        """Forget the uncommitted outputs (of ``tps``; all when None): their records are redelivered."""
+        for k in [k for k in self._txn_done if tps is None or k[0] in tps]:
+            _, _, eid = self._txn_done.pop(k)
+            if eid is not None and self.settings.dedupe:
+                self.deduper.discard(eid)

@@ -118,6 +118,7 @@ from services.kafka.service import (
     BatchContext,
     Context,
     Counters,
+    Outcome,
     Output,
     ServiceSettings,
     derive_event_id,
@@ -233,6 +234,7 @@ class Runner(Renewal, Loops):
         self._sem = asyncio.Semaphore(settings.max_concurrency)
         self._batch: asyncio.Task[None] | None = None
         self._txn_committing = False
+        self._txn_done: dict[tuple[TopicPartition, int], tuple[list[Output], Outcome | None, str | None]] = {}
         self._fatal: BaseException | None = None
         self._closed = False
         self._closing: set[asyncio.Task[Any]] = set()
@@ -340,6 +342,12 @@ class Runner(Renewal, Loops):
                 await self._drain(list(self._tasks), self.settings.shutdown_grace_s, "shutdown")
             if not self.settings.transactional and self.consumer.started:
                 await self._commit_ready()
+            if self.settings.transactional and self.consumer.started and self._txn_done:
+                try:
+                    await self._commit_txn_ready()
+                except (KafkaError, BusError) as e:  # redelivered to the next instance
+                    log.warning("%s: finished work not committed at shutdown: %s", self.service.name, one_line(e))
+                self._drop_txn()
             try:
                 await self.service.on_stop(self)
             except Exception as e:
@@ -403,7 +411,7 @@ class Runner(Renewal, Loops):
     async def _on_revoked(self, tps: set[TopicPartition]) -> None:
         if tps:
             self.revocations += 1
-        if self.settings.transactional or self.batch_mode:
+        if self.batch_mode:
             if self._batch is not None and not self._batch.done():
                 await self._finish_batch(self.settings.shutdown_grace_s)
             return
@@ -412,7 +420,11 @@ class Runner(Renewal, Loops):
             mine = [t for t, r in self._tasks.items() if r.tp in tps]
             if mine:
                 await self._drain(mine, self.settings.shutdown_grace_s, "partitions revoked")
-            await self._commit_ready(only=tps)
+            if self.settings.transactional:
+                await self._commit_txn_ready(only=tps)
+                self._drop_txn(tps)
+            else:
+                await self._commit_ready(only=tps)
             self._offsets.drop(tps)
         finally:
             self._revoking -= tps

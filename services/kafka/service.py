@@ -94,6 +94,9 @@ class ServiceSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     poll_timeout_s: float = 0.5
     """Longest wait for new records per poll, seconds (also bounds how late a stop is noticed
     and how often ``on_tick`` runs when the topics are quiet)."""
+    txn_interval_s: float = 0.1
+    """Transactional services: how often finished work is committed (one transaction holding the
+    outputs and offsets of every partition's finished prefix), seconds."""
     shutdown_grace_s: float = 10.0
     """On stop or partition revocation, how long in-flight handler calls may still run, seconds."""
     dedupe: bool = True
@@ -161,7 +164,7 @@ class ServiceSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for name in ("batch_max_records", "max_concurrency", "dedupe_capacity"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServiceSettings.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("poll_timeout_s", "shutdown_grace_s", "retry_backoff_s"):
+        for name in ("poll_timeout_s", "shutdown_grace_s", "retry_backoff_s", "txn_interval_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ServiceSettings.{name} must be >= 0, got {getattr(self, name)}")
         if self.handler_retries < 0:

@@ -414,11 +414,12 @@ async def test_transactional_service_scores_each_generation_once(
     assert again.calls == 0
 
 
-async def test_transactional_outputs_of_cancelled_batch_stay_invisible(
+async def test_transactional_work_cut_off_by_a_stop_is_done_once_by_the_next_instance(
     kafka: KafkaSettings, run_id: str, topics: list[str]
 ) -> None:
-    """Stop while a transactional batch is being handled: the batch is abandoned (nothing
-    produced, nothing committed) and the next instance does it exactly once."""
+    """Stop while one record of a transactional service is still being handled: the records that
+    finished are committed with their outputs, the cut-off one produces nothing, and the next
+    instance handles exactly what is left: every output exactly once."""
     await publish(kafka, None, "generations", [generate(task(run_id, i)) for i in range(3)])
 
     class SlowScorer(Scorer):
@@ -438,12 +439,49 @@ async def test_transactional_outputs_of_cancelled_batch_stay_invisible(
         assert time.monotonic() < deadline
         await asyncio.sleep(0.02)
     runner.stop.set()
-    assert await asyncio.wait_for(job, 10) == Counters()
-    assert await read_topic(kafka, topic_name(run_id, "scored"), 1, timeout_s=1.0) == []
+    first = await asyncio.wait_for(job, 10)
+    assert first.processed == first.emitted <= 2  # p2 was cut off; p0, p1 unless behind p2 in its partition
+    visible = await read_topic(kafka, topic_name(run_id, "scored"), first.emitted, timeout_s=3.0)
+    assert len(visible) == first.emitted and "p2" not in {r.event.generation.task.prompt_id for r in visible}
 
-    counters = await run_until(Runner(Scorer(), s), lambda c: c.processed >= 3)
-    assert counters == Counters(processed=3, emitted=3)
-    assert len(await read_topic(kafka, topic_name(run_id, "scored"), 3)) == 3
+    rest = 3 - first.processed
+    counters = await run_until(Runner(Scorer(), s), lambda c: c.processed >= rest)
+    assert counters == Counters(processed=rest, emitted=rest)
+    scored = await read_topic(kafka, topic_name(run_id, "scored"), 3)
+    assert sorted(r.event.generation.task.prompt_id for r in scored) == ["p0", "p1", "p2"]
+
+
+async def test_a_slow_record_does_not_hold_back_the_other_partitions(
+    kafka: KafkaSettings, run_id: str, topics: list[str]
+) -> None:
+    """No batch barrier: while one record sleeps, records of the other partitions are committed
+    (visible to read_committed readers) and later polls are handled."""
+    gens = [generate(task(run_id, i)) for i in range(12)]
+    await publish(kafka, None, "generations", gens)
+    slow_part: list[int] = []
+
+    class OneSlow(Scorer):
+        async def handle(self, rec: Record, ctx: Context) -> None:
+            await super().handle(rec, ctx)
+            if rec.event.task.prompt_id == "p0":
+                slow_part.append(rec.partition)
+                await asyncio.sleep(6)
+
+    s = settings(kafka, run_id, topics=["generations"], transactional=True, batch_max_records=12,
+                 max_concurrency=8, shutdown_grace_s=10)
+    runner = Runner(OneSlow(), s)
+    job = asyncio.create_task(runner.run(install_signal_handlers=False))
+    try:
+        others = [g for g in gens if g.task.prompt_id != "p0"]
+        early = await read_topic(kafka, topic_name(run_id, "scored"), 1, timeout_s=4.0)
+        assert early, "nothing committed while one record was slow"
+        assert all(r.partition != slow_part[0] or r.event.generation.task.prompt_id != "p0" for r in early)
+        done = await read_topic(kafka, topic_name(run_id, "scored"), len(gens), timeout_s=20.0)
+        assert sorted(r.event.generation.event_id for r in done) == sorted(g.event_id for g in gens)
+        assert len(others) == len(gens) - 1
+    finally:
+        runner.stop.set()
+        await asyncio.wait_for(job, 20)
 
 
 # --------------------------------------------------------------------------- rebalance
