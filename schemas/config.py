@@ -547,7 +547,7 @@ class RewardConfig(Section):
     """Simulated latency added to every verifier call, for benchmarks (``bench/async_speedup.py``):
     ``none``, or drawn from this distribution with mean ``latency_mean_s``, seeded by the sample id
     (a sample waits the same in every run). The router waits it out without holding a verifier
-    thread; a polled batch commits when its slowest sample is done."""
+    thread; a sample slower than those after it in its partition holds back their commit."""
     latency_mean_s: float = 0.0
     """Mean of the simulated reward latency, seconds."""
     latency_sigma: float = 1.0

@@ -8,10 +8,10 @@ judges of ``judge.models`` that the run's domains name (on ``judge.device``), ju
 ``rewards`` weights (:func:`services.reward_router.with_verdict`) and emits the sample to
 ``scored``.
 
-Exactly once: the worker is transactional like the router. A polled batch's scored outputs and
-its consumed offsets commit in one Kafka transaction, so a worker killed mid-batch leaves nothing
-visible to ``read_committed`` readers (the trainer), and the batch is judged again by the
-restarted worker or another one. Each worker has its own stable ``transactional_id``
+Exactly once: the worker is transactional like the router. Scored outputs and the consumed
+offsets they answer commit together in Kafka transactions, so a worker killed mid-batch leaves
+visible to ``read_committed`` readers (the trainer) only what it committed, each sample once; the
+rest is judged again by the restarted worker or another one. Each worker has its own stable ``transactional_id``
 (``rs-judge-<run>-<label>``), so a restarted worker fences the one it replaces.
 
 A judge answer that gives no score (garbage, out of range, no label mass) or a judge model that

@@ -3,8 +3,10 @@
 Each ``Generation`` is routed by its task's domain to the verifier configured for that domain
 (``data.domains[].verifier``, or the task source's default), run with a time bound
 (:func:`envs.run_verifier`), and turned into a self-contained ``ScoredSample``. The service runs
-in transactional mode: the scored outputs of a polled batch and the batch's consumed offsets
-are committed in one Kafka transaction, so a generation is scored exactly once even across
+in transactional mode: scored outputs and the consumed offsets they answer are committed together
+in Kafka transactions (each partition's finished prefix, every ``txn_interval_s``; no batch
+barrier: a slow verifier holds back only the later records of its partition), so a generation is
+scored exactly once even across
 crashes. A verifier that crashes or hangs yields reward 0 with the error in ``details`` (the
 sample is still trained on, and the error is visible in the record) — never a lost sample.
 
@@ -16,7 +18,7 @@ and emits it to ``scored``, transactionally too: exactly once end to end.
 
 Bad input: a generation with impossible values (:func:`services.sanity.check_generation`:
 response, logprobs and loss-mask lengths that disagree, non-finite logprobs, an impossible
-group) is rejected and, like undecodable bytes, dead-lettered inside the batch's transaction,
+group) is rejected and, like undecodable bytes, dead-lettered inside the same transactions,
 naming its sample and group: the sample ends as ``dead_letter`` and its group completes
 without it.
 """

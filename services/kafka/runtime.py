@@ -14,7 +14,7 @@ A concrete service is a small class::
 Two kinds of handler, one core:
 
 * :class:`Service` ``handle(rec, ctx)`` — one call per record, up to ``max_concurrency`` at
-  once (rollout), or per polled batch inside a Kafka transaction (``transactional``: reward).
+  once (rollout), or inside Kafka transactions (``transactional``: reward, judge).
 * :class:`BatchService` ``handle_batch(records, ctx)`` — one call per poll with every decoded
   record of it (the recorder inserts one batch per table; the trainer adds scored samples to
   its buffer and trains when complete groups fill a batch). ``ctx.reject(rec, error)``
@@ -39,10 +39,13 @@ What :func:`run_service` guarantees:
   positions saved in a checkpoint) and seeks there in ``on_assigned`` after a restart.
 * **No group** (``group_id=None``): every partition is read from ``auto_offset_reset`` on each
   start and nothing is committed (the feeder rebuilds its state from the run's topics).
-* **Exactly once with ``transactional=True``.** Each polled batch is handled, then its outputs
-  and its consumed offsets are committed in one Kafka transaction (consume-transform-produce);
-  readers with ``read_committed`` never see the outputs of an aborted batch. A batch not
-  committed (stop, revocation, failed transaction) is reprocessed from the committed offsets.
+* **Exactly once with ``transactional=True``.** Records are handled concurrently (up to
+  ``max_concurrency``, across polls: no batch barrier); every ``txn_interval_s`` one Kafka
+  transaction commits the outputs of each partition's longest finished prefix of records together
+  with those offsets (consume-transform-produce). A record finished after a slower one of its
+  partition keeps its outputs in memory until that one finishes. Readers with ``read_committed``
+  never see the outputs of an aborted transaction. Work not committed (stop, revocation, failed
+  transaction) is reprocessed from the committed offsets.
   Limits: aiokafka's ``send_offsets_to_transaction`` does not carry the group generation
   (KIP-447), so fencing a zombie instance relies on a stable ``transactional_id`` per instance;
   and transactional offsets become visible to a restarting consumer a moment after the commit

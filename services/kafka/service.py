@@ -126,8 +126,9 @@ class ServiceSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     the positions its own durable state covers with ``runner.commit`` (the trainer commits the
     positions saved in each checkpoint). Ignored without a ``group_id``."""
     transactional: bool = False
-    """Commit each batch's outputs and consumed offsets in one Kafka transaction (exactly once).
-    Record handlers only, with a ``group_id`` and ``commit="after_effect"``."""
+    """Commit outputs and consumed offsets together in Kafka transactions (exactly once): every
+    ``txn_interval_s``, those of each partition's finished prefix of records. Record handlers
+    only, with a ``group_id`` and ``commit="after_effect"``."""
     transactional_id: str = ""
     """Transactional id of this instance (stable across restarts to fence zombies); empty =
     ``<group_id>.<random>``."""
