@@ -1,0 +1,399 @@
+"""Generation engine throughput: ``TorchEngine`` against transformers' ``generate()``, side by side
+in one run, with this CPU's decode bound.
+
+    .venv/bin/python bench/engine.py [--models tiny,smollm2] [--prompts N] [--max-new-tokens N]
+                                     [--max-batch N] [--threads N] [--no-greedy]
+
+For each model, the same prompt token ids and the same sampling settings (temperature 1.0,
+top_p 1.0, no top-k, the same ``max_new_tokens``; the model's EOS tokens stop a row) go through:
+
+* **engine**: :class:`rollout.engine.TorchEngine` (continuous batching, ``max_batch`` slots), all
+  prompts submitted at once with :func:`rollout.engine.generate_all`, exactly as the rollout
+  worker submits them; it also computes each token's behaviour logprob, which ``generate()`` does
+  not;
+* **generate()**: ``model.generate()`` on the *same model object* (same weights, SDPA, threads),
+  the way a user batches it: chunks of ``max_batch`` prompts (the engine's slot count, or every
+  prompt when there are fewer), left-padded with the pad token and an attention mask,
+  ``do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens, pad_token_id,
+  eos_token_id``, seeded with ``torch.manual_seed``.
+
+The engine runs its steps in its worker thread (``asyncio.to_thread``) as it does in the rollout
+service; ``generate()`` runs in the main thread. Each is warmed up first on one full batch of
+prompts (8 new tokens), then timed once over all prompts (wall clock, prefill included).
+**tokens/s** counts generated tokens only, exactly what each produced: the engine's
+``Completion.token_ids``; for ``generate()`` each row up to and including its first EOS (the pad
+columns after it are not counted), else ``max_new_tokens``. The EOS token counts as generated.
+**engine ÷ gen** is the ratio of the two. Unless ``--no-greedy``, a greedy row pair
+(``SamplingParams(greedy=True)`` / ``do_sample=False``) follows and reports how many prompts got
+identical completions from both (a check that both do the same work).
+
+**The bound** of this CPU for a decode step at batch ``B = max_batch``:
+
+* matmul FLOP/s: best of 5 timed loops of ``(B, hidden) @ (hidden, intermediate)`` float32
+  ``torch.matmul`` (the model's MLP shape at this batch; weights hot in cache);
+* memory bandwidth: best of 5 ``x.sum()`` over a 256 MiB float32 tensor (read bandwidth; a copy
+  is printed for reference);
+* per decode step, FLOPs ``= B × (2 × P + 4 × layers × heads × head_dim × L)`` where ``P`` is the
+  weights of the model's linear layers (the LM head included; the embedding lookup is free) and
+  ``L`` the mean KV length during decoding (mean prompt + half the engine's mean generated
+  length); bytes ``= 4 × P`` (every weight read once per step for the whole batch) ``+`` the KV
+  cache read (``B × layers × 2 × kv_heads × head_dim × L × 4``);
+* decode bound, tokens/s ``= B / max(FLOPs / FLOP/s, bytes / bandwidth)``; whichever term is
+  larger is what limits (compute or memory). **of decode bound** is each row's tokens/s over it.
+  It leaves out the prompts' prefill, which both implementations must do too, so
+* **of bound w/ prefill** charges the run's prompt tokens as well: ``2 × P`` (+ attention) FLOPs
+  each at the matmul FLOP/s of the prefill shape (``B × prompt length`` rows, at most 4096), plus
+  the generated tokens at the decode bound. Sampling, cache editing and Python overhead are in
+  neither bound, so both are upper bounds that no implementation reaches.
+
+Models: ``tiny`` = a fresh tiny Llama of the main example's shape (examples/main.yaml: hidden
+128, 4 layers, 4 heads, MLP 384, 64 positions, char tokenizer), prompts from the ``arith`` task
+source rendered with ``engine.encode``, defaults 512 prompts, 24 new tokens, ``max_batch`` 256
+(the main example's rollout settings). ``smollm2`` = SmolLM2-135M-Instruct from
+``models/smollm2-135m-instruct`` (skipped, with the command to create it, when absent), prompts
+from the ``instruct`` task source through its chat template (with the template's default system
+turn), defaults 128 prompts, 64 new tokens, ``max_batch`` 64 (examples/smollm2_reasoning.yaml's
+slots). Defaults run in about 3 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import envs
+from rollout.engine import Completion, GenerationRequest, TorchEngine, generate_all
+from rollout.model_init import count_parameters, init_tiny_model
+from rollout.sampling import SamplingParams
+from schemas.config import TinyModelSpec
+
+TINY_SPEC = TinyModelSpec(
+    hidden_size=128, num_layers=4, num_heads=4, intermediate_size=384, max_position_embeddings=64
+)
+"""The main example's model shape (examples/main.yaml ``model.init``)."""
+SMOLLM2_DIR = Path("models/smollm2-135m-instruct")
+WARMUP_NEW_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class ModelSetup:
+    """One model to benchmark and its defaults."""
+
+    name: str
+    source: str
+    prompts: int
+    max_new_tokens: int
+    max_batch: int
+
+
+SETUPS = {
+    "tiny": ModelSetup("tiny", "arith", prompts=512, max_new_tokens=24, max_batch=256),
+    "smollm2": ModelSetup("smollm2", "instruct", prompts=128, max_new_tokens=64, max_batch=64),
+}
+
+
+@dataclass
+class Run:
+    """One implementation's timed pass over all prompts."""
+
+    impl: str
+    mode: str
+    outputs: list[list[int]]
+    """Generated token ids per prompt (up to and including the first EOS)."""
+    seconds: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+# --------------------------------------------------------------------------- the two implementations
+
+
+def run_engine(engine: TorchEngine, prompts: list[list[int]], params: SamplingParams, mode: str) -> Run:
+    """Warm up on one full batch, then time ``generate_all`` over every prompt at once."""
+
+    def requests(ps: list[list[int]], p: SamplingParams) -> list[GenerationRequest]:
+        return [GenerationRequest(str(i), x, p) for i, x in enumerate(ps)]
+
+    warm = replace(params, max_new_tokens=min(WARMUP_NEW_TOKENS, params.max_new_tokens))
+    asyncio.run(generate_all(engine, requests(prompts[: engine.max_batch], warm)))
+    t0 = time.perf_counter()
+    done: list[Completion] = asyncio.run(generate_all(engine, requests(prompts, params)))
+    took = time.perf_counter() - t0
+    return Run("engine", mode, [c.token_ids for c in done], took)
+
+
+def cut_at_eos(row: list[int], eos: set[int]) -> list[int]:
+    """``row`` up to and including its first EOS token (all of it when there is none)."""
+    for i, tok in enumerate(row):
+        if tok in eos:
+            return row[: i + 1]
+    return row
+
+
+@torch.inference_mode()
+def hf_generate(model: Any, prompts: list[list[int]], batch: int, max_new_tokens: int, greedy: bool,
+                pad_id: int, eos: set[int]) -> list[list[int]]:
+    """``model.generate()`` over ``prompts`` in left-padded chunks of ``batch``; generated ids per prompt."""
+    sampling: dict[str, Any] = {"do_sample": False} if greedy else {
+        "do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
+    out: list[list[int]] = []
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start : start + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])  # (b, P)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])  # (b, P)
+        seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                              pad_token_id=pad_id, eos_token_id=sorted(eos), **sampling)  # (b, P + T)
+        out += [cut_at_eos(row, eos) for row in seqs[:, width:].tolist()]
+    return out
+
+
+def run_generate(engine: TorchEngine, prompts: list[list[int]], batch: int, max_new_tokens: int,
+                 greedy: bool, mode: str, seed: int) -> Run:
+    """Warm up on one full batch, then time ``model.generate()`` over every prompt (seeded)."""
+    pad = engine.tokenizer.pad_token_id
+    pad_id = int(pad) if pad is not None else min(engine.eos_ids)
+
+    def go(ps: list[list[int]], new_tokens: int) -> list[list[int]]:
+        return hf_generate(engine.model, ps, batch, new_tokens, greedy, pad_id, engine.eos_ids)
+
+    go(prompts[:batch], min(WARMUP_NEW_TOKENS, max_new_tokens))
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    outputs = go(prompts, max_new_tokens)
+    return Run("generate()", mode, outputs, time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------- the CPU's bound
+
+
+def best_seconds(fn: Callable[[], object], repeats: int = 5, min_s: float = 0.05) -> float:
+    """Seconds per call of ``fn``: best over ``repeats`` loops of at least ``min_s`` each."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    per = max(time.perf_counter() - t0, 1e-7)
+    n = max(1, int(min_s / per))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best
+
+
+def matmul_flops(m: int, k: int, n: int) -> float:
+    """Float32 FLOP/s of ``(m, k) @ (k, n)``."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    return 2 * m * k * n / best_seconds(lambda: torch.matmul(a, b))
+
+
+def bandwidth(mib: int = 256) -> tuple[float, float]:
+    """Bytes/s of a ``sum`` over (read) and a ``copy_`` of (read + write) a ``mib`` MiB float32 tensor."""
+    x = torch.rand(mib * 2**20 // 4)
+    y = torch.empty_like(x)
+    nbytes = x.numel() * 4
+    return nbytes / best_seconds(x.sum), 2 * nbytes / best_seconds(lambda: y.copy_(x))
+
+
+@dataclass(frozen=True)
+class Bound:
+    """This CPU's decode-step bound for one model at one batch size."""
+
+    batch: int
+    flop_s: float
+    """Matmul FLOP/s at the decode shape ``(batch, hidden) @ (hidden, intermediate)``."""
+    prefill_flop_s: float
+    """Matmul FLOP/s at the prefill shape ``(batch × prompt length, hidden) @ (hidden, intermediate)``."""
+    read_bytes_s: float
+    copy_bytes_s: float
+    linear_params: int
+    kv_len: float
+    flops_step: float
+    bytes_step: float
+    prefill_flops_token: float
+
+    @property
+    def flop_tok_s(self) -> float:
+        return self.batch * self.flop_s / self.flops_step
+
+    @property
+    def bw_tok_s(self) -> float:
+        return self.batch * self.read_bytes_s / self.bytes_step
+
+    @property
+    def tok_s(self) -> float:
+        return min(self.flop_tok_s, self.bw_tok_s)
+
+    @property
+    def limit(self) -> str:
+        return "compute (matmul FLOP/s)" if self.flop_tok_s < self.bw_tok_s else "memory bandwidth"
+
+    def with_prefill_tok_s(self, generated: int, prompt_tokens: int) -> float:
+        """Generated tokens/s bound of a whole run: its prompts' prefill at the prefill FLOP/s,
+        then its generated tokens at the decode bound."""
+        seconds = prompt_tokens * self.prefill_flops_token / self.prefill_flop_s + generated / self.tok_s
+        return generated / seconds
+
+
+def decode_bound(model: Any, batch: int, prompt_len: float, kv_len: float) -> Bound:
+    """The decode-step tokens/s bound of ``model`` at ``batch`` rows and mean KV length ``kv_len``
+    (and the prefill cost per prompt token at mean prompt length ``prompt_len``)."""
+    cfg = model.config
+    layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    linears = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    p = sum(linears.values())
+    attention = 4 * layers * heads * head_dim  # FLOPs per token per position attended (QK^T and AV)
+    read, copy = bandwidth()
+    flop_s = matmul_flops(batch, cfg.hidden_size, cfg.intermediate_size)
+    prefill_rows = min(4096, max(batch, round(batch * prompt_len)))
+    prefill_flop_s = max(flop_s, matmul_flops(prefill_rows, cfg.hidden_size, cfg.intermediate_size))
+    flops_step = batch * (2 * p + attention * kv_len)
+    bytes_step = 4 * p + batch * layers * 2 * kv_heads * head_dim * kv_len * 4
+    prefill_flops_token = 2 * p + attention * prompt_len / 2
+    return Bound(batch, flop_s, prefill_flop_s, read, copy, p, kv_len, flops_step, bytes_step,
+                 prefill_flops_token)
+
+
+# --------------------------------------------------------------------------- one model
+
+
+def prompt_texts(source_name: str, n: int, seed: int = 0) -> list[str]:
+    src = envs.make_source(source_name)
+    rng = random.Random(seed)
+    return [src.sample(rng).prompt for _ in range(n)]
+
+
+def bench_model(setup: ModelSetup, model_dir: Path, a: argparse.Namespace) -> None:
+    engine = TorchEngine(model_dir, max_batch=setup.max_batch, seed=a.seed)
+    prompts = [engine.encode(t) for t in prompt_texts(setup.source, setup.prompts, a.seed)]
+    batch = min(setup.max_batch, len(prompts))
+    lens = [len(p) for p in prompts]
+    if max(lens) + setup.max_new_tokens > engine.max_positions:
+        raise SystemExit(f"{setup.name}: prompts of up to {max(lens)} tokens + {setup.max_new_tokens} new tokens "
+                         f"exceed the model's {engine.max_positions} positions; lower --max-new-tokens")
+    print(f"\n== {setup.name}: {model_dir} ({count_parameters(engine.model) / 1e6:.2f}M parameters, "
+          f"chat template {'yes' if engine.chat else 'no'}); {len(prompts)} '{setup.source}' prompts "
+          f"of {min(lens)}-{max(lens)} tokens (mean {statistics.mean(lens):.1f}); "
+          f"max_new_tokens {setup.max_new_tokens}; batch {batch} (engine max_batch = generate() chunk)",
+          flush=True)
+
+    modes = [("sampled", False)] + ([] if a.no_greedy else [("greedy", True)])
+    runs: list[tuple[Run, Run]] = []
+    for mode, greedy in modes:
+        params = SamplingParams(max_new_tokens=setup.max_new_tokens, temperature=1.0, top_p=1.0, greedy=greedy)
+        eng = run_engine(engine, prompts, params, mode)
+        print(f"  {mode:7} engine      {eng.tokens:6d} tokens in {eng.seconds:7.2f} s", flush=True)
+        hf = run_generate(engine, prompts, batch, setup.max_new_tokens, greedy, mode, a.seed)
+        print(f"  {mode:7} generate()  {hf.tokens:6d} tokens in {hf.seconds:7.2f} s", flush=True)
+        runs.append((eng, hf))
+
+    gen_mean = statistics.mean(len(o) for o in runs[0][0].outputs)
+    cfg = engine.model.config
+    bound = decode_bound(engine.model, batch, statistics.mean(lens), statistics.mean(lens) + gen_mean / 2)
+    print(f"bound at batch {batch}: matmul {bound.flop_s / 1e9:.1f} GFLOP/s at ({batch}x{cfg.hidden_size} @ "
+          f"{cfg.hidden_size}x{cfg.intermediate_size}), {bound.prefill_flop_s / 1e9:.1f} for prefill; "
+          f"memory read {bound.read_bytes_s / 1e9:.1f} GB/s (copy {bound.copy_bytes_s / 1e9:.1f} GB/s)")
+    print(f"  per decode step: {bound.flops_step / 1e9:.3f} GFLOP, {bound.bytes_step / 1e6:.1f} MB "
+          f"({bound.linear_params / 1e6:.2f}M linear weights, mean KV length {bound.kv_len:.1f}) -> "
+          f"FLOP-bound {bound.flop_tok_s:,.0f} tok/s, bandwidth-bound {bound.bw_tok_s:,.0f} tok/s; "
+          f"limit: {bound.limit}, {bound.tok_s:,.0f} tok/s")
+    print(f"  with the prefill of the {sum(lens)} prompt tokens at {bound.prefill_flops_token / 1e6:.2f} "
+          f"MFLOP each: {bound.with_prefill_tok_s(runs[0][0].tokens, sum(lens)):,.0f} generated tok/s")
+
+    header = (f"{'model':8} {'mode':7} {'impl':10} {'tokens':>7} {'mean len':>8} {'seconds':>8} "
+              f"{'tok/s':>8} {'engine ÷ gen':>12} {'of decode bound':>15} {'of bound w/ prefill':>19}")
+    print(header)
+    print("-" * len(header))
+    for eng, hf in runs:
+        for r in (eng, hf):
+            ratio = f"{eng.tok_s / hf.tok_s:11.2f}x" if r is eng else ""
+            print(f"{setup.name:8} {r.mode:7} {r.impl:10} {r.tokens:7d} {r.tokens / len(r.outputs):8.1f} "
+                  f"{r.seconds:8.2f} {r.tok_s:8,.0f} {ratio:>12} {r.tok_s / bound.tok_s:15.1%} "
+                  f"{r.tok_s / bound.with_prefill_tok_s(r.tokens, sum(lens)):19.1%}")
+    for eng, hf in runs:
+        if eng.mode == "greedy":
+            same = sum(x == y for x, y in zip(eng.outputs, hf.outputs, strict=True))
+            print(f"greedy: identical completions from both for {same}/{len(prompts)} prompts")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per model (default: per model)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default: per model")
+    ap.add_argument("--max-batch", type=int, default=None, help="engine slots = generate() chunk (default: per model)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch intra-op threads")
+    ap.add_argument("--no-greedy", action="store_true", help="skip the greedy rows")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(a.threads)
+    import transformers
+
+    names = [m.strip() for m in a.models.split(",") if m.strip()]
+    unknown = set(names) - set(SETUPS)
+    if unknown:
+        raise SystemExit(f"unknown models {sorted(unknown)}; choose from {sorted(SETUPS)}")
+    print(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {cpu_model()}, {os.cpu_count()} cores, "
+          f"torch threads {torch.get_num_threads()}; Python {platform.python_version()}, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}; float32, CPU; sampling T=1.0 top_p=1.0 (no top-k)")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            base = SETUPS[name]
+            setup = ModelSetup(name, base.source, a.prompts or base.prompts,
+                               a.max_new_tokens or base.max_new_tokens, a.max_batch or base.max_batch)
+            if name == "tiny":
+                model_dir = init_tiny_model(Path(tmp) / "tiny", TINY_SPEC, seed=a.seed)
+            else:
+                model_dir = SMOLLM2_DIR
+                if not (model_dir / "config.json").is_file():
+                    print(f"\n== smollm2: skipped, {model_dir} is not a model directory; create it with "
+                          f"`rollstream init-model {model_dir} --from smollm2-135m-instruct`")
+                    continue
+            bench_model(setup, model_dir, a)
+
+
+if __name__ == "__main__":
+    main()
