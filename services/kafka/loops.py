@@ -427,16 +427,13 @@ class Loops:
             while not self.stop.is_set():
                 room = cap - len(self._tasks)
                 if room > 0:
-                    # records in flight or waiting to commit: come back soon to commit them
-                    busy = bool(self._tasks or self._txn_done)
-                    recs = await self._poll(min(room, s.batch_max_records),
-                                            min(s.poll_timeout_s, s.txn_interval_s) if busy else None)
+                    busy = bool(self._tasks or self._txn_done)  # then come back soon to commit
+                    recs = await self._poll(min(room, s.batch_max_records), min(s.poll_timeout_s, s.txn_interval_s) if busy else None)
                     last_poll = loop.time()
                     for rec in recs:
                         self._admit_txn(rec)
                 else:
-                    await asyncio.wait({*self._tasks, stop_wait}, timeout=s.txn_interval_s,
-                                       return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait({*self._tasks, stop_wait}, timeout=s.txn_interval_s, return_when="FIRST_COMPLETED")
                     if loop.time() - last_poll > s.max_poll_interval_s / 2:
                         await self.consumer.keepalive()
                         last_poll = loop.time()
@@ -456,8 +453,7 @@ class Loops:
             self._txn_done[(rec.tp, rec.offset)] = ([], None, None)
             self._offsets.done(rec.tp, rec.offset)
             return
-        task = asyncio.create_task(self._process_txn(rec), name=f"{self.service.name}:{rec.topic}@{rec.offset}")
-        self._tasks[task] = rec
+        self._tasks[task := asyncio.create_task(self._process_txn(rec), name=f"{rec.topic}@{rec.offset}")] = rec
         task.add_done_callback(self._task_done)
 
     async def _process_txn(self, rec: Record) -> None:
@@ -481,8 +477,7 @@ class Loops:
         ready = self._offsets.ready(only)
         if not ready:
             return
-        keys = sorted((k for k in self._txn_done if k[0] in ready and k[1] < ready[k[0]]),
-                      key=lambda k: (k[0].topic, k[0].partition, k[1]))
+        keys = sorted((k for k in self._txn_done if k[0] in ready and k[1] < ready[k[0]]), key=lambda k: (k[0].topic, k[0].partition, k[1]))
         entries = [self._txn_done[k] for k in keys]
         self._txn_committing = True
         try:
