@@ -271,8 +271,19 @@ class TrainConfig(Section):
     """The trainer."""
 
     strategy: Literal["torch", "fsdp2", "megatron"] = "torch"
-    """Training strategy behind ``trainer.Strategy``: ``torch`` (single process, CPU or one GPU).
-    ``fsdp2`` and ``megatron`` are reserved: this version refuses them, before anything starts."""
+    """Training strategy behind ``trainer.Strategy``: ``torch`` (single process, CPU or one GPU),
+    ``fsdp2`` (PyTorch FSDP2 over ``ranks`` processes: data parallel, parameters sharded) or
+    ``megatron`` (megatron-core ``GPTModel``: tensor parallel ``tensor_parallel``, data parallel
+    ``ranks / tensor_parallel``; needs the ``megatron`` extra). ``docs/scaling.md``."""
+    ranks: int = 1
+    """Trainer processes (``fsdp2``, ``megatron``): rank 0 is the trainer service, which consumes
+    ``scored``, commits and publishes; it starts ranks 1..N-1 itself and broadcasts every batch to
+    them. On CUDA rank r uses ``cuda:r``; on CPU they share the CPU (gloo). ``torch``: 1."""
+    tensor_parallel: int = 1
+    """``megatron``: tensor-parallel size (divides ``ranks``; the rest of ``ranks`` is data parallel)."""
+    dist_timeout_s: float = 600.0
+    """Collective timeout of the trainer's process group: a rank that hangs or dies fails the step
+    (and the trainer, which the supervisor restarts from its checkpoint) after this many seconds."""
     steps: int = 40
     """Optimizer steps of the run."""
     batch_size: int = 64
@@ -858,6 +869,16 @@ def check_values(cfg: RunConfig) -> None:
             raise ValueError("train.lora_target_modules is empty: LoRA needs at least one module name")
         if t.strategy != "torch":
             raise ValueError(f"train.lora_rank={t.lora_rank} works with train.strategy='torch' only")
+    if t.ranks < 1:
+        raise ValueError(f"train.ranks={t.ranks} must be >= 1")
+    if t.ranks > 1 and t.strategy == "torch":
+        raise ValueError(f"train.ranks={t.ranks} needs train.strategy=fsdp2 or megatron (torch is one process)")
+    if t.tensor_parallel < 1 or t.ranks % t.tensor_parallel:
+        raise ValueError(f"train.tensor_parallel={t.tensor_parallel} must be >= 1 and divide train.ranks={t.ranks}")
+    if t.tensor_parallel > 1 and t.strategy != "megatron":
+        raise ValueError(f"train.tensor_parallel={t.tensor_parallel} needs train.strategy=megatron")
+    if not t.dist_timeout_s > 0:
+        raise ValueError(f"train.dist_timeout_s={t.dist_timeout_s:g} must be > 0")
     if cfg.tracking.wandb and not cfg.tracking.wandb_project:
         raise ValueError("tracking.wandb_project must not be empty")
     r = cfg.reward
