@@ -27,6 +27,12 @@ def new_event_id() -> str:
     return uuid.uuid4().hex
 
 
+def sample_id_of(group_id: str, index: int) -> str:
+    """The id of sample ``index`` of group ``group_id``: ``<group_id>/<index>`` (the feeder names every
+    sample of a group so, and the trainer recomputes the ids of a group's members from it)."""
+    return f"{group_id}/{index}"
+
+
 def now_s() -> float:
     """Wall-clock time in unix seconds."""
     return time.time()

@@ -49,10 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
-import math
-import random
 import threading
 import time
 from collections import OrderedDict
@@ -67,6 +64,7 @@ from schemas.config import RunConfig
 from services.errors import one_line
 from services.kafka.bus import Record
 from services.kafka.runtime import Context, Counters, Service, ServiceSettings, derive_event_id, run_service
+from services.latency import draw_latency_s
 
 log = logging.getLogger("rollstream.env")
 
@@ -89,34 +87,6 @@ class EnvSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     shutdown_grace_s: float = 10.0
     """On stop or partition revocation, how long in-flight requests may still run, seconds (those cut
     off are not committed; the next owner answers them by rebuilding the episode)."""
-
-
-def draw_latency_s(kind: str, mean_s: float, sigma: float, key: str) -> float:
-    """A simulated latency in seconds with mean ``mean_s``, drawn reproducibly from ``key``.
-
-    * ``lognormal``: ``exp(mu + sigma * Z)`` with ``mu = ln(mean_s) - sigma² / 2`` (so the mean is
-      ``exp(mu + sigma² / 2) = mean_s``; ``sigma`` is the log-space standard deviation).
-    * ``exponential``: rate ``1 / mean_s`` (``sigma`` unused).
-    * ``pareto``: the classic Pareto with tail index ``alpha = sigma > 1`` and scale
-      ``x_m = mean_s * (alpha - 1) / alpha`` (values ``>= x_m``; mean ``alpha * x_m / (alpha - 1) =
-      mean_s``; the variance is finite only for ``alpha > 2``).
-    * ``none`` (or ``mean_s <= 0``): 0.
-
-    ``key`` (the worker uses ``<episode_id>/<step>``) seeds the draw through a stable hash, so a run
-    replays the same delays.
-    """
-    if kind == "none" or mean_s <= 0:
-        return 0.0
-    rng = random.Random(int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big"))
-    if kind == "lognormal":
-        return rng.lognormvariate(math.log(mean_s) - sigma * sigma / 2, sigma)
-    if kind == "exponential":
-        return rng.expovariate(1.0 / mean_s)
-    if kind == "pareto":
-        if sigma <= 1:
-            raise ValueError(f"pareto latency needs a tail index > 1 (a finite mean), got {sigma:g}")
-        return mean_s * (sigma - 1) / sigma * rng.paretovariate(sigma)
-    raise ValueError(f"unknown latency distribution {kind!r}")
 
 
 class EnvFailure(Exception):

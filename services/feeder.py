@@ -147,7 +147,7 @@ class Feeder(BatchService):
         env = episode_spec(problem.reference) if envs.is_episodic(domains[i].source) else None
         return [
             ev.RolloutTask(
-                run_id=self.s.run_id, sample_id=f"{group_id}/{j}", group_id=group_id, index=j, group_size=n,
+                run_id=self.s.run_id, sample_id=ev.sample_id_of(group_id, j), group_id=group_id, index=j, group_size=n,
                 prompt_id=problem.prompt_id, domain=domains[i].name, prompt=problem.prompt,
                 reference=problem.reference, policy_version=self.version, env=env, redundancy=r,
             )

@@ -35,9 +35,9 @@ import msgspec
 import envs
 from schemas import events as ev
 from schemas.config import RewardConfig, RunConfig, reward_weights
-from services.env_worker import draw_latency_s
 from services.kafka.bus import Record
 from services.kafka.runtime import Context, Service, ServiceSettings, run_service
+from services.latency import draw_latency_s
 from services.sanity import check_generation
 
 

@@ -322,7 +322,7 @@ class Trainer(TrainerCore, BatchService):
             ctx.emit("metrics", self.outcome(s, "filtered", reason), key=group_id)
         kept = {s.generation.task.sample_id for s in members} | self.buffer.dead.get(group_id, set())
         for index in range(task.group_size + task.redundancy):
-            sid = f"{group_id}/{index}"
+            sid = ev.sample_id_of(group_id, index)
             if sid in kept or sid in self.buffer.decided:
                 continue
             self.buffer.decide(sid)
