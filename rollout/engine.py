@@ -10,9 +10,11 @@
 * **No batch barrier.** One engine step = admit waiting requests into free slots (one batched,
   left-padded prefill; the prefill's KV rows are left-padded to the running cache's length and
   concatenated in) + one decode step for every row. A row that finished (EOS or
-  ``max_new_tokens``) is evicted right after the step that finished it, so its slot is refilled
-  before the next decode step. Columns that are padding for every row are trimmed after
-  eviction, so the cache length stays at the longest live row.
+  ``max_new_tokens``) is evicted right after the step that finished it. Admission is batched:
+  while rows run, waiting requests are prefilled once they fill a quarter of ``max_batch`` free
+  slots (or every free slot), or after :attr:`TorchEngine.ADMIT_WAIT_STEPS` decode steps, because
+  many one-row prefills cost far more than one prefill of many rows. Columns that are padding
+  for every row are trimmed after eviction, so the cache length stays at the longest live row.
 * **Logprobs.** Per generated token, ``log_softmax(logits / T)[token]`` of the request's
   temperature ``T``, untruncated by ``top_p`` (see :mod:`rollout.sampling`); this equals the
   trainer's teacher-forced logprob of the same weights at the same temperature up to float
@@ -22,8 +24,10 @@
   in flight keep their KV cache from the old weights and continue with the new ones; each
   :class:`Completion` reports the version it started with and the version it ended with.
 
-The blocking tensor work of a step runs in a worker thread (``asyncio.to_thread``), so the event
-loop (Kafka clients, other requests) stays responsive. Sampling is seeded per engine (``seed``);
+All of the engine's torch work (loading the model, steps, weight swaps) runs on one dedicated thread
+of its own, so the event loop (Kafka clients, other requests) stays responsive, and one OpenMP team
+serves every step (a different pool thread per step ran small matmuls about 1.6× slower on 2 CPU
+cores: bench/README.md, engine.py). Sampling draws by inverse CDF (:func:`rollout.sampling.draw_inverse_cdf`). Sampling is seeded per engine (``seed``);
 greedy decoding is deterministic and does not depend on the batch composition beyond float
 round-off.
 
@@ -39,6 +43,7 @@ of 32 tokens; ``bench/learn_offline.py --engine-bench``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 import typing
@@ -274,6 +279,9 @@ class _Slots:
 class TorchEngine:
     """Continuous-batching generation with a transformers causal LM on CPU or one GPU."""
 
+    ADMIT_WAIT_STEPS = 4
+    """Decode steps a waiting request may wait for more requests to share its prefill."""
+
     def __init__(
         self,
         model_dir: str | Path,
@@ -286,7 +294,9 @@ class TorchEngine:
         chat_template: bool | str = "auto",
         system_prompt: str = "",
     ) -> None:
-        self.model = load_model(model_dir, dtype=dtype, device=device)
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        """The one thread that runs all of this engine's torch work (load, steps, weight swaps)."""
+        self.model = self._thread.submit(load_model, model_dir, dtype=dtype, device=device).result()
         self.tokenizer = load_tokenizer(model_dir)
         self.chat = use_chat_template(self.tokenizer, chat_template)
         """Whether prompts go through the tokenizer's chat template (``model.chat_template``)."""
@@ -301,6 +311,7 @@ class TorchEngine:
         self._pending: deque[_Pending] = deque()
         self._slots = _Slots()
         self._admitting: list[_Row] = []  # popped from _pending, not yet in _slots
+        self._waited_steps = 0  # decode steps since waiting requests were last admitted
         self._step_lock = threading.Lock()
         self._driver: asyncio.Task[None] | None = None
 
@@ -386,7 +397,7 @@ class TorchEngine:
         """Copy the safetensors weights in ``ref`` into the live model between two engine
         steps; ``version`` defaults to the current version + 1."""
         state = await asyncio.to_thread(read_weights, ref)
-        await asyncio.to_thread(self._swap, state, version)
+        await asyncio.get_running_loop().run_in_executor(self._thread, self._swap, state, version)
 
     def load_weights_sync(self, ref: str | Path, version: int | None = None) -> None:
         """Blocking variant of :meth:`load_weights` (for synchronous callers)."""
@@ -430,8 +441,9 @@ class TorchEngine:
 
     async def _drive(self) -> None:
         """Run engine steps while there is work; deliver finished completions."""
+        loop = asyncio.get_running_loop()
         while self._pending or self._slots.rows:
-            finished = await asyncio.to_thread(self._step)
+            finished = await loop.run_in_executor(self._thread, self._step)
             for row, completion in finished:
                 row.out.put_nowait(completion)
 
@@ -456,6 +468,10 @@ class TorchEngine:
 
     def _admit(self) -> None:
         free = self.max_batch - len(self._slots.rows)
+        if not self._admit_now(free):
+            self._waited_steps += 1
+            return
+        self._waited_steps = 0
         batch = [self._pending.popleft() for _ in range(min(free, len(self._pending)))]
         if not batch:
             return
@@ -476,6 +492,18 @@ class TorchEngine:
         tokens = self._sample(logits, rows)
         self._slots.add(rows, cache, mask, tokens)
         self._admitting = []
+
+    def _admit_now(self, free: int) -> bool:
+        """Whether this step prefills the waiting requests. Prefill is batched: with rows running,
+        waiting requests join only once they fill ``max_batch // 4`` free slots (or every free slot),
+        or once they waited :attr:`ADMIT_WAIT_STEPS` decode steps — many one-row prefills cost far more
+        than one prefill of many rows."""
+        if not self._pending or free <= 0:
+            return False
+        if not self._slots.rows:
+            return True
+        return (min(len(self._pending), free) >= max(1, min(free, self.max_batch // 4))
+                or self._waited_steps >= self.ADMIT_WAIT_STEPS)
 
     def _decode(self) -> None:
         s = self._slots

@@ -68,6 +68,19 @@ def top_p_mask(logprobs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return keep  # (B, V)
 
 
+def draw_inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One index per row drawn with probability ``weights / weights.sum()`` by inverse CDF: one
+    uniform number per row, a cumulative sum and a binary search.  weights (B, V) >= 0 -> (B,) long.
+
+    Equivalent in distribution to ``torch.multinomial(weights, 1)``, and several times cheaper on a
+    large vocabulary on CPU (no per-row normalisation pass, no alias table). Zero-weight entries are
+    never drawn (their CDF step is empty)."""
+    cdf = torch.cumsum(weights, dim=-1)  # (B, V)
+    u = torch.rand(weights.shape[0], 1, generator=generator, device=weights.device) * cdf[:, -1:]  # (B, 1)
+    drawn = torch.searchsorted(cdf, u, right=True)  # (B, 1) first index whose CDF exceeds u
+    return drawn.clamp_(max=weights.shape[-1] - 1).squeeze(-1)  # (B,)
+
+
 def sample_next(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -84,7 +97,6 @@ def sample_next(
     sample_lp = logprobs
     if bool((top_p < 1).any()):
         sample_lp = logprobs.masked_fill(~top_p_mask(logprobs, top_p), float("-inf"))  # (B, V)
-    probs = torch.softmax(sample_lp, dim=-1)  # (B, V) renormalised nucleus
-    drawn = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+    drawn = draw_inverse_cdf(sample_lp.exp(), generator)  # (B,)
     tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)  # (B,)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B,), (B,)

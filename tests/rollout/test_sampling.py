@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.sampling import SamplingParams, sample_next, tempered_logprobs, top_p_mask
+from rollout.sampling import SamplingParams, draw_inverse_cdf, sample_next, tempered_logprobs, top_p_mask
 
 
 def test_params_validate() -> None:
@@ -38,3 +38,15 @@ def test_sampling_follows_the_nucleus_and_reports_untruncated_logprobs() -> None
     assert set(tok.tolist()) <= {0, 1}  # tokens 2, 3 are outside the 0.8 nucleus
     full = tempered_logprobs(logits[:1], torch.tensor([1.0]))[0]
     assert torch.allclose(lp, full[tok])
+
+
+def test_inverse_cdf_draws_follow_the_weights_and_never_pick_zero_weights() -> None:
+    weights = torch.tensor([[0.0, 0.1, 0.0, 0.6, 0.3, 0.0], [2.0, 0.0, 0.0, 0.0, 0.0, 6.0]])  # unnormalised row 2
+    g = torch.Generator().manual_seed(1)
+    n = 40_000
+    draws = torch.stack([draw_inverse_cdf(weights, g) for _ in range(n)])  # (n, 2)
+    freq0 = torch.bincount(draws[:, 0], minlength=6).float() / n
+    freq1 = torch.bincount(draws[:, 1], minlength=6).float() / n
+    assert freq0[[0, 2, 5]].sum() == 0 and freq1[1:5].sum() == 0
+    assert torch.allclose(freq0, weights[0] / weights[0].sum(), atol=0.01)
+    assert torch.allclose(freq1, weights[1] / weights[1].sum(), atol=0.01)
