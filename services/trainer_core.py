@@ -105,8 +105,9 @@ class TrainerCore:
         device = settings.device or resolve_device(cfg.train.device, "train.device")
         self.strategy = make_strategy(cfg, settings.model_dir, device=device)
         self.tokenizer = self.strategy.tokenizer
+        # the greedy evaluation runs a local torch engine whatever rollout.engine is
         self.eval_engine = make_engine(cfg, settings.model_dir, max_batch=settings.eval_batch,
-                                       device=device, seed=cfg.run.seed, policy_version=0)
+                                       device=device, seed=cfg.run.seed, policy_version=0, local=True)
         self.sources = [envs.make_source(d.source, **d.kwargs) for d in cfg.data.domains]
         self.heldout = [
             (d, src.heldout(cfg.data.heldout_size), d.verifier or src.default_verifier)
@@ -123,6 +124,12 @@ class TrainerCore:
         """After a resume: samples of steps an earlier instance trained (on the topic) that this
         one re-runs from their recorded batch (checkpointed with the buffer)."""
         self.last_eval: dict[str, float] = {}
+
+    def close(self) -> None:
+        """Release what the training backend holds (a multi-rank strategy's processes); idempotent."""
+        close = getattr(self.strategy, "close", None)
+        if close is not None:
+            close()
 
     @property
     def decided(self) -> set[str]:

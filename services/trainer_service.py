@@ -416,8 +416,12 @@ class Trainer(TrainerCore, BatchService):
     # ----------------------------------------------------------------- running
 
     async def run(self, stop: asyncio.Event | None = None) -> int:
-        """Train until the run finished (or until stopped); the last step."""
-        await Runner(self, self.service_settings(), stop).run()
+        """Train until the run finished (or until stopped); the last step. The training backend is
+        closed on the way out (a multi-rank strategy's processes)."""
+        try:
+            await Runner(self, self.service_settings(), stop).run()
+        finally:
+            await asyncio.to_thread(self.close)
         return self.strategy.step
 
 

@@ -58,7 +58,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from schemas.config import AlgorithmConfig, TrainConfig
+from schemas.config import AlgorithmConfig, RunConfig, TrainConfig, resolve_dtype
 from trainer import algorithm as alg
 from trainer import losses as L
 from trainer.batch import TokenBatch, TrainSample, collate
@@ -269,6 +269,20 @@ def _replace_dir(tmp: Path, final: Path) -> None:
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+
+
+def strategy_kwargs(cfg: RunConfig, device: str) -> dict[str, Any]:
+    """The :class:`trainer.strategy.TorchStrategy` keyword arguments ``cfg`` gives, for ``device``
+    (a concrete torch device; ``model.dtype: auto`` resolves for it)."""
+    return dict(
+        lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip,
+        micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature,
+        algo=cfg.algorithm, max_len=cfg.rollout.max_new_tokens, dtype=resolve_dtype(cfg.model.dtype, device),
+        total_steps=cfg.train.steps, min_lr_ratio=cfg.train.min_lr_ratio,
+        device=device,
+        lora_rank=cfg.train.lora_rank, lora_alpha=cfg.train.lora_alpha, lora_dropout=cfg.train.lora_dropout,
+        lora_target_modules=cfg.train.lora_target_modules,
+    )
 
 
 # --------------------------------------------------------------------------- strategy

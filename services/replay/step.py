@@ -127,12 +127,15 @@ def replay_train_step(cfg: RunConfig, run_id: str, step: int, *, dsn: str = "", 
     finally:
         client.close()
     say(f"restoring the checkpoint of step {start}")
-    trainer.load_checkpoint(start)
     replayed: dict[str, float] = {}
-    for k in range(start, step + 1):
-        say(f"{'re-running' if k < step else 'recomputing'} step {k} ({len(batches[k])} samples)")
-        trainer.version = steps[k].policy_version
-        replayed = trainer.train_batch(batches[k])
+    try:
+        trainer.load_checkpoint(start)
+        for k in range(start, step + 1):
+            say(f"{'re-running' if k < step else 'recomputing'} step {k} ({len(batches[k])} samples)")
+            trainer.version = steps[k].policy_version
+            replayed = trainer.train_batch(batches[k])
+    finally:
+        trainer.close()  # a multi-rank strategy's processes
     recorded = dict(steps[step].metrics)
     return StepReplay(step=step, from_checkpoint=start, recorded=recorded, replayed=replayed,
                       rows=compare(recorded, replayed))
