@@ -33,6 +33,8 @@ SECTIONS: list[tuple[str, type[msgspec.Struct]]] = [
     ("env", cfg_mod.EnvWorkersConfig),
     ("judge", cfg_mod.JudgeConfig),
     ("judge.models.<name>", cfg_mod.JudgeModelConfig),
+    ("placement", cfg_mod.PlacementConfig),
+    ("placement.<service>", cfg_mod.ServicePlacement),
 ]
 
 

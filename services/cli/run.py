@@ -204,21 +204,76 @@ def run_cmd(
              "each service with `rollstream service NAME --run ID` (e.g. one container each). Preparing "
              "the same run again with the same config changes nothing.",
     ),
+    launcher: str = typer.Option(
+        "local", "--launcher",
+        help="How the services run: local (OS processes on this machine) or ray (Ray actors on a Ray cluster, "
+             "placed by the config's placement section; needs pip install 'rollstream\\[ray]').",
+    ),
+    address: str = typer.Option(
+        "", "--address",
+        help="--launcher ray: the Ray cluster to join (e.g. head-node:6379, or ray://head-node:10001); default: "
+             "$RAY_ADDRESS, else a local Ray instance started with this machine's CPUs and GPUs and stopped at the end.",
+    ),
 ) -> None:
     """Run a whole training run: broker, topics, model, every service; live progress; summary.json.
 
-    The config is checked first (keys, values, and that the generation engine and training strategy it names can run here): a bad one stops the command before anything starts.
+    The config is checked first (keys, values, and that the generation engine and training strategy it names can run here): a bad one stops the command before anything starts. With --launcher ray, every service process is a Ray actor in one placement group of the run (bundles from the placement section), reserved before anything starts: a request the cluster's nodes cannot hold is refused in one line. The run directory must then be on storage every node sees at the same path.
     """
-    import asyncio
-    import json
-
     from schemas.topics import check_run_id
     from services.launch import supervisor
 
     cfg = read_config(config, set_)
+    check_launcher(cfg, launcher, address, prepare_only)
     check_backends(cfg)
     cfg = with_store(cfg)
     rid = check_run_id(run_id) if run_id else supervisor.new_run_id(cfg)
+    cluster = None
+    if launcher == "ray":  # placed and reserved before anything of the run starts
+        from services.launch import ray_launcher
+
+        try:
+            cluster = ray_launcher.connect(cfg, address, console=console)
+        except supervisor.RunError as e:
+            raise UserError(str(e)) from None
+    try:
+        _run(cfg, rid, prepare_only, cluster)
+    finally:
+        if cluster is not None:
+            cluster.close()
+
+
+def check_launcher(cfg: Any, launcher: str, address: str, prepare_only: bool) -> None:
+    """``--launcher`` is local or ray; ``--address`` and a non-default ``placement`` section go with
+    ``--launcher ray`` only (the local launcher would not honour them); ``--prepare-only`` starts no
+    service, so it takes no launcher; Ray is installed when asked for. One line on refusal."""
+    from schemas.config import PlacementConfig
+
+    if launcher not in ("local", "ray"):
+        raise UserError(f"--launcher {launcher!r}: one of local, ray")
+    if prepare_only and launcher != "local":
+        raise UserError("--prepare-only starts no service, so it takes no --launcher; leave --launcher out")
+    if launcher == "local":
+        if address:
+            raise UserError(f"--address {address!r} is for --launcher ray only; add --launcher ray or leave it out")
+        if cfg.placement != PlacementConfig():
+            raise UserError("the config's placement.* keys are used by --launcher ray only (the local launcher runs "
+                            "every service on this machine); add --launcher ray or remove the placement section")
+        return
+    from services.launch.ray_launcher import require_ray
+    from services.launch.supervisor import RunError
+
+    try:
+        require_ray()
+    except RunError as e:
+        raise UserError(str(e)) from None
+
+
+def _run(cfg: Any, rid: str, prepare_only: bool, cluster: Any) -> None:
+    import asyncio
+    import json
+
+    from services.launch import supervisor
+
     bootstrap = bootstrap_for_run(cfg)
     quiet_transformers()  # the model is created in this process
 
@@ -231,7 +286,9 @@ def run_cmd(
                                                allow_prepared=True))
             out.print(rid)
             return
-        summary = asyncio.run(supervisor.run_supervised(cfg, rid, bootstrap, console, on_run_dir=on_run_dir))
+        summary = asyncio.run(supervisor.run_supervised(
+            cfg, rid, bootstrap, console, on_run_dir=on_run_dir,
+            make_supervisor=cluster.supervisor if cluster is not None else None))
     except supervisor.RunError as e:
         raise UserError(str(e)) from None
     ev_ = summary["eval"]

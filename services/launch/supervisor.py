@@ -32,6 +32,10 @@ fails (``ServiceFailed``) with one line naming the service, its exit code and th
 line of its log.
 
 Ctrl-C (or SIGTERM) stops every service cleanly (SIGTERM, then SIGKILL after a grace period).
+
+``rollstream run --launcher ray`` uses this supervisor too: :mod:`services.launch.ray_launcher`
+subclasses it so that each service process is started by a Ray actor (:class:`ServiceProcess` is
+what the supervisor needs of a process).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rich.console import Console
 from rich.markup import escape
@@ -117,6 +121,35 @@ def numbered(service: str, n: int) -> list[str]:
     return [f"{service}{i}" for i in range(n)] if n > 1 else [service]
 
 
+def run_labels(cfg: RunConfig) -> list[str]:
+    """Service labels of a run in start order (``rollout0``, ``rollout1``... with several workers); the
+    judge workers (``judge``, or ``judge0``, ``judge1``...) only when a domain has a judge, after
+    the reward router that sends them its samples; the env workers (``env``, or ``env0``,
+    ``env1``...) only when a domain is multi-turn; both before the rollout workers."""
+    judges = numbered(JUDGE_SERVICE, cfg.judge.workers) if judged(cfg) else []
+    env_workers = numbered(ENV_SERVICE, cfg.env.workers) if multi_turn(cfg) else []
+    return ["recorder", "feeder", "reward", *judges, *env_workers, *numbered("rollout", cfg.rollout.workers),
+            "trainer"]
+
+
+class ServiceProcess(Protocol):
+    """What the supervisor uses of a service process: ``subprocess.Popen``, or a launcher's handle
+    (:class:`services.launch.ray_launcher.RayProcess`)."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
 def multi_turn(cfg: RunConfig) -> bool:
     """Whether a domain of ``cfg`` is multi-turn (its task source is also an environment)."""
     import envs  # registers the built-in sources and environments
@@ -145,7 +178,7 @@ class Supervisor:
         self.healer = Healer(max_restarts=r.max_restarts, backoff_s=r.restart_backoff_s,
                              backoff_max_s=r.restart_backoff_max_s)
         self.slots: list[ServiceSlot] = []
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, ServiceProcess] = {}
         self.pending: list[ev.Event] = []
         """Lifecycle events not published yet (published by :meth:`follow`)."""
         self.phase = "starting"
@@ -162,14 +195,12 @@ class Supervisor:
     # ----------------------------------------------------------------- processes
 
     def labels(self) -> list[str]:
-        """Service labels in start order (``rollout0``, ``rollout1``... with several workers); the
-        judge workers (``judge``, or ``judge0``, ``judge1``...) only when a domain has a judge, after
-        the reward router that sends them its samples; the env workers (``env``, or ``env0``,
-        ``env1``...) only when a domain is multi-turn; both before the rollout workers."""
-        judges = numbered(JUDGE_SERVICE, self.cfg.judge.workers) if judged(self.cfg) else []
-        env_workers = numbered(ENV_SERVICE, self.cfg.env.workers) if multi_turn(self.cfg) else []
-        return ["recorder", "feeder", "reward", *judges, *env_workers, *numbered("rollout", self.cfg.rollout.workers),
-                "trainer"]
+        """Service labels in start order (:func:`run_labels`)."""
+        return run_labels(self.cfg)
+
+    def host_of(self, slot: ServiceSlot) -> str:
+        """The host ``slot``'s process runs on (this one; a launcher's supervisor may say another)."""
+        return socket.gethostname()
 
     def start_children(self) -> None:
         logs = self.run_dir / "logs"
@@ -184,7 +215,7 @@ class Supervisor:
             self.slots.append(slot)
             self._spawn(slot)
             self.pending.append(ev.ServiceStarted(run_id=self.run_id, service=label, pid=slot.pid,
-                                                  host=socket.gethostname()))
+                                                  host=self.host_of(slot)))
         self.phase = "running"
         self.write_state()
 
@@ -218,8 +249,9 @@ class Supervisor:
         for slot in self.slots:
             proc = self.procs.get(slot.label)
             verdict = None
-            if slot.state == "running" and proc is not None and proc.poll() is not None:
-                verdict = self.healer.on_exit(slot, int(proc.returncode), last_error_line(slot.log_path), finished)
+            code = proc.poll() if slot.state == "running" and proc is not None else None
+            if code is not None:
+                verdict = self.healer.on_exit(slot, int(code), last_error_line(slot.log_path), finished)
             elif slot.state == "exited":
                 verdict = self.healer.recheck(slot, finished)
             if verdict is not None:
@@ -370,11 +402,14 @@ class Supervisor:
 
 
 async def run_supervised(cfg: RunConfig, run_id: str, bootstrap: str, console: Console, *,
-                         on_run_dir: Callable[[Path], None] | None = None) -> dict[str, Any]:
-    """Everything of ``rollstream run`` after config parsing. Returns the summary."""
+                         on_run_dir: Callable[[Path], None] | None = None,
+                         make_supervisor: Callable[[RunConfig, str, str, Console], Supervisor] | None = None,
+                         ) -> dict[str, Any]:
+    """Everything of ``rollstream run`` after config parsing. Returns the summary.
+    ``make_supervisor``: another launcher's supervisor (``--launcher ray``), default :class:`Supervisor`."""
     run_dir = run_dir_of(cfg, run_id)
     await prepare_run(cfg, run_id, bootstrap, console, on_run_dir=on_run_dir)
-    sup = Supervisor(cfg, run_id, bootstrap, console)
+    sup = (make_supervisor or Supervisor)(cfg, run_id, bootstrap, console)
     t0 = time.monotonic()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
