@@ -139,6 +139,9 @@ class RolloutWorker(Service):
                 await asyncio.gather(task, return_exceptions=True)
         if self.env_client is not None:
             await self.env_client.close()
+        close = getattr(self.engine, "close", None)  # a server engine's HTTP session
+        if close is not None:
+            await close()
 
     async def _watch_weights(self) -> None:
         consumer = Consumer(self.s.config.kafka, group_id=None, topics=[topic_name(self.s.run_id, "weights")],

@@ -10,7 +10,8 @@ One module per command group, each registering its commands on :data:`app`
 * :mod:`~services.cli.sql` — ``sql``;
 * :mod:`~services.cli.report` — ``report``;
 * :mod:`~services.cli.replay` — ``replay into|rescore|step``;
-* :mod:`~services.cli.model` — ``init-model``.
+* :mod:`~services.cli.model` — ``init-model``;
+* :mod:`~services.cli.serve` — ``serve MODEL_DIR``.
 
 User errors print one line ``error: ...`` and exit 1 — never a traceback (``--debug`` shows it).
 """
@@ -18,13 +19,13 @@ User errors print one line ``error: ...`` and exit 1 — never a traceback (``--
 from __future__ import annotations
 
 # registering order = the order of `rollstream --help`
-from services.cli import run, stack, topics, ops, sql, report, replay, model  # isort: skip
+from services.cli import run, stack, topics, ops, sql, report, replay, model, serve  # isort: skip
 from services.cli.app import app, main, version
 from services.cli.run import SERVICES
 
 app.command()(version)
 
-__all__ = ["SERVICES", "app", "main", "model", "ops", "replay", "report", "run", "sql", "stack", "topics"]
+__all__ = ["SERVICES", "app", "main", "model", "ops", "replay", "report", "run", "serve", "sql", "stack", "topics"]
 
 if __name__ == "__main__":  # pragma: no cover (`python -m services.cli` runs __main__.py)
     main()
