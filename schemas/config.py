@@ -227,9 +227,27 @@ class DataConfig(Section):
 class RolloutConfig(Section):
     """Generation."""
 
-    engine: Literal["torch", "vllm"] = "torch"
-    """Engine behind ``rollout.Engine``: ``torch`` (transformers, CPU or GPU). ``vllm`` is reserved
-    for GPUs: this version refuses it, before anything starts."""
+    engine: Literal["torch", "server", "vllm"] = "torch"
+    """Engine behind ``rollout.Engine``: ``torch`` (transformers in the rollout worker, CPU or GPU);
+    ``server``: a ``rollstream serve MODEL_DIR`` server at ``server_urls`` (the worker is a thin HTTP
+    client; weights are reloaded from the published directory through its ``/v1/load_weights``);
+    ``vllm``: a ``vllm serve`` server at ``server_urls`` (same client; weights reloaded from the
+    published directory through vLLM's dev-mode ``/collective_rpc``: start it with
+    ``VLLM_SERVER_DEV_MODE=1`` and ``--logprobs-mode processed_logprobs``; not verified by this
+    project's tests, see ``docs/scaling.md``). The trainer's greedy evaluation always runs a local
+    ``torch`` engine."""
+    server_urls: list[str] = msgspec.field(default_factory=list)
+    """``engine: server`` or ``vllm``: base URLs (``http://host:port``) of the generation servers; rollout
+    worker ``i`` (service label ``rollout<i>``) uses ``server_urls[i % len(server_urls)]``. The
+    servers must read the published weights directories (``run.runs_dir``) at the same paths.
+    Required by those engines, refused with ``engine: torch``."""
+    server_timeout_s: float = 600.0
+    """``engine: server`` or ``vllm``: longest wait for one completion request, seconds; a request that
+    takes longer fails its sample (dead-lettered, recorded)."""
+    server_down_s: float = 120.0
+    """``engine: server`` or ``vllm``: how long a server that refuses connections or answers 502/503/504 is
+    retried (with backoff, 0.5 s doubling to 8 s) before the sample fails (dead-lettered, recorded)
+    or a weights reload is given up, seconds."""
     workers: int = 1
     """Rollout worker processes (one consumer group on ``tasks``)."""
     group_size: int = 8
@@ -251,7 +269,8 @@ class RolloutConfig(Section):
     stops at the model's EOS tokens (tokenizer and ``generation_config.json``)."""
     device: str = "auto"
     """Torch device of the rollout engine: ``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda``
-    or ``cuda:N``. A CUDA device that is not there is refused before anything starts."""
+    or ``cuda:N``. A CUDA device that is not there is refused before anything starts. ``engine: torch``
+    only (a generation server picks its own device; another value is refused with it)."""
     group_size_redundancy: int = 0
     """``r``: extra samples per group. ``group_size + r`` are started and the first ``group_size`` to
     finish (to be scored) are kept; the others are cancelled — a multi-turn episode stops before its
@@ -668,6 +687,82 @@ class JudgeConfig(Section):
     """How long a forward-pass batch waits for more responses once it has one, seconds."""
 
 
+class ServicePlacement(Section):
+    """What one process of a service reserves on a Ray cluster (``rollstream run --launcher ray``):
+    one bundle of the run's placement group per process (each rollout, env or judge worker gets its
+    own). Ray's units are scheduling units: they reserve, they do not cap the threads a service uses
+    (its ``OMP_NUM_THREADS`` is the one ``rollstream run`` has, else unset, as with the local launcher)."""
+
+    cpus: float = 0.25
+    """Logical CPUs (fractions allowed). For the trainer: the total of all its ``train.ranks``
+    processes, which run on one node (its rank 0 starts the others there)."""
+    gpus: float = 0.0
+    """GPUs (a fraction below 1, or a whole number); the process sees only the ones it got (Ray sets
+    its ``CUDA_VISIBLE_DEVICES``), none with 0 (a ``cuda`` device then is refused before the run
+    starts; ``auto`` picks the CPU). For the trainer: the total of all its ranks, on one node."""
+    resources: dict[str, float] = msgspec.field(default_factory=dict)
+    """Ray custom resources, ``{name: amount}`` (e.g. ``{"node:10.0.0.2": 0.01}`` pins it to that
+    node, or a label the cluster's nodes were started with). Not ``CPU`` / ``GPU``: use ``cpus`` /
+    ``gpus``."""
+
+
+class PlacementConfig(Section):
+    """Where the services run under ``rollstream run --launcher ray``: each process is a Ray actor in
+    one placement group of the run (one bundle per process), reserved before anything starts; a
+    request no node can satisfy is refused in one line. The local launcher refuses a non-default
+    ``placement`` section (it runs everything on this machine). Replicas are ``rollout.workers``,
+    ``env.workers`` and ``judge.workers``; ``train.ranks`` trainer processes share the trainer's one
+    bundle."""
+
+    strategy: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"
+    """How the bundles share nodes (Ray placement group strategies): ``pack`` (as few nodes as
+    possible), ``spread`` (as many as possible), ``strict_pack`` (all on one node), ``strict_spread``
+    (each on its own node)."""
+    ready_timeout_s: float = 120.0
+    """How long the run waits for the cluster to reserve its placement group (the resources exist
+    but other jobs may hold them), and for each service's actor to start, seconds."""
+    recorder: ServicePlacement = msgspec.field(default_factory=ServicePlacement)
+    """The recorder."""
+    feeder: ServicePlacement = msgspec.field(default_factory=ServicePlacement)
+    """The feeder."""
+    reward: ServicePlacement = msgspec.field(default_factory=ServicePlacement)
+    """The reward router."""
+    judge: ServicePlacement = msgspec.field(default_factory=ServicePlacement)
+    """Each judge worker (started only when a domain has a judge)."""
+    env: ServicePlacement = msgspec.field(default_factory=ServicePlacement)
+    """Each environment worker (started only when a domain is multi-turn)."""
+    rollout: ServicePlacement = msgspec.field(default_factory=ServicePlacement)
+    """Each rollout worker."""
+    trainer: ServicePlacement = msgspec.field(default_factory=ServicePlacement)
+    """The trainer, all its ``train.ranks`` processes together (one node)."""
+
+
+PLACED_SERVICES = ("recorder", "feeder", "reward", "judge", "env", "rollout", "trainer")
+"""The services a ``placement`` section places (its per-service keys)."""
+
+
+def check_placement(cfg: RunConfig) -> None:
+    """The ``placement`` section's values (whether the cluster can hold them is checked when the run
+    starts under Ray): ``ValueError`` naming the key."""
+    p = cfg.placement
+    if not p.ready_timeout_s > 0:
+        raise ValueError(f"placement.ready_timeout_s={p.ready_timeout_s:g} must be > 0")
+    for name in PLACED_SERVICES:
+        s: ServicePlacement = getattr(p, name)
+        key = f"placement.{name}"
+        if s.cpus < 0:
+            raise ValueError(f"{key}.cpus={s.cpus:g} must be >= 0")
+        if s.gpus < 0 or (s.gpus > 1 and s.gpus != int(s.gpus)):
+            raise ValueError(f"{key}.gpus={s.gpus:g} must be >= 0 and, above 1, a whole number (Ray shares a GPU "
+                             "only as a fraction below 1)")
+        for res, amount in s.resources.items():
+            if not res.strip() or res in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"{key}.resources: {res!r} is not a custom resource name (use {key}.cpus / "
+                                 f"{key}.gpus for CPU and GPU)")
+            if not (math.isfinite(amount) and amount > 0):
+                raise ValueError(f"{key}.resources.{res}={amount:g} must be a finite number > 0")
+
+
 class RunConfig(Section):
     """A whole run."""
 
@@ -683,6 +778,7 @@ class RunConfig(Section):
     tracking: TrackingConfig = msgspec.field(default_factory=TrackingConfig)
     env: EnvWorkersConfig = msgspec.field(default_factory=EnvWorkersConfig)
     judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
+    placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
 
     def __post_init__(self) -> None:
         for key, value in (("rollout.group_size", self.rollout.group_size), ("rollout.workers", self.rollout.workers),
@@ -900,6 +996,7 @@ def check_values(cfg: RunConfig) -> None:
     if e.max_episodes < 1:
         raise ValueError(f"env.max_episodes={e.max_episodes} must be >= 1")
     check_judges(cfg)
+    check_placement(cfg)
     if not cfg.model.path and not cfg.model.source:
         check_tiny_spec(cfg.model.init, "model.init.")
         if cfg.rollout.max_new_tokens >= cfg.model.init.max_position_embeddings:
