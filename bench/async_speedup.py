@@ -44,7 +44,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -63,6 +62,7 @@ sys.path.insert(0, str(HERE))
 
 import learn_offline as lo  # noqa: E402  (bench/learn_offline.py: warm-up, rollout step, evaluation)
 import torch  # noqa: E402
+from common import machine, warm_model  # noqa: E402  (bench/common.py: shared bench helpers)
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from envs import make_source  # noqa: E402
@@ -90,21 +90,6 @@ def bench_config(steps: int) -> RunConfig:
     raw["rollout"]["group_size"] = GROUP
     cfg: RunConfig = parse_raw(raw)
     return cfg
-
-
-def warm_model(cfg: RunConfig, out: Path) -> Path:
-    """The tiny model after the main example's supervised warm-up, as an HF directory."""
-    rng = random.Random(cfg.run.seed)
-    torch.manual_seed(cfg.run.seed)
-    domain = cfg.data.domains[0]
-    source = make_source(domain.source, **domain.kwargs)
-    init = lo.init_tiny_model(out.parent / "init", cfg.model.init, seed=cfg.run.seed)
-    strategy = TorchStrategy(init, lr=cfg.train.lr, grad_clip=cfg.train.grad_clip,
-                             micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature,
-                             algo=cfg.algorithm, total_steps=cfg.train.steps, min_lr_ratio=cfg.train.min_lr_ratio)
-    lo.warm_up(strategy, source, cfg, rng)
-    path, _ = strategy.export_weights(out)
-    return path
 
 
 async def sync_mode(cfg: RunConfig, model: Path, sigma: float, mean_s: float, work: Path) -> tuple[Result, float, float]:
@@ -175,16 +160,6 @@ def expected_max(sigma: float, mean_s: float, n: int, trials: int = 2000) -> flo
     rng = random.Random(0)
     return statistics.mean(max(draw_latency_s("lognormal", mean_s, sigma, f"{rng.random()}") for _ in range(n))
                            for _ in range(trials))
-
-
-def machine() -> str:
-    cpu = ""
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                   if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor()
-    return f"{cpu or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
 
 
 def main() -> None:

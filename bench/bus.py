@@ -1,6 +1,8 @@
-"""Bus throughput and codec speed, measured side by side in one run.
+"""Bus throughput, codec speed and Kafka's overhead in a run, measured side by side in one run.
 
-    .venv/bin/python bench/bus.py [--bootstrap HOST:PORT] [--n N] [--seconds S]
+    .venv/bin/python bench/bus.py [--bootstrap HOST:PORT] [--n N] [--seconds S] [--compression C]
+                                  [--overhead-steps 20] [--only-overhead] [--threads N] [--rate 50]
+                                  [--warm DIR] [--profile-out FILE]
 
 1. Kafka end to end, per event size: a consumer group (``read_committed``, manual commit after
    every batch, the same :class:`services.kafka.bus.Consumer` the services use) runs while a
@@ -15,22 +17,50 @@
 3. Batch compression with the exact functions aiokafka calls (lz4 = its level 9, LZ4-HC; zstd =
    level 3): MB/s and compressed size over a batch of each event size. Why zstd is the default.
 
+4. Kafka overhead in a run (``--overhead-steps``, default 20; 0 skips it; ``--only-overhead``
+   runs it alone). The main example (``examples/main.yaml``: batch 256 = 32 groups of 8, 24 new
+   tokens) from the warmed-up tiny model (``bench/common.py``, kept in ``--warm``), with
+   ``rollout.async_ratio`` 0 (on-policy, so both wirings do the same work per step):
+
+   * through Kafka: ``rollstream run`` (every service its own process, the recorder included),
+     once plain and once under ``py-spy record --subprocesses --nonblocking`` (``--rate`` Hz);
+     wall time per step from the record (``train_steps.ts``, first to last step);
+   * in one process: the same handlers (``TorchEngine`` generation, the domain's verifier,
+     ``TorchStrategy``'s step and the weight swap) wired by plain calls and queues, no Kafka:
+     ``bench/async_speedup.py``'s batch-synchronous loop with no reward latency;
+   * the overhead: ``(Kafka s/step − in-process s/step) / Kafka s/step`` — everything the
+     distributed wiring costs (Kafka, separate processes sharing the cores, the recorder,
+     polling) — and its Kafka part from the profile: CPU seconds per step every service process
+     spent in serialisation, produce, consume, commit, transactions, aiokafka's connection I/O
+     and the runtime's own bookkeeping (:func:`classify` says exactly which frames count), as a
+     share of the profiled run's step time; plus the broker's CPU seconds when it runs here.
+
+   ``--threads N`` sets the torch threads of every process (``OMP_NUM_THREADS`` for the
+   services); ``--profile-out`` keeps the raw profile.
+
 Needs a reachable broker (``--bootstrap``, else ``$ROLLSTREAM_BOOTSTRAP``, else
 127.0.0.1:9092); creates the topics of a throwaway run and deletes them at the end.
-Default runtime is well under a minute on 2 cores.
+Tables 1-3 take well under a minute on 2 cores; the overhead part about 3 minutes with its
+defaults on a quiet machine (two 20-step runs through Kafka and one in process).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
 import random
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
@@ -38,6 +68,7 @@ from uuid import uuid4
 import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: common, async_speedup, learn_offline
 
 from aiokafka.codec import lz4_encode, zstd_encode
 
@@ -45,6 +76,9 @@ from schemas.config import KafkaSettings
 from schemas.events import Event, Generation, RolloutTask
 from schemas.topics import topic_name
 from services.kafka.bus import BusError, Compression, Consumer, Producer, TopicAdmin, next_offsets
+
+GOAL_OVERHEAD = 0.03
+"""Goal (reported, not asserted): Kafka's share of the step time."""
 
 
 def small_event(run_id: str, i: int) -> RolloutTask:
@@ -123,7 +157,7 @@ def compression_rates(events: list[Event], seconds: float) -> dict[str, tuple[fl
     out = {}
     for name, fn in (("lz4", lz4_encode), ("zstd", zstd_encode)):
         ratio = len(fn(blob)) / len(blob)
-        out[name] = (_rate(lambda fn=fn: fn(blob), seconds) * len(blob) / 1e6, ratio)
+        out[name] = (_rate(functools.partial(fn, blob), seconds) * len(blob) / 1e6, ratio)
     return out
 
 
@@ -176,6 +210,254 @@ async def kafka_rate(
     return {"events_s": n / dt, "mb_s": nbytes / dt / 1e6, "acked_s": n / t_acked, "n": n, "seconds": dt}
 
 
+# --------------------------------------------------------------------------- Kafka overhead in a run
+
+CATEGORIES = ("serialisation", "produce", "consume", "commit", "transactions", "connection I/O", "runtime bookkeeping")
+"""Where a profile sample of a service counts as Kafka overhead (see :func:`classify`)."""
+_TXN = re.compile(r"transaction|Txn|_commit_txn|send_offsets")
+_SERIAL = re.compile(r"(^|\.)(encode|decode|decoder_for|key_for|encode_key|check_size|make_output)$")
+_KAFKA_FUNCS = {"make_output", "send_outputs", "Loops._commit_txn", "Loops._commit_txn_ready", "Loops._commit_ready",
+                "Loops._poll", "Runner.commit", "Runner.send"}
+_OURS = ("services/kafka/clients.py", "services/kafka/records.py")
+_RUNTIME = ("services/kafka/loops.py", "services/kafka/runtime.py", "services/kafka/service.py",
+            "services/kafka/offsets.py", "services/kafka/bus.py", "services/kafka/records.py")
+
+
+def _frame(text: str) -> tuple[str, str]:
+    """``"func (path:line)"`` -> (func, path)."""
+    func, _, rest = text.partition(" (")
+    return func, rest.rsplit(":", 1)[0]
+
+
+def classify(frames: list[str]) -> str | None:
+    """The Kafka category of one sampled stack (root first), or ``None`` when it is not Kafka work.
+
+    The stack's root-most Kafka frame (in aiokafka, in ``services/kafka/clients.py`` / ``records.py``,
+    or one of the runtime's send/poll/commit calls) decides that the sample is Kafka work; the frames
+    from there to the leaf say which: a transaction call anywhere under it -> ``transactions``; a
+    commit -> ``commit``; our msgpack encode/decode, key or size check -> ``serialisation``; the
+    producer -> ``produce``; the consumer, fetcher or group coordinator -> ``consume``; else aiokafka's
+    connection and protocol code (shared by both directions) -> ``connection I/O``. A sample whose
+    leaf is the runtime's own code (loops, offsets, dedupe) with no Kafka frame above it ->
+    ``runtime bookkeeping``.
+    """
+    parsed = [_frame(f) for f in frames]
+    start = next((i for i, (func, path) in enumerate(parsed)
+                  if "/aiokafka/" in path or path.endswith(_OURS) or func in _KAFKA_FUNCS), None)
+    if start is None:
+        return "runtime bookkeeping" if parsed and parsed[-1][1].endswith(_RUNTIME) else None
+    sub = parsed[start:]
+    if any(_TXN.search(func) for func, _ in sub):
+        return "transactions"
+    if any("commit" in func.lower() for func, _ in sub):
+        return "commit"
+    if any(_SERIAL.search(func) and "/services/" in path for func, path in sub):
+        return "serialisation"
+    if any("/aiokafka/producer/" in path or func.startswith("Producer.") or func == "send_outputs" for func, path in sub):
+        return "produce"
+    if any("/aiokafka/consumer/" in path or "/aiokafka/coordinator/" in path or func.startswith("Consumer.")
+           or func == "Loops._poll" for func, path in sub):
+        return "consume"
+    return "connection I/O"
+
+
+_IDLE = re.compile(r"(EpollSelector\.select|select|Condition\.wait|Event\.wait) \(")
+_SERVICE = re.compile(r"services\.cli (?:service (\S+)|(run))")
+
+
+def profile_breakdown(path: Path, rate: int) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """From a py-spy ``--format raw --subprocesses`` profile: per service, CPU seconds per Kafka
+    category; and per service, all seconds sampled. Samples of module imports (start-up) and of
+    threads waiting in the selector or on a condition are left out of both."""
+    by: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    total: dict[str, float] = defaultdict(float)
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        procs = [f for f in frames if f.startswith("process ")]
+        m = _SERVICE.search(procs[-1]) if procs else None
+        service = (m.group(1) or "supervisor") if m else "other"
+        rest = [f for f in frames if not f.startswith("process ")]
+        if any(f.startswith("_find_and_load ") for f in rest) or (rest and _IDLE.match(rest[-1])):
+            continue  # start-up imports, and waiting in the event loop's selector
+        seconds = int(count) / rate
+        total[service] += seconds
+        cat = classify(rest)
+        if cat is not None:
+            by[service][cat] += seconds
+    return by, total
+
+
+def broker_cpu_s(bootstrap: str) -> float | None:
+    """CPU seconds (user + system) the broker process listening on ``bootstrap``'s port has used so
+    far, when it runs on this machine and ``ss`` can name it; else ``None``."""
+    port = bootstrap.rsplit(":", 1)[-1]
+    try:
+        out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True, timeout=10).stdout
+        pid = re.search(r"pid=(\d+)", out)
+        if pid is None:
+            return None
+        fields = Path(f"/proc/{pid.group(1)}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def overhead(args: argparse.Namespace) -> int:
+    """The main example's pipeline through Kafka against the same handlers in one process; prints
+    the overhead as a share of step time and the Kafka CPU time per step by category."""
+    import common  # bench/common.py
+
+    steps = args.overhead_steps
+    model = common.warm_model_at(args.warm)
+    env = dict(os.environ, PYTHONHASHSEED="0", ROLLSTREAM_BOOTSTRAP=args.bootstrap)
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)  # every service process's torch threads
+    work = Path(tempfile.mkdtemp(prefix="bus-overhead-"))
+    sets = [f"model.path={model}", "train.warmup_sft_steps=0", f"train.steps={steps}", "rollout.async_ratio=0",
+            "train.max_staleness=0", f"train.eval_every={steps}", f"train.checkpoint_every={steps}",
+            f"run.runs_dir={work / 'runs'}", "run.seed=0"]
+
+    phases: list[tuple[str, float]] = []
+
+    def kafka_run(tag: str, prefix: list[str] | None) -> tuple[str, float, float]:
+        run_id = f"bench-bus-{tag}-{uuid4().hex[:6]}"
+        t0 = time.perf_counter()
+        common.rollstream_run(run_id, sets, env, prefix=prefix)
+        wall = time.perf_counter() - t0
+        rows = common.sql(f"SELECT toUnixTimestamp64Micro(ts) / 1e6 AS t FROM train_steps FINAL "
+                          f"WHERE run_id = '{run_id}' ORDER BY step", run_id, work / "runs", env)
+        ts = [float(r["t"]) for r in rows]
+        if len(ts) < 2:
+            raise SystemExit(f"bench/bus.py: run {run_id} recorded {len(ts)} train steps, need 2 or more")
+        if prefix is None:
+            try:
+                phases[:] = step_phases(common.sql(PHASES_SQL.format(run_id=run_id), run_id, work / "runs", env))
+            except SystemExit as e:  # the phase table is a diagnosis: the measurement stands without it
+                print(f"  (no phase breakdown: {e})", flush=True)
+        return run_id, (ts[-1] - ts[0]) / (len(ts) - 1), wall
+
+    try:
+        print(f"\nKafka overhead: the main example (batch 256 = 32 groups of 8, async_ratio 0), {steps} RL steps "
+              "from the warmed-up model, through Kafka and in one process", flush=True)
+        cpu0 = broker_cpu_s(args.bootstrap)
+        _, kafka_step, kafka_wall = kafka_run("plain", None)
+        cpu1 = broker_cpu_s(args.bootstrap)
+        print(f"  through Kafka: {kafka_step:.3f} s/step ({kafka_wall:.0f} s in all)", flush=True)
+        prof = work / "profile.txt"
+        spy = [str(Path(sys.executable).parent / "py-spy"), "record", "--subprocesses", "--nonblocking", "--rate",
+               str(args.rate), "--format", "raw", "-o", str(prof), "--"]
+        _, prof_step, _ = kafka_run("profiled", spy)
+        if args.profile_out:
+            shutil.copyfile(prof, args.profile_out)
+        print(f"  through Kafka under py-spy: {prof_step:.3f} s/step", flush=True)
+        inproc_step, g, t = inprocess(steps, model, work / "inproc", args.threads)
+        print(f"  in one process: {inproc_step:.3f} s/step (generate + score {g:.3f} s, train + weight swap {t:.3f} s)",
+              flush=True)
+        by, total = profile_breakdown(prof, args.rate)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    cats: dict[str, float] = defaultdict(float)
+    for per in by.values():
+        for cat, sec in per.items():
+            cats[cat] += sec
+    kafka_s = sum(cats.values()) / steps  # Kafka CPU seconds per step, every service together
+    threads = f"{args.threads} torch threads per process" if args.threads else "torch's default threads"
+    print(f"\nStep time (wall, steps 2..{steps}; {threads}): the same handlers, in-process vs through Kafka")
+    print(f"machine: {common.machine()}")
+    rows: list[tuple[str, ...]] = [("pipeline", "s/step", "÷ in-process"),
+            ("in one process (generate, score, train, swap)", f"{inproc_step:.3f}", "1.00x"),
+            ("through Kafka (rollstream run)", f"{kafka_step:.3f}", f"{kafka_step / inproc_step:.2f}x"),
+            ("through Kafka under py-spy", f"{prof_step:.3f}", f"{prof_step / inproc_step:.2f}x")]
+    _table(rows)
+    print(f"whole-pipeline overhead (Kafka, separate processes, recorder, polling): "
+          f"{(kafka_step - inproc_step) / kafka_step:.1%} of the Kafka step time")
+    if phases:
+        print("where a step's wall time goes through Kafka (unprofiled run, mean over steps 2.., from the record):")
+        _table([("phase", "s/step", "of step"), *[(name, f"{sec:.3f}", f"{sec / kafka_step:.0%}") for name, sec in phases]])
+    print(f"\nKafka client CPU per step by category (py-spy, {args.rate} Hz, every service process; "
+          f"share of the profiled step time {prof_step:.3f} s; goal: all Kafka under {GOAL_OVERHEAD:.0%})")
+    services = sorted(by, key=lambda s: -sum(by[s].values()))
+    rows = [("category", "ms/step", "of step", *services)]
+    for cat in CATEGORIES:
+        rows.append((cat, f"{1000 * cats[cat] / steps:.1f}", f"{cats[cat] / steps / prof_step:.2%}",
+                     *[f"{1000 * by[s][cat] / steps:.1f}" for s in services]))
+    rows.append(("all Kafka", f"{1000 * kafka_s:.1f}", f"{kafka_s / prof_step:.2%}",
+                 *[f"{1000 * sum(by[s].values()) / steps:.1f}" for s in services]))
+    rows.append(("all CPU sampled", f"{1000 * sum(total.values()) / steps:.1f}",
+                 f"{sum(total.values()) / steps / prof_step:.0%}",
+                 *[f"{1000 * total[s] / steps:.1f}" for s in services]))
+    _table(rows)
+    if cpu0 is not None and cpu1 is not None:
+        print(f"broker CPU during the unprofiled run: {cpu1 - cpu0:.1f} s ({(cpu1 - cpu0) / kafka_wall:.1%} of one core "
+              "over the run's wall time, start-up included; other users of the broker count too)")
+    else:
+        print("broker CPU: not measured (no local broker process found listening on the bootstrap port)")
+    return 0
+
+
+PHASES_SQL = """
+SELECT o.step AS step,
+       toUnixTimestamp64Micro(min(t.issued_ts)) / 1e6 AS issued,
+       toUnixTimestamp64Micro(max(g.generated_ts)) / 1e6 AS generated,
+       toUnixTimestamp64Micro(max(r.scored_ts)) / 1e6 AS scored,
+       toUnixTimestamp64Micro(any(s.ts)) / 1e6 AS trained
+FROM sample_outcomes AS o FINAL
+JOIN sample_tasks AS t FINAL ON t.run_id = o.run_id AND t.sample_id = o.sample_id
+JOIN sample_generations AS g FINAL ON g.run_id = o.run_id AND g.sample_id = o.sample_id
+JOIN sample_rewards AS r FINAL ON r.run_id = o.run_id AND r.sample_id = o.sample_id
+JOIN train_steps AS s FINAL ON s.run_id = o.run_id AND s.step = o.step
+WHERE o.run_id = '{run_id}' AND o.status = 'trained'
+GROUP BY o.step ORDER BY o.step
+"""
+"""Per trained step: when its first task was issued, its last generation done, its last sample
+scored, and the step recorded."""
+
+
+def step_phases(rows: list[dict[str, Any]]) -> list[tuple[str, float]]:
+    """Mean seconds per phase over steps 2.. of :data:`PHASES_SQL`'s rows: issue of the step's first
+    task -> its last generation (generation), -> its last score (scoring), -> the step recorded
+    (training, with the trainer's wait for its batch), -> the next step's first task (weights
+    published and picked up, next batch issued)."""
+    steps = [{k: float(v) for k, v in r.items()} for r in rows][1:]
+    if len(steps) < 2:
+        return []
+    nxt = steps[1:]
+    n = len(nxt)
+    return [
+        ("generate (first task issued -> last generation)", sum(r["generated"] - r["issued"] for r in steps[:n]) / n),
+        ("score (-> last sample scored)", sum(r["scored"] - r["generated"] for r in steps[:n]) / n),
+        ("train (-> train step recorded)", sum(r["trained"] - r["scored"] for r in steps[:n]) / n),
+        ("publish + next issue (-> next step's first task)",
+         sum(b["issued"] - a["trained"] for a, b in zip(steps, nxt, strict=False)) / n),
+    ]
+
+
+def inprocess(steps: int, model: Path, work: Path, threads: int | None) -> tuple[float, float, float]:
+    """The same handlers wired in one process: ``bench/async_speedup.py``'s batch-synchronous loop
+    (TorchEngine generation, the verifier, TorchStrategy's step and the weight swap) with no reward
+    latency, on the main example's config; (s/step, generate+score s, train+swap s)."""
+    import async_speedup as asp
+    import learn_offline as lo
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from schemas.config import parse_raw
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    if threads:
+        torch.set_num_threads(threads)
+
+    raw = json.loads(json.dumps(lo.TUNED))
+    raw["train"].update({"steps": steps, "eval_every": 0})
+    result, g, t = asyncio.run(asp.sync_mode(parse_raw(raw), model, 0.0, 0.0, work))
+    return result.step_s, g, t
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -185,8 +467,8 @@ def _fmt(x: float) -> str:
     return f"{x:.2f}"
 
 
-async def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--bootstrap", default=os.environ.get("ROLLSTREAM_BOOTSTRAP", "127.0.0.1:9092"))
     ap.add_argument("--n", type=int, default=20_000, help="small events through Kafka (large: N/10)")
     ap.add_argument("--seconds", type=float, default=1.0, help="time per codec measurement")
@@ -196,7 +478,28 @@ async def main() -> int:
         choices=["zstd", "lz4", "gzip", "snappy", "none"],
         help="producer codec",
     )
+    ap.add_argument("--overhead-steps", type=int, default=20,
+                    help="RL steps of each run of the Kafka-overhead part (0 skips that part)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="overhead part: torch threads of every service (OMP_NUM_THREADS) and of the in-process "
+                         "loop (default: torch's default, one per core)")
+    ap.add_argument("--profile-out", type=Path, default=None,
+                    help="overhead part: keep the raw py-spy profile of the Kafka run here")
+    ap.add_argument("--only-overhead", action="store_true", help="run the Kafka-overhead part alone")
+    ap.add_argument("--rate", type=int, default=50, help="py-spy samples per second in the overhead part")
+    ap.add_argument("--warm", type=Path, default=None,
+                    help="warmed-up model directory for the overhead part (created when missing; "
+                         "default .cache/bench/warm)")
     args = ap.parse_args()
+    if args.overhead_steps and args.overhead_steps < 3:
+        ap.error(f"--overhead-steps {args.overhead_steps}: use 0 (skip) or 3 or more")
+    if args.only_overhead and not args.overhead_steps:
+        ap.error("--only-overhead needs --overhead-steps >= 3")
+    return args
+
+
+async def bus(args: argparse.Namespace) -> int:
+    """Tables 1-3: Kafka end to end, codecs, batch compression."""
     kafka = KafkaSettings(bootstrap=args.bootstrap, connect_timeout_s=10.0)
     run_id = f"bench{uuid4().hex[:8]}"
     t_start = time.perf_counter()
@@ -234,7 +537,7 @@ async def main() -> int:
         f"Kafka end to end (produce idempotent acks=all {args.compression}, "
         "consume read_committed, commit per batch)"
     )
-    rows = [
+    rows: list[tuple[str, ...]] = [
         ("event", "n", "bytes/event", "events/s", "MB/s", "acked events/s"),
         (
             "small RolloutTask",
@@ -291,13 +594,22 @@ async def main() -> int:
     return 0
 
 
-def _table(rows: list[tuple[str, ...]]) -> None:
+def _table(rows: Sequence[tuple[str, ...]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for j, r in enumerate(rows):
         cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)]
         print("  ".join(cells))
         if j == 0:
             print("  ".join("-" * w for w in widths))
+
+
+def main() -> int:
+    args = parse_args()
+    if not args.only_overhead:
+        rc = asyncio.run(bus(args))
+        if rc:
+            return rc
+    return overhead(args) if args.overhead_steps else 0
 
 
 if __name__ == "__main__":
@@ -307,4 +619,4 @@ if __name__ == "__main__":
         uvloop.install()
     except ImportError:
         pass
-    sys.exit(asyncio.run(main()))
+    sys.exit(main())
