@@ -46,8 +46,17 @@ def describe(cfg: RunConfig) -> str:
     where = placement(cfg)
     shared = " (one shared GPU)" if where["rollout"][0] == where["trainer"][0] != "cpu" else ""
     workers = f" ×{cfg.rollout.workers}" if cfg.rollout.workers > 1 else ""
-    line = (f"devices: rollout{workers} on {where['rollout'][0]} ({where['rollout'][1]}), "
-            f"trainer on {where['trainer'][0]} ({where['trainer'][1]}){shared}")
+    r, t = cfg.rollout, cfg.train
+    if r.engine == "torch":
+        rollout = f"rollout{workers} on {where['rollout'][0]} ({where['rollout'][1]})"
+    else:  # the model runs in the servers: the worker is an HTTP client
+        shared = ""
+        rollout = f"rollout{workers} via {r.engine} servers ({', '.join(r.server_urls)})"
+    trainer = f"trainer on {where['trainer'][0]} ({where['trainer'][1]})"
+    if t.ranks > 1:
+        split = f"TP {t.tensor_parallel} x DP {t.ranks // t.tensor_parallel}" if t.strategy == "megatron" else "data parallel"
+        trainer = f"trainer {t.strategy} x{t.ranks} ranks ({split}) from {where['trainer'][0]} ({where['trainer'][1]})"
+    line = f"devices: {rollout}, {trainer}{shared}"
     if any(d.judge for d in cfg.data.domains):
         judge = resolve_device(cfg.judge.device, "judge.device")
         judges = f" ×{cfg.judge.workers}" if cfg.judge.workers > 1 else ""

@@ -55,3 +55,10 @@ def test_the_line_names_the_judge_device_when_a_domain_has_a_judge(monkeypatch: 
     assert describe(judged).endswith("(one shared GPU), judge ×2 on cuda:1 (bfloat16)")
     unjudged = parse_config("judge: {device: cuda:1, models: {q: {path: m}}}")
     assert "judge" not in describe(unjudged)
+
+
+def test_describe_names_servers_and_ranks() -> None:
+    cfg = parse_config("{rollout: {engine: server, server_urls: ['http://h:8000']}, "
+                       "train: {strategy: megatron, ranks: 4, tensor_parallel: 2, device: cpu}}")
+    assert describe(cfg) == ("devices: rollout via server servers (http://h:8000), "
+                             "trainer megatron x4 ranks (TP 2 x DP 2) from cpu (float32)")
