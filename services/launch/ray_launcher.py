@@ -90,6 +90,10 @@ def check_reserves(cfg: RunConfig, labels: Sequence[str]) -> None:
         if service in placed and device.startswith("cuda") and not getattr(cfg.placement, service).gpus > 0:
             raise ConfigError(f"config: {key}={device!r} but placement.{service}.gpus=0 under --launcher ray "
                               f"(its process would see no GPU); set placement.{service}.gpus, or {key}: auto")
+    gpus, ranks = cfg.placement.trainer.gpus, cfg.train.ranks
+    if "trainer" in placed and 0 < gpus < ranks:
+        raise ConfigError(f"config: placement.trainer.gpus={gpus:g} but train.ranks={ranks}: on GPUs each rank needs its "
+                          f"own (all ranks run in the trainer's bundle); set placement.trainer.gpus={ranks}")
 
 
 def _amounts(b: dict[str, float]) -> str:

@@ -61,6 +61,9 @@ def test_a_process_that_reserves_nothing_or_a_cuda_device_without_a_gpu_is_refus
     with pytest.raises(ConfigError, match=r"train.device='cuda' but placement.trainer.gpus=0 under --launcher ray"):
         rl.check_reserves(cfg_of("", "train.device=cuda"), ["trainer"])
     rl.check_reserves(cfg_of("", "train.device=cuda", "placement.trainer.gpus=1"), ["trainer"])  # fine
+    with pytest.raises(ConfigError, match=r"placement.trainer.gpus=1 but train.ranks=2: .* set placement.trainer.gpus=2"):
+        rl.check_reserves(cfg_of("", "train.strategy=fsdp2", "train.ranks=2", "placement.trainer.gpus=1"), ["trainer"])
+    rl.check_reserves(cfg_of("", "train.strategy=fsdp2", "train.ranks=2", "placement.trainer.gpus=2"), ["trainer"])
 
 
 # --------------------------------------------------------------------------- fit (pure)
