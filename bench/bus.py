@@ -40,8 +40,9 @@
 
 Needs a reachable broker (``--bootstrap``, else ``$ROLLSTREAM_BOOTSTRAP``, else
 127.0.0.1:9092); creates the topics of a throwaway run and deletes them at the end.
-Tables 1-3 take well under a minute on 2 cores; the overhead part about 3 minutes with its
-defaults on a quiet machine (two 20-step runs through Kafka and one in process).
+Tables 1-3 take well under a minute on 2 cores. The overhead part makes two 20-step runs through
+Kafka and one in process. On a loaded 2-core machine it took 16 minutes with torch's default
+threads and 4 minutes with ``--threads 1``.
 """
 
 from __future__ import annotations
@@ -224,9 +225,11 @@ _RUNTIME = ("services/kafka/loops.py", "services/kafka/runtime.py", "services/ka
 
 
 def _frame(text: str) -> tuple[str, str]:
-    """``"func (path:line)"`` -> (func, path)."""
+    """``"func (path:line)"`` -> (func, path); the path always starts with ``/`` (py-spy writes
+    site-packages and repository files relative, e.g. ``aiokafka/conn.py``)."""
     func, _, rest = text.partition(" (")
-    return func, rest.rsplit(":", 1)[0]
+    path = rest.rsplit(":", 1)[0]
+    return func, path if path.startswith("/") else "/" + path
 
 
 def classify(frames: list[str]) -> str | None:
@@ -391,6 +394,9 @@ def overhead(args: argparse.Namespace) -> int:
                  f"{sum(total.values()) / steps / prof_step:.0%}",
                  *[f"{1000 * total[s] / steps:.1f}" for s in services]))
     _table(rows)
+    sampled = sum(total.values()) / steps
+    print(f"all Kafka = {kafka_s / max(sampled, 1e-9):.1%} of the services' sampled time (py-spy counts a thread "
+          "that is runnable but waiting for a core as busy, so on a loaded machine both rows run high)")
     if cpu0 is not None and cpu1 is not None:
         print(f"broker CPU during the unprofiled run: {cpu1 - cpu0:.1f} s ({(cpu1 - cpu0) / kafka_wall:.1%} of one core "
               "over the run's wall time, start-up included; other users of the broker count too)")
