@@ -127,8 +127,10 @@ def one_line(e: BaseException) -> str:
 
 
 def worker_threads(ranks: int) -> int:
-    """Torch threads per rank on the CPU: the cores shared out."""
-    return max(1, (os.cpu_count() or 1) // ranks)
+    """Torch threads per rank on the CPU: the trainer's threads (``OMP_NUM_THREADS``, which
+    ``rollstream run`` sets from ``run.torch_threads``; else the cores) shared out."""
+    budget = os.environ.get("OMP_NUM_THREADS", "")
+    return max(1, (int(budget) if budget.isdigit() else (os.cpu_count() or 1)) // ranks)
 
 
 class MultiRankStrategy:
@@ -153,6 +155,8 @@ class MultiRankStrategy:
             self._wait_joined()
             if self.devices[0].startswith("cuda"):
                 torch.cuda.set_device(torch.device(self.devices[0]))
+            else:  # rank 0 shares the trainer's threads with the other ranks
+                torch.set_num_threads(worker_threads(n))
             dist.init_process_group(backend_for(self.devices[0]), store=self._store, rank=0, world_size=n,
                                     timeout=timeout)
             self.local = rank_strategy(cfg, model_dir, device=self.devices[0])

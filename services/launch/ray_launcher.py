@@ -225,7 +225,7 @@ class ServiceHost:
               visible_gpus: bool, omp_threads: str) -> tuple[int, str]:
         """Start ``python ARGS`` (this actor's Python) in ``cwd`` with this actor's environment plus
         ``env``, output appended to ``log_path``; ``(pid, host)``. Without a reserved GPU (``visible_gpus`` false) the child sees none;
-        ``OMP_NUM_THREADS`` is the supervisor's (``omp_threads``), else unset as with the local launcher."""
+        ``OMP_NUM_THREADS`` is ``omp_threads`` (``run.torch_threads``: :meth:`Supervisor.threads_env`)."""
         full = {**os.environ, **env}
         full.pop("OMP_NUM_THREADS", None)
         if omp_threads:
@@ -360,6 +360,8 @@ class RayCluster:
 class RaySupervisor(Supervisor):
     """The supervisor whose service processes are Ray actors in the run's placement group."""
 
+    ray = True
+
     def __init__(self, cfg: RunConfig, run_id: str, bootstrap: str, console: Console, *, cluster: RayCluster) -> None:
         super().__init__(cfg, run_id, bootstrap, console)
         self.cluster = cluster
@@ -383,14 +385,15 @@ class RaySupervisor(Supervisor):
             resources={k: v for k, v in b.items() if k not in _KEYS}, scheduling_strategy=strategy,
             max_restarts=0).remote()
         env = {k: v for k, v in self._env.items() if k.startswith("ROLLSTREAM_") or k in CHILD_ENV}
-        env[LABEL_ENV] = slot.label
+        threads = self.threads_env(slot.label)
+        env[LABEL_ENV] = threads[LABEL_ENV]
         # the command after its interpreter: the actor runs it with its own (the node's) Python
         args = service_command(slot.service, self.run_id, self.cfg.run.runs_dir)[1:]
         timeout_s = self.cfg.placement.ready_timeout_s
         try:
             pid, host = ray.get(actor.start.remote(
                 args, env, str(slot.log_path.resolve()), os.getcwd(), b.get("GPU", 0.0) > 0,
-                self._env.get("OMP_NUM_THREADS", "")), timeout=timeout_s)
+                threads.get("OMP_NUM_THREADS", self._env.get("OMP_NUM_THREADS", ""))), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             ray.kill(actor, no_restart=True)
             raise RunError(f"the Ray actor of {slot.label} did not start within placement.ready_timeout_s="

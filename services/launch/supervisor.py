@@ -84,6 +84,7 @@ from services.launch.runinfo import RunInfo, probe_run
 from services.launch.runs import run_dir_of, store_dsn_of
 from services.launch.state import write_state
 from services.launch.status import WARM_UP_FACTOR, lag_services, stall_text
+from services.launch.threads import torch_threads
 
 __all__ = [
     "JUDGE_SERVICE", "LABEL_ENV", "LONG_RUNNING", "STOPPED_AT_END", "Progress", "RunError", "Supervisor", "config_text",
@@ -198,6 +199,17 @@ class Supervisor:
         """Service labels in start order (:func:`run_labels`)."""
         return run_labels(self.cfg)
 
+    def threads_env(self, label: str) -> dict[str, str]:
+        """The label and the torch threads of process ``label`` (:mod:`services.launch.threads`; an
+        ``OMP_NUM_THREADS`` of our own environment wins)."""
+        env = {LABEL_ENV: label}
+        if "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(torch_threads(self.cfg, self.labels(), ray=self.ray)[label])
+        return env
+
+    ray = False
+    """Whether the processes are Ray actors (their threads follow their placement)."""
+
     def host_of(self, slot: ServiceSlot) -> str:
         """The host ``slot``'s process runs on (this one; a launcher's supervisor may say another)."""
         return socket.gethostname()
@@ -222,7 +234,7 @@ class Supervisor:
     def _spawn(self, slot: ServiceSlot) -> None:
         with open(slot.log_path, "ab") as fh:
             proc = subprocess.Popen(service_command(slot.service, self.run_id, self.cfg.run.runs_dir), stdout=fh,
-                                    stderr=subprocess.STDOUT, env={**self._env, LABEL_ENV: slot.label},
+                                    stderr=subprocess.STDOUT, env={**self._env, **self.threads_env(slot.label)},
                                     start_new_session=True)
         self.procs[slot.label] = proc
         slot.pid, slot.state, slot.started_at = int(getattr(proc, "pid", 0) or 0), "running", time.time()
