@@ -61,7 +61,6 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 from schemas.config import RunConfig
-from trainer import algorithm as alg
 from trainer.batch import TokenBatch, TrainSample
 from trainer.strategy import (
     TorchStrategy,
@@ -222,21 +221,8 @@ class FSDP2Strategy(TorchStrategy):
             raise ValueError(f"{root} is not an fsdp2 checkpoint (its optimizer.pt is keyed by parameter index: "
                              "written by train.strategy=torch); resume it with train.strategy=torch")
         set_optimizer_state_dict(self.model, self.optimizer, optim, options=StateDictOptions(full_state_dict=True))
-        if (root / "critic.pt").exists():
-            if self.critic is None:
-                self.init_critic()
-            if self.critic is None or self.critic_optimizer is None:
-                raise ValueError(f"{root} holds a critic but algorithm.critic is none")
-            saved = torch.load(root / "critic.pt", map_location=self.device)
-            self.critic.load_state_dict(saved["model"])
-            self.critic_optimizer.load_state_dict(saved["optimizer"])
-        if (root / "algo_state.msgpack").exists():
-            self.algo_state = msgspec.msgpack.decode((root / "algo_state.msgpack").read_bytes(), type=alg.AlgoState)
-        state = torch.load(root / "trainer_state.pt", weights_only=True)
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
-        self.step = int(state["step"])
-        return self.step
+        self._load_critic(root)
+        return self._load_run_state(root)
 
     # ----------------------------------------------------------------- optional models
 

@@ -814,6 +814,11 @@ class TorchStrategy:
         else:
             load_weights_into(self.model, root / "model")
         self.optimizer.load_state_dict(torch.load(root / "optimizer.pt", map_location=self.device))
+        self._load_critic(root)
+        return self._load_run_state(root)
+
+    def _load_critic(self, root: Path) -> None:
+        """The critic and its optimizer of checkpoint ``root`` (when it holds one)."""
         if (root / "critic.pt").exists():
             if self.critic is None:
                 self.init_critic()
@@ -822,6 +827,9 @@ class TorchStrategy:
             saved = torch.load(root / "critic.pt", map_location=self.device)
             self.critic.load_state_dict(saved["model"])
             self.critic_optimizer.load_state_dict(saved["optimizer"])
+
+    def _load_run_state(self, root: Path) -> int:
+        """The algorithm state, the RNG states and the step of checkpoint ``root``; the step."""
         if (root / "algo_state.msgpack").exists():
             self.algo_state = msgspec.msgpack.decode((root / "algo_state.msgpack").read_bytes(), type=alg.AlgoState)
         state = torch.load(root / "trainer_state.pt", weights_only=True)

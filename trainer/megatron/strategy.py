@@ -57,7 +57,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from schemas.config import ConfigError, RunConfig, resolve_dtype
-from trainer import algorithm as alg
 from trainer.batch import TrainSample
 from trainer.megatron import EXTRA_HINT, check_megatron
 from trainer.megatron.convert import (
@@ -470,13 +469,7 @@ class MegatronStrategy(TorchStrategy):
                              f"with train.tensor_parallel={self.tp}")
         self._load_hf_state(self.gpt, read_weights(root / "model"))
         self.optimizer.load_state_dict(torch.load(opt_file, map_location=self.device))
-        if (root / "algo_state.msgpack").exists():
-            self.algo_state = msgspec.msgpack.decode((root / "algo_state.msgpack").read_bytes(), type=alg.AlgoState)
-        state = torch.load(root / "trainer_state.pt", weights_only=True)
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
-        self.step = int(state["step"])
-        return self.step
+        return self._load_run_state(root)
 
 
 _EXTREMES = {"actor/ratio_min": min, "actor/ratio_max": max}
