@@ -34,17 +34,20 @@ DEFAULT_WARM = REPO / ".cache" / "bench" / "warm"
 """Where :func:`warm_model_at` keeps the warmed-up tiny model between benchmark runs (gitignored)."""
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        return next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def machine() -> str:
     """CPU model, core count, Python and torch versions, and today's date (UTC)."""
     import torch
 
-    cpu = ""
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                   if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor()
-    return (f"{cpu or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+    return (f"{cpu_name()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
             f"torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
 
 

@@ -76,6 +76,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import cpu_name
 
 import envs
 from rollout.engine import Completion, GenerationRequest, TorchEngine, generate_all
@@ -345,16 +348,6 @@ def bench_model(setup: ModelSetup, model_dir: Path, a: argparse.Namespace) -> No
 # --------------------------------------------------------------------------- main
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2")
@@ -376,7 +369,7 @@ def main() -> None:
     unknown = set(names) - set(SETUPS)
     if unknown:
         raise SystemExit(f"unknown models {sorted(unknown)}; choose from {sorted(SETUPS)}")
-    print(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {cpu_model()}, {os.cpu_count()} cores, "
+    print(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {cpu_name()}, {os.cpu_count()} cores, "
           f"torch threads {torch.get_num_threads()}; Python {platform.python_version()}, torch {torch.__version__}, "
           f"transformers {transformers.__version__}; float32, CPU; sampling T=1.0 top_p=1.0 (no top-k)")
     with tempfile.TemporaryDirectory() as tmp:

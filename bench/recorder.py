@@ -82,6 +82,9 @@ from uuid import uuid4
 import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import cpu_name
 
 from schemas import events as ev
 from schemas.config import KafkaSettings
@@ -603,7 +606,7 @@ def _main(args: argparse.Namespace, work: Path, t_all: float) -> int:
 
     # ------------------------------------------------------------------ report
     print()
-    print(f"rollstream recorder bench — {platform.machine()} {_cpu()}, {os.cpu_count()} cores, "
+    print(f"rollstream recorder bench — {platform.machine()} {cpu_name()}, {os.cpu_count()} cores, "
           f"python {platform.python_version()}, chdb {chdb.__version__} (ClickHouse {store['engine']}), "
           f"clickhouse-connect {clickhouse_connect.__version__}, msgspec {msgspec.__version__}")
     src = (f"existing run {run}" if args.run else
@@ -674,16 +677,6 @@ def _main(args: argparse.Namespace, work: Path, t_all: float) -> int:
         Path(args.json).write_text(json.dumps({"production": prod, "store_only": store, "end_to_end": e2e,
                                                "batch": batch, "n": args.n}, indent=1, default=str))
     return 0
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
 
 
 if __name__ == "__main__":
