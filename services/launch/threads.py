@@ -12,14 +12,10 @@ import os
 from collections.abc import Sequence
 
 from schemas.config import RunConfig
+from services.launch.healing import service_of
 
 MODEL_SERVICES = ("rollout", "trainer", "judge")
 """Services whose processes run a model (the others get one thread)."""
-
-
-def service_of(label: str) -> str:
-    """The service of a process label (``rollout1`` → ``rollout``)."""
-    return label.rstrip("0123456789")
 
 
 def torch_threads(cfg: RunConfig, labels: Sequence[str], *, cores: int | None = None,
