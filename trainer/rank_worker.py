@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from schemas.config import RunConfig, parse_raw
+from schemas.errors import one_line
 from trainer.ranks import (
     CLOSE,
     COMMAND_KEY,
@@ -34,7 +35,6 @@ from trainer.ranks import (
     JOINED_KEY,
     backend_for,
     barrier,
-    one_line,
     rank_strategy,
 )
 

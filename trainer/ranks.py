@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from schemas.config import ConfigError, RunConfig, to_dict
+from schemas.errors import one_line
 
 if TYPE_CHECKING:
     from trainer.batch import TrainSample
@@ -118,12 +119,6 @@ def barrier(device: str) -> None:
         dist.barrier(device_ids=[dev.index or 0])
     else:
         dist.barrier()
-
-
-def one_line(e: BaseException) -> str:
-    """``Type: first line of the message``."""
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 def worker_threads(ranks: int) -> int:

@@ -10,14 +10,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.faults import RunProc, Watch, check_invariants, invariants
+from tests.e2e.faults import RunProc, Watch, check_invariants, invariants, rollstream, sql
 
 pytestmark = pytest.mark.slow
 
@@ -29,16 +28,6 @@ SHORT = [
     "algorithm.entropy_loss_coef=0.01",  # a gradient at every step even when all rewards are equal
 ]
 
-
-def rollstream(*args: str, env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
-
-
-def sql(q: str, runs: Path, run_id: str, env: dict[str, str]) -> list[dict]:
-    res = rollstream("sql", q, "--run", run_id, "--runs-dir", str(runs), "--format", "json", env=env)
-    assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout)
 
 
 def test_fsdp2_run_completes_and_replays(tmp_path: Path, bootstrap: str, repo_root: Path) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
+
+from tests.e2e.faults import rollstream, sql
 
 pytestmark = pytest.mark.slow
 
@@ -19,16 +19,6 @@ SHORT = [
     "data.heldout_size=16", "rollout.group_size=4", "train.batch_size=16", "train.micro_batch_size=16",
 ]
 
-
-def rollstream(*args: str, env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
-
-
-def sql(q: str, runs: Path, run_id: str, env: dict[str, str]) -> list[dict]:
-    res = rollstream("sql", q, "--run", run_id, "--runs-dir", str(runs), "--format", "json", env=env)
-    assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout)
 
 
 @pytest.mark.parametrize("async_ratio", ["1", "0"])

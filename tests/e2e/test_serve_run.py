@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_run import SHORT, rollstream, sql
+from tests.e2e.faults import rollstream, sql
+from tests.e2e.test_run import SHORT
 
 pytestmark = pytest.mark.slow
 

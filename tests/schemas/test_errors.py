@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.errors import one_line
+from schemas.errors import one_line
 from services.kafka import bus
 
 

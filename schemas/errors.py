@@ -1,0 +1,27 @@
+"""One way to say what went wrong on one line (errors shown to users, dead letters, logs)."""
+
+from __future__ import annotations
+
+__all__ = ["one_line"]
+
+
+def one_line(err: BaseException | str, limit: int = 500, *, typed: bool = True) -> str:
+    """``ExcType: first line of the message`` for an exception, the first non-empty line for text.
+
+    Whitespace runs collapse to one space and the result is cut to ``limit`` characters (the
+    last three then being ``...``). An exception whose message already starts with its class
+    name (aiokafka's do) is not prefixed twice; one without a message is just its class name.
+    ``typed=False`` leaves the class name out of an exception that has a message (for messages
+    that already say what they are, e.g. ClickHouse's ``Code: 47. DB::Exception: ...``).
+    """
+    if isinstance(err, BaseException):
+        name = type(err).__name__
+        lines = [ln for ln in str(err).splitlines() if ln.strip()]
+        first = " ".join(lines[0].split()) if lines else ""
+        if first.startswith(name + ":"):
+            first = first[len(name) + 1 :].strip()
+        line = (f"{name}: {first}" if typed else first) if first else name
+    else:
+        lines = [ln for ln in str(err).splitlines() if ln.strip()]
+        line = " ".join(lines[0].split()) if lines else "unknown error"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
