@@ -193,6 +193,7 @@ async def learn(cfg: RunConfig, work: Path, clip_high: float) -> dict[str, Any]:
         clip_high=clip_high,
         total_steps=cfg.train.steps,
         min_lr_ratio=cfg.train.min_lr_ratio,
+        lr_warmup_steps=cfg.train.lr_warmup_steps,
     )
     print(f"model: {count_parameters(strategy.model):,} parameters", flush=True)
     losses = warm_up(strategy, source, cfg, rng)

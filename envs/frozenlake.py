@@ -24,19 +24,25 @@ frozen cell, 0.6..1, default 0.8), ``slippery`` (default false), ``success_rate`
 moving in the intended direction when slippery, default 1/3), ``max_turns``, ``invalid_penalty``
 (<= 0), ``neighbors`` (default false: true adds a line under the board naming what lies one move
 away in each direction, ``Around you: left edge, down hole, right ice, up edge.``, so a small model
-need not locate itself on the board to avoid holes).
+need not locate itself on the board to avoid holes), ``board`` (default true: false leaves the board
+out of every observation, which then shows only that line — a local view; it needs ``neighbors``.
+The goal is always the bottom-right cell, so the local view is enough to play: "right unless that
+is a hole or the edge, else down" solves 84% of the 4×4 held-out maps. Observations are about 4×
+shorter, so a small model trains and plays faster).
 
 Task source ``frozenlake``: one problem per episode seed, ``prompt_id = "frozenlake:<seed>"``,
 the prompt is the first observation, the reference ``{"env", "seed", "kwargs"}`` as JSON. The
 held-out split is by map: a seed is held out iff ``sha256(salt|map)`` falls below
 ``heldout_fraction``, so held-out maps are never trained on (tiny maps repeat across seeds);
 ``heldout(n)`` is the first ``n`` held-out seeds counting from 0. The expert
-(:func:`expert_actions`, :meth:`FrozenLakeSource.demonstration`) follows a BFS shortest path
-around the holes (on slippery ice it may still fail).
+(:func:`expert_actions`, :meth:`FrozenLakeSource.demonstration`) follows a shortest path around
+the holes, ties between shortest paths broken at random by the episode seed (on slippery ice it
+may still fail).
 """
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
@@ -65,9 +71,12 @@ class FrozenLakeConfig:
     max_turns: int = 0
     invalid_penalty: float = 0.0
     neighbors: bool = False
+    board: bool = True
 
     def __post_init__(self) -> None:
         check_kwargs("frozenlake", asdict(self), _TYPES)
+        if not self.board and not self.neighbors:
+            raise ValueError("frozenlake: board=false needs neighbors=true (else observations show nothing)")
         if not 2 <= self.size <= 16:
             raise ValueError(f"frozenlake: size={self.size} must be in [2, 16]")
         if not 0.6 <= self.p <= 1.0:
@@ -93,6 +102,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "max_turns": int,
     "invalid_penalty": float,
     "neighbors": bool,
+    "board": bool,
 }
 
 
@@ -104,26 +114,60 @@ def generate_map(size: int, p: float, seed: int) -> tuple[str, ...]:
     return tuple(generate_random_map(size=size, p=p, seed=seed))
 
 
-def shortest_path(desc: tuple[str, ...] | list[str]) -> list[str]:
-    """A shortest list of action words from S to G avoiding holes (BFS; ``[]`` if none)."""
+def shortest_path(desc: tuple[str, ...] | list[str], rng: random.Random | None = None) -> list[str]:
+    """A shortest list of action words from S to G avoiding holes (``[]`` if none).
+
+    Without ``rng``: the first one breadth-first search finds (neighbours in Gymnasium's action
+    order). With ``rng``: one drawn at random, each step choosing uniformly among the moves that
+    stay on a shortest path — so demonstrations show every optimal move where there are several,
+    and a policy imitating them keeps its options open (the BFS order alone prefers ``down``)."""
     rows, cols = len(desc), len(desc[0])
-    start = next((r, c) for r in range(rows) for c in range(cols) if desc[r][c] == "S")
-    prev: dict[tuple[int, int], tuple[tuple[int, int], int] | None] = {start: None}
-    queue = deque([start])
-    while queue:
-        cell = queue.popleft()
-        if desc[cell[0]][cell[1]] == "G":
-            path: list[str] = []
-            while (step := prev[cell]) is not None:
-                cell, a = step
-                path.append(ACTIONS[a])
-            return path[::-1]
+    cells = [(r, c) for r in range(rows) for c in range(cols)]
+    start = next(rc for rc in cells if desc[rc[0]][rc[1]] == "S")
+    goal = next((rc for rc in cells if desc[rc[0]][rc[1]] == "G"), None)
+    if goal is None:
+        return []
+
+    def moves(cell: tuple[int, int]) -> list[tuple[int, tuple[int, int]]]:
+        out = []
         for a, (dr, dc) in _DELTA.items():
             nxt = (cell[0] + dr, cell[1] + dc)
-            if 0 <= nxt[0] < rows and 0 <= nxt[1] < cols and nxt not in prev and desc[nxt[0]][nxt[1]] != "H":
-                prev[nxt] = (cell, a)
+            if 0 <= nxt[0] < rows and 0 <= nxt[1] < cols and desc[nxt[0]][nxt[1]] != "H":
+                out.append((a, nxt))
+        return out
+
+    to_goal = {goal: 0}  # moves left to G, by backward BFS (moves are symmetric)
+    queue = deque([goal])
+    while queue:
+        cell = queue.popleft()
+        for _, nxt in moves(cell):
+            if nxt not in to_goal:
+                to_goal[nxt] = to_goal[cell] + 1
                 queue.append(nxt)
-    return []
+    if start not in to_goal:
+        return []
+    if rng is None:  # BFS from S, as Gymnasium's action order finds it
+        prev: dict[tuple[int, int], tuple[tuple[int, int], int] | None] = {start: None}
+        queue = deque([start])
+        while queue:
+            cell = queue.popleft()
+            if cell == goal:
+                path: list[str] = []
+                while (step := prev[cell]) is not None:
+                    cell, a = step
+                    path.append(ACTIONS[a])
+                return path[::-1]
+            for a, nxt in moves(cell):
+                if nxt not in prev:
+                    prev[nxt] = (cell, a)
+                    queue.append(nxt)
+        return []  # not reached: G is reachable from S (checked above)
+    path, cell = [], start
+    while cell != goal:
+        options = [(a, nxt) for a, nxt in moves(cell) if to_goal.get(nxt) == to_goal[cell] - 1]
+        a, cell = rng.choice(options)
+        path.append(ACTIONS[a])
+    return path
 
 
 def render_board(desc: tuple[str, ...], pos: int) -> str:
@@ -161,11 +205,17 @@ class FrozenLake(GymTextEnv):
             if cfg.slippery
             else ""
         )
-        instructions = (
-            "FrozenLake: walk from the start S to the goal G over frozen cells F without stepping "
-            f"into a hole H. P marks you; up moves toward the top line.{slip} You have {cfg.turns} "
-            "moves. Reply with one move: left, down, right or up (the last one in your reply counts)."
-        )
+        if cfg.board:
+            instructions = (
+                "FrozenLake: walk from the start S to the goal G over frozen cells F without stepping "
+                f"into a hole H. P marks you; up moves toward the top line.{slip} You have {cfg.turns} "
+                "moves. Reply with one move: left, down, right or up (the last one in your reply counts)."
+            )
+        else:
+            instructions = (
+                "FrozenLake: walk to the goal in the bottom right corner without stepping into a hole."
+                f"{slip} You have {cfg.turns} moves. Reply with one move: left, down, right or up."
+            )
         super().__init__(
             self._make,
             self._render,
@@ -189,8 +239,10 @@ class FrozenLake(GymTextEnv):
         return FrozenLakeEnv(desc=list(self.desc), is_slippery=cfg.slippery, success_rate=cfg.success_rate)
 
     def _render(self, obs: Any) -> str:
-        board = render_board(self.desc, int(obs))
-        return f"{board}\n{neighbor_line(self.desc, int(obs))}" if self.config.neighbors else board
+        parts = [render_board(self.desc, int(obs))] if self.config.board else []
+        if self.config.neighbors:
+            parts.append(neighbor_line(self.desc, int(obs)))
+        return "\n".join(parts)
 
     def _state_key(self, obs: Any) -> str:
         return f"frozenlake|{'/'.join(self.desc)}|{int(obs)}"
@@ -240,6 +292,7 @@ class FrozenLakeSource(EpisodeSource):
     max_turns: int = 0
     invalid_penalty: float = 0.0
     neighbors: bool = False
+    board: bool = True
     heldout_fraction: float = 0.05
     salt: str = "frozenlake"
     name: str = "frozenlake"
@@ -265,8 +318,9 @@ class FrozenLakeSource(EpisodeSource):
         return "/".join(generate_map(self.size, self.p, seed))
 
     def expert_actions(self, seed: int) -> list[str]:
-        """The expert's moves for episode ``seed``: a BFS shortest path on its map."""
-        return shortest_path(generate_map(self.size, self.p, seed))
+        """The expert's moves for episode ``seed``: a shortest path on its map, ties broken at
+        random by the seed (:func:`shortest_path`)."""
+        return shortest_path(generate_map(self.size, self.p, seed), _expert_rng(seed))
 
 
 @register_source("frozenlake")
@@ -279,4 +333,9 @@ def make_frozenlake_source(**kwargs: Any) -> FrozenLakeSource:
 def expert_actions(seed: int, **kwargs: Any) -> list[str]:
     """The expert's moves for episode ``seed`` of ``frozenlake`` with env ``kwargs``."""
     cfg = FrozenLakeConfig(**kwargs)
-    return shortest_path(generate_map(cfg.size, cfg.p, seed))
+    return shortest_path(generate_map(cfg.size, cfg.p, seed), _expert_rng(seed))
+
+
+def _expert_rng(seed: int) -> random.Random:
+    """The expert's tie-breaking randomness for episode ``seed`` (the same moves every time)."""
+    return random.Random(f"frozenlake-expert/{seed}")

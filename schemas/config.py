@@ -319,6 +319,11 @@ class TrainConfig(Section):
     """AdamW learning rate (peak; see ``min_lr_ratio``)."""
     min_lr_ratio: float = 1.0
     """Cosine decay of the learning rate over ``steps`` down to ``lr × min_lr_ratio`` (1 = constant)."""
+    lr_warmup_steps: int = 0
+    """Linear learning-rate warm-up over the first K RL steps: step k (0-based) trains at
+    ``(k + 1) / K`` of the scheduled rate (0 = none). RL starts a fresh AdamW, whose first steps
+    move every weight by about ``lr`` whatever its gradient; a warm-up keeps them from knocking a
+    freshly warmed-up policy off its format."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
@@ -865,6 +870,7 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("train.steps", ">=", 1),
     ("train.lr", ">", 0),
     ("train.weight_decay", ">=", 0),
+    ("train.lr_warmup_steps", ">=", 0),
     ("train.grad_clip", ">=", 0),
     ("train.checkpoint_every", ">=", 0),
     ("train.keep_checkpoints", ">=", 0),

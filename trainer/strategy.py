@@ -279,7 +279,7 @@ def strategy_kwargs(cfg: RunConfig, device: str) -> dict[str, Any]:
         micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature,
         algo=cfg.algorithm, max_len=cfg.rollout.max_new_tokens, dtype=resolve_dtype(cfg.model.dtype, device),
         total_steps=cfg.train.steps, min_lr_ratio=cfg.train.min_lr_ratio,
-        device=device,
+        lr_warmup_steps=cfg.train.lr_warmup_steps, device=device,
         lora_rank=cfg.train.lora_rank, lora_alpha=cfg.train.lora_alpha, lora_dropout=cfg.train.lora_dropout,
         lora_target_modules=cfg.train.lora_target_modules,
     )
@@ -346,6 +346,7 @@ class TorchStrategy:
         betas: tuple[float, float] = (0.9, 0.999),
         total_steps: int = 0,
         min_lr_ratio: float = 1.0,
+        lr_warmup_steps: int = 0,
         dtype: str = "float32",
         device: str = "cpu",
         lora_rank: int = 0,
@@ -376,6 +377,7 @@ class TorchStrategy:
         self.base_lr = lr
         self.betas = betas
         self.total_steps, self.min_lr_ratio = total_steps, min_lr_ratio
+        self.lr_warmup_steps = lr_warmup_steps
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
@@ -673,12 +675,14 @@ class TorchStrategy:
     def lr_at(self, step: int) -> float:
         """Learning rate of optimizer step ``step`` (0-based): cosine decay from ``lr`` to
         ``lr * min_lr_ratio`` over ``total_steps`` (constant ``lr`` when ``total_steps <= 0``
-        or ``min_lr_ratio == 1``; stays at the floor after ``total_steps``)."""
+        or ``min_lr_ratio == 1``; stays at the floor after ``total_steps``), times the linear
+        warm-up factor ``(step + 1) / lr_warmup_steps`` during the first ``lr_warmup_steps``."""
+        warm = min(1.0, (step + 1) / self.lr_warmup_steps) if self.lr_warmup_steps > 0 else 1.0
         if self.total_steps <= 0 or self.min_lr_ratio == 1.0:
-            return self.base_lr
+            return self.base_lr * warm
         progress = min(step / max(self.total_steps - 1, 1), 1.0)
         scale = self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-        return self.base_lr * scale
+        return self.base_lr * scale * warm
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip the global grad norm (when ``grad_clip > 0``), AdamW step at :meth:`lr_at`,

@@ -166,3 +166,7 @@ def test_cosine_lr_schedule(model_dir: Path) -> None:
     assert cosine.lr_at(10) == cosine.lr_at(99) == pytest.approx(1e-4)
     metrics = cosine.train_step(make_samples(2))
     assert metrics["actor/lr"] == pytest.approx(1e-3)
+    warm = TorchStrategy(model_dir, lr=1e-3, total_steps=11, min_lr_ratio=0.1, lr_warmup_steps=4)
+    assert [warm.lr_at(k) for k in range(3)] == pytest.approx([cosine.lr_at(k) * (k + 1) / 4 for k in range(3)])
+    assert warm.lr_at(3) == pytest.approx(cosine.lr_at(3)) and warm.lr_at(10) == pytest.approx(1e-4)
+    assert warm.train_step(make_samples(2))["actor/lr"] == pytest.approx(0.25e-3)

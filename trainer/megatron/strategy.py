@@ -165,7 +165,7 @@ class MegatronStrategy(TorchStrategy):
             model_dir, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
             micro_batch_size=t.micro_batch_size, temperature=cfg.rollout.temperature, algo=cfg.algorithm,
             max_len=cfg.rollout.max_new_tokens, dtype=resolve_dtype(cfg.model.dtype, device),
-            total_steps=t.steps, min_lr_ratio=t.min_lr_ratio, device="cpu",
+            total_steps=t.steps, min_lr_ratio=t.min_lr_ratio, lr_warmup_steps=t.lr_warmup_steps, device="cpu",
         )
         self.device = torch.device(device)
         hf_model = self.model
