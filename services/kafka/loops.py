@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal
 
 from aiokafka.errors import KafkaError, ProducerFenced
@@ -257,6 +257,12 @@ class Loops:
             self._set_fatal(task.exception())  # type: ignore[arg-type]
 
     async def _process(self, rec: Record) -> None:
+        """Handle ``rec`` and send its outputs at once (at-least-once loops)."""
+        await self._process_with(rec, self._send_now)
+
+    async def _process_with(self, rec: Record, settle: Callable[[Record, list[Output], Outcome], Awaitable[None]]) -> None:
+        """Run ``rec``'s handler (concurrency-bounded), ``settle`` its outputs, mark its offset done; an
+        unfinished record (stopping, revoked, settle failed) leaves the deduper, to be handled again."""
         eid = rec.event_id
         finished = False
         try:
@@ -264,14 +270,17 @@ class Loops:
                 if self.stop.is_set() or rec.tp in self._revoking:
                     return  # not started: left uncommitted for whoever reads the partition next
                 outputs, outcome = await self._outputs_for(rec)
-            # retried through an outage; BusError past kafka.outage_timeout_s
-            await send_outputs(self, outputs, f"output of {rec.topic}[{rec.partition}]@{rec.offset}", count=False)
-            self._count(outputs, outcome)
+            await settle(rec, outputs, outcome)
             self._offsets.done(rec.tp, rec.offset)
             finished = True
         finally:
             if not finished and eid is not None and self.settings.dedupe:
                 self.deduper.discard(eid)
+
+    async def _send_now(self, rec: Record, outputs: list[Output], outcome: Outcome) -> None:
+        # retried through an outage; BusError past kafka.outage_timeout_s
+        await send_outputs(self, outputs, f"output of {rec.topic}[{rec.partition}]@{rec.offset}", count=False)
+        self._count(outputs, outcome)
 
     def _count(self, outputs: list[Output], outcome: Outcome) -> None:
         c = self.counters
@@ -458,19 +467,10 @@ class Loops:
 
     async def _process_txn(self, rec: Record) -> None:
         """Handle ``rec``; keep its outputs until its partition's prefix commits."""
-        eid = rec.event_id
-        finished = False
-        try:
-            async with self._sem:
-                if self.stop.is_set() or rec.tp in self._revoking:
-                    return  # not started: left uncommitted for whoever reads the partition next
-                outputs, outcome = await self._outputs_for(rec)
-            self._txn_done[(rec.tp, rec.offset)] = (outputs, outcome, eid)
-            self._offsets.done(rec.tp, rec.offset)
-            finished = True
-        finally:
-            if not finished and eid is not None and self.settings.dedupe:
-                self.deduper.discard(eid)
+        await self._process_with(rec, self._keep_for_txn)
+
+    async def _keep_for_txn(self, rec: Record, outputs: list[Output], outcome: Outcome) -> None:
+        self._txn_done[(rec.tp, rec.offset)] = (outputs, outcome, rec.event_id)
 
     async def _commit_txn_ready(self, only: set[TopicPartition] | None = None) -> None:
         """One transaction: the outputs of each partition's finished prefix and its offsets."""
