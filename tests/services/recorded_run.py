@@ -33,7 +33,7 @@ def run_events(run_id: str) -> list[ev.Event]:
 
     def life(sid: str, group: str, domain: str, version: int, reward: float, t0: float, *, status: ev.SampleStatus = "trained",
              step: int = -1, reason: str = "", trained_version: int = -1, turns: int = 1, env_s: float = 0.0,
-             until: str = "decided") -> None:
+             until: str = "decided", episode_id: str = "", env_finish: str = "") -> None:
         task = ev.RolloutTask(run_id=run_id, ts=t0, sample_id=sid, group_id=group, index=int(sid[-1]), group_size=2,
                               prompt_id=f"{domain}-{group}", domain=domain, prompt="12+7=", reference="19",
                               policy_version=version)
@@ -44,7 +44,8 @@ def run_events(run_id: str) -> list[ev.Event]:
                             response_ids=[4] * (3 + len(out) % 5), response_text="19", logprobs=[-0.1] * (3 + len(out) % 5),
                             loss_mask=[1] * (3 + len(out) % 5), finish_reason="stop", policy_version=version,
                             policy_version_end=version, worker_id="w0", queued_s=0.25, gen_s=1.25, env_s=env_s,
-                            num_turns=turns)
+                            num_turns=turns, episode_id=episode_id, env_finish=env_finish,
+                            success=bool(episode_id) and reward > 0)
         scored = ev.ScoredSample(run_id=run_id, ts=t0 + 2.0 + env_s, generation=gen, reward=reward,
                                  rewards={"correct": reward}, verifier="exact", details="19 == 19", reward_s=0.05,
                                  policy_version=version)
@@ -87,7 +88,8 @@ def run_events(run_id: str) -> list[ev.Event]:
         ev.EnvObservation(run_id=run_id, ts=t_ep + 2.75, episode_id="ep-1", step=2, observation="7: solved",
                           reward=1.0, terminated=True),
     ]
-    life("mt/0", "mt", "countdown", 2, 1.0, t_ep - 0.5, step=2, trained_version=2, turns=2, env_s=1.5)
+    life("mt/0", "mt", "countdown", 2, 1.0, t_ep - 0.5, step=2, trained_version=2, turns=2, env_s=1.5,
+         episode_id="ep-1", env_finish="terminated")
     # samples that did not train, and one still in flight
     life("old/0", "old", "arith", 0, 0.5, t + 110.0, status="dropped_stale", reason="stale: gap 2 > 1",
          trained_version=2)
