@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_run import rollstream, sql
+from tests.e2e.faults import rollstream, sql
 
 pytestmark = pytest.mark.slow
 

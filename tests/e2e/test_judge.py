@@ -27,8 +27,8 @@ from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import topic_name
 from services.kafka.bus import Consumer
+from tests.e2e.faults import sql
 from tests.e2e.test_heal import finish, state
-from tests.e2e.test_run import sql
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 

@@ -23,7 +23,8 @@ from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import topic_name
 from services.kafka.bus import Consumer, Producer
-from tests.e2e.test_run import SHORT, sql
+from tests.e2e.faults import sql
+from tests.e2e.test_run import SHORT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

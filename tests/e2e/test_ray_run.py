@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.faults import sql
 from tests.e2e.test_heal import finish, state, wait_for_step
-from tests.e2e.test_run import SHORT, sql
+from tests.e2e.test_run import SHORT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
