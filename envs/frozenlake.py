@@ -117,9 +117,9 @@ def generate_map(size: int, p: float, seed: int) -> tuple[str, ...]:
 def shortest_path(desc: tuple[str, ...] | list[str], rng: random.Random | None = None) -> list[str]:
     """A shortest list of action words from S to G avoiding holes (``[]`` if none).
 
-    Without ``rng``: the first one breadth-first search finds (neighbours in Gymnasium's action
-    order). With ``rng``: one drawn at random, each step choosing uniformly among the moves that
-    stay on a shortest path — so demonstrations show every optimal move where there are several,
+    Each step takes a move that stays on a shortest path (distances to G by a backward BFS):
+    without ``rng`` the first such move in Gymnasium's action order, with ``rng`` one drawn
+    uniformly — so demonstrations show every optimal move where there are several,
     and a policy imitating them keeps its options open (the BFS order alone prefers ``down``)."""
     rows, cols = len(desc), len(desc[0])
     cells = [(r, c) for r in range(rows) for c in range(cols)]
@@ -146,26 +146,10 @@ def shortest_path(desc: tuple[str, ...] | list[str], rng: random.Random | None =
                 queue.append(nxt)
     if start not in to_goal:
         return []
-    if rng is None:  # BFS from S, as Gymnasium's action order finds it
-        prev: dict[tuple[int, int], tuple[tuple[int, int], int] | None] = {start: None}
-        queue = deque([start])
-        while queue:
-            cell = queue.popleft()
-            if cell == goal:
-                path: list[str] = []
-                while (step := prev[cell]) is not None:
-                    cell, a = step
-                    path.append(ACTIONS[a])
-                return path[::-1]
-            for a, nxt in moves(cell):
-                if nxt not in prev:
-                    prev[nxt] = (cell, a)
-                    queue.append(nxt)
-        return []  # not reached: G is reachable from S (checked above)
     path, cell = [], start
     while cell != goal:
         options = [(a, nxt) for a, nxt in moves(cell) if to_goal.get(nxt) == to_goal[cell] - 1]
-        a, cell = rng.choice(options)
+        a, cell = rng.choice(options) if rng is not None else options[0]
         path.append(ACTIONS[a])
     return path
 
