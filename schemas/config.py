@@ -97,7 +97,10 @@ class RunSection(Section):
     seed: int = 0
     """Seed of every random generator of the run."""
     max_wall_s: float = 3600.0
-    """Stop the run (status ``stopped``) when it has run this long, seconds."""
+    """Wall-time budget of ``rollstream run``, seconds (warm-up and evaluations included): once it
+    is spent the run is drained as by ``rollstream stop`` (no step starts after it; the trainer ends
+    with its final evaluation; ``summary.json`` says ``stopped``); a run still not finished 600 s
+    later is stopped as failed."""
     max_restarts: int = 3
     """How often ``rollstream run`` restarts one service whose process exited unexpectedly (a
     crash, a signal, or exit 0 of a service that should still be running) before the run fails;

@@ -18,7 +18,10 @@
    run where no training step happened for ``run.stall_after_s`` seconds is shown as
    ``stalled: ...`` with what every stage is doing), heal the services (below), and keep
    ``runs/<run_id>/supervisor.json`` current for ``rollstream status`` (:mod:`services.launch.state`);
-6. on ``RunFinished`` (the end of training, or a ``Drain`` from ``rollstream stop``): wait for
+6. past ``run.max_wall_s`` publish a ``Drain`` (as ``rollstream stop`` does: no step starts after
+   it, the trainer ends with its final eval); a run not finished :data:`WALL_GRACE_S` later fails;
+7. on ``RunFinished`` (the end of training, or a ``Drain`` from ``rollstream stop`` or the wall
+   limit): wait for
    the services to exit (SIGTERM the long-running ones: rollout and reward, then the judge and
    env workers, which rollout and reward may still be waiting on), let the recorder catch up, compute
    ``summary.json`` from the record (SQL) and print its gist.
@@ -98,6 +101,9 @@ STATE_EVERY_S = 2.0
 """How often ``supervisor.json`` is rewritten when nothing changed, seconds."""
 LINE_EVERY_S = 5.0
 """How often the progress line is printed, seconds."""
+WALL_GRACE_S = 600.0
+"""After ``run.max_wall_s`` and the ``Drain`` it caused: how long the run may take to finish its
+step under way and its final evaluation before it is stopped as failed, seconds."""
 STALL_PROBE_EVERY_S = 30.0
 """While stalled: how often the broker is asked what each stage is doing, seconds."""
 ENV_SERVICE = "env"
@@ -191,6 +197,7 @@ class Supervisor:
         self._state_at = 0.0
         self._stall_info: RunInfo | None = None
         self._stall_probe: asyncio.Task[RunInfo | None] | None = None
+        self._wall_drained = False
         self._stall_probe_at = 0.0
 
     # ----------------------------------------------------------------- processes
@@ -398,8 +405,7 @@ class Supervisor:
                 if self.failure is not None:
                     await self._publish(producer)
                     raise RunError(self.failure)
-                if time.monotonic() - self.progress.started > self.cfg.run.max_wall_s:
-                    raise RunError(f"run exceeded run.max_wall_s={self.cfg.run.max_wall_s:g}s; stopped")
+                await self._wall_limit(producer)
                 if time.monotonic() - last_line > LINE_EVERY_S:
                     line = self._stall_line()
                     self.console.print(escape(line) if line else self.progress.line())
@@ -411,6 +417,22 @@ class Supervisor:
                 self._stall_probe.cancel()
             await producer.stop()
             await consumer.stop()
+
+
+    async def _wall_limit(self, producer: Producer) -> None:
+        """Past ``run.max_wall_s``: drain the run once; past the grace after that: fail it."""
+        limit = self.cfg.run.max_wall_s
+        elapsed = time.monotonic() - self.progress.started
+        if elapsed <= limit:
+            return
+        if not self._wall_drained:
+            self._wall_drained = True
+            reason = f"run.max_wall_s={limit:g}s reached"
+            self.console.print(f"{reason}: draining the run (no step starts now; final evaluation follows)")
+            await producer.send_and_wait(topic_name(self.run_id, "control"), ev.Drain(run_id=self.run_id, reason=reason))
+        elif elapsed > limit + WALL_GRACE_S:
+            raise RunError(f"run exceeded run.max_wall_s={limit:g}s and did not finish within {WALL_GRACE_S:g}s "
+                           "of the drain; stopped")
 
 
 async def run_supervised(cfg: RunConfig, run_id: str, bootstrap: str, console: Console, *,

@@ -133,3 +133,22 @@ def test_stop_drains_a_run_from_another_terminal(tmp_path: Path, bootstrap: str,
     drains = sql(f"SELECT JSONExtractString(payload, 'reason') AS reason FROM events FINAL WHERE run_id = '{run_id}' "
                  "AND kind = 'Drain' ORDER BY ts", runs, run_id, env)
     assert drains[0]["reason"] == "stopped by user"
+
+
+def test_the_wall_limit_drains_the_run_and_still_writes_its_summary(tmp_path: Path, bootstrap: str,
+                                                                    repo_root: Path) -> None:
+    env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=bootstrap)
+    runs = tmp_path / "runs"
+    run_id = f"e2e-wall-{uuid.uuid4().hex[:6]}"
+    proc = start_run(repo_root, runs, run_id, env, "train.steps=200", "run.max_wall_s=50")
+    out, err = finish(proc, timeout_s=400)
+    assert "run.max_wall_s=50s reached: draining the run" in err, err
+    assert "held-out accuracy" in out
+    summary = json.loads((runs / run_id / "summary.json").read_text())
+    assert summary["steps"] < 200 and summary["samples"]["unaccounted"] == 0
+    assert summary["eval"]["final"]["accuracy"] is not None
+    after = status(runs, run_id, env)
+    assert after["phase"] == "stopped" and after["draining"] == "run.max_wall_s=50s reached"
+    drains = sql(f"SELECT JSONExtractString(payload, 'reason') AS reason FROM events FINAL WHERE run_id = '{run_id}' "
+                 "AND kind = 'Drain' ORDER BY ts", runs, run_id, env)
+    assert drains[0]["reason"] == "run.max_wall_s=50s reached"
