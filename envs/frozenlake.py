@@ -28,7 +28,12 @@ need not locate itself on the board to avoid holes), ``board`` (default true: fa
 out of every observation, which then shows only that line — a local view; it needs ``neighbors``.
 The goal is always the bottom-right cell, so the local view is enough to play: "right unless that
 is a hole or the edge, else down" solves 84% of the 4×4 held-out maps. Observations are about 4×
-shorter, so a small model trains and plays faster).
+shorter, so a small model trains and plays faster), ``letters`` (default false: true asks for a
+one-letter reply, ``L``, ``D``, ``R`` or ``U``, the neighbors line is written in letters,
+``Around you: L=# D=H R=F U=#`` (cells as on the board, ``#`` the edge: fixed width, so each move's
+cell sits at a fixed distance before the reply), and the expert demonstrates moves that way; words
+are still accepted. With a character tokenizer a move is then one token, not four or five, so RL cannot
+drift into misspelt moves and credit goes to one choice per turn).
 
 Task source ``frozenlake``: one problem per episode seed, ``prompt_id = "frozenlake:<seed>"``,
 the prompt is the first observation, the reference ``{"env", "seed", "kwargs"}`` as JSON. The
@@ -37,7 +42,11 @@ held-out split is by map: a seed is held out iff ``sha256(salt|map)`` falls belo
 ``heldout(n)`` is the first ``n`` held-out seeds counting from 0. The expert
 (:func:`expert_actions`, :meth:`FrozenLakeSource.demonstration`) follows a shortest path around
 the holes, ties between shortest paths broken at random by the episode seed (on slippery ice it
-may still fail).
+may still fail). Source kwarg ``demo`` picks who demonstrates for the supervised warm-up:
+``expert`` (default) or ``safe_random``, a walker that knows the rules but not the goal: each move
+drawn uniformly (by the episode seed) among those that stay on the lake and out of holes, until it
+reaches the goal or the turn limit (:func:`safe_random_walk`). A warm-up on it teaches the reply
+format and to read the view, and leaves finding the goal to RL.
 """
 
 from __future__ import annotations
@@ -72,6 +81,7 @@ class FrozenLakeConfig:
     invalid_penalty: float = 0.0
     neighbors: bool = False
     board: bool = True
+    letters: bool = False
 
     def __post_init__(self) -> None:
         check_kwargs("frozenlake", asdict(self), _TYPES)
@@ -103,6 +113,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "invalid_penalty": float,
     "neighbors": bool,
     "board": bool,
+    "letters": bool,
 }
 
 
@@ -112,6 +123,18 @@ def generate_map(size: int, p: float, seed: int) -> tuple[str, ...]:
     from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
     return tuple(generate_random_map(size=size, p=p, seed=seed))
+
+
+def _safe_moves(desc: tuple[str, ...] | list[str], cell: tuple[int, int]) -> list[tuple[int, tuple[int, int]]]:
+    """(action, next cell) for each move from ``cell`` that stays on the lake and out of holes,
+    in Gymnasium's action order (not slippery: the next cell is where the move leads)."""
+    rows, cols = len(desc), len(desc[0])
+    out = []
+    for a, (dr, dc) in _DELTA.items():
+        nxt = (cell[0] + dr, cell[1] + dc)
+        if 0 <= nxt[0] < rows and 0 <= nxt[1] < cols and desc[nxt[0]][nxt[1]] != "H":
+            out.append((a, nxt))
+    return out
 
 
 def shortest_path(desc: tuple[str, ...] | list[str], rng: random.Random | None = None) -> list[str]:
@@ -128,19 +151,11 @@ def shortest_path(desc: tuple[str, ...] | list[str], rng: random.Random | None =
     if goal is None:
         return []
 
-    def moves(cell: tuple[int, int]) -> list[tuple[int, tuple[int, int]]]:
-        out = []
-        for a, (dr, dc) in _DELTA.items():
-            nxt = (cell[0] + dr, cell[1] + dc)
-            if 0 <= nxt[0] < rows and 0 <= nxt[1] < cols and desc[nxt[0]][nxt[1]] != "H":
-                out.append((a, nxt))
-        return out
-
     to_goal = {goal: 0}  # moves left to G, by backward BFS (moves are symmetric)
     queue = deque([goal])
     while queue:
         cell = queue.popleft()
-        for _, nxt in moves(cell):
+        for _, nxt in _safe_moves(desc, cell):
             if nxt not in to_goal:
                 to_goal[nxt] = to_goal[cell] + 1
                 queue.append(nxt)
@@ -148,8 +163,27 @@ def shortest_path(desc: tuple[str, ...] | list[str], rng: random.Random | None =
         return []
     path, cell = [], start
     while cell != goal:
-        options = [(a, nxt) for a, nxt in moves(cell) if to_goal.get(nxt) == to_goal[cell] - 1]
+        options = [(a, nxt) for a, nxt in _safe_moves(desc, cell) if to_goal.get(nxt) == to_goal[cell] - 1]
         a, cell = rng.choice(options) if rng is not None else options[0]
+        path.append(ACTIONS[a])
+    return path
+
+
+DEMOS = ("expert", "safe_random")
+"""Who demonstrates for the warm-up (source kwarg ``demo``)."""
+
+
+def safe_random_walk(desc: tuple[str, ...] | list[str], max_moves: int, rng: random.Random) -> list[str]:
+    """Moves drawn uniformly among those that stay on the lake and out of holes, from S until G
+    or ``max_moves`` (not slippery: where the walker ends up is where it meant to go)."""
+    rows, cols = len(desc), len(desc[0])
+    cell = next((r, c) for r in range(rows) for c in range(cols) if desc[r][c] == "S")
+    path: list[str] = []
+    while len(path) < max_moves and desc[cell[0]][cell[1]] != "G":
+        options = _safe_moves(desc, cell)
+        if not options:
+            break
+        a, cell = rng.choice(options)
         path.append(ACTIONS[a])
     return path
 
@@ -166,16 +200,22 @@ def render_board(desc: tuple[str, ...], pos: int) -> str:
 _CELL_NAMES = {"S": "start", "F": "ice", "H": "hole", "G": "goal"}
 
 
-def neighbor_line(desc: tuple[str, ...], pos: int) -> str:
-    """What lies one move away in each direction, e.g. ``Around you: left edge, down hole, right ice, up edge.``"""
+def neighbor_line(desc: tuple[str, ...], pos: int, letters: bool = False) -> str:
+    """What lies one move away in each direction, e.g. ``Around you: left edge, down hole, right ice, up edge.``
+    (``Around you: L=# D=H R=F U=#`` with ``letters``: moves named by their letters, cells by the
+    board's letters, ``#`` the edge — a fixed-width line, so each move's cell sits at a fixed
+    distance from the end of the observation)."""
     cols = len(desc[0])
     r, c = divmod(pos, cols)
     parts = []
     for a, (dr, dc) in _DELTA.items():
         rr, cc = r + dr, c + dc
-        what = _CELL_NAMES[desc[rr][cc]] if 0 <= rr < len(desc) and 0 <= cc < cols else "edge"
-        parts.append(f"{ACTIONS[a]} {what}")
-    return f"Around you: {', '.join(parts)}."
+        inside = 0 <= rr < len(desc) and 0 <= cc < cols
+        if letters:
+            parts.append(f"{ACTIONS[a][0].upper()}={desc[rr][cc] if inside else '#'}")
+        else:
+            parts.append(f"{ACTIONS[a]} {_CELL_NAMES[desc[rr][cc]] if inside else 'edge'}")
+    return f"Around you: {' '.join(parts)}" if letters else f"Around you: {', '.join(parts)}."
 
 
 class FrozenLake(GymTextEnv):
@@ -189,16 +229,23 @@ class FrozenLake(GymTextEnv):
             if cfg.slippery
             else ""
         )
+        reply = (
+            "Around you shows the cell each move leads to (F ice, H hole, G goal, S start, # edge). "
+            "Reply with one letter: L (left), D (down), R (right) or U (up)."
+            if cfg.letters
+            else "Reply with one move: left, down, right or up"
+            + (" (the last one in your reply counts)." if cfg.board else ".")
+        )
         if cfg.board:
             instructions = (
                 "FrozenLake: walk from the start S to the goal G over frozen cells F without stepping "
                 f"into a hole H. P marks you; up moves toward the top line.{slip} You have {cfg.turns} "
-                "moves. Reply with one move: left, down, right or up (the last one in your reply counts)."
+                f"moves. {reply}"
             )
         else:
             instructions = (
                 "FrozenLake: walk to the goal in the bottom right corner without stepping into a hole."
-                f"{slip} You have {cfg.turns} moves. Reply with one move: left, down, right or up."
+                f"{slip} You have {cfg.turns} moves. {reply}"
             )
         super().__init__(
             self._make,
@@ -207,7 +254,11 @@ class FrozenLake(GymTextEnv):
             instructions=instructions,
             max_turns=cfg.turns,
             invalid_penalty=cfg.invalid_penalty,
-            invalid_message="Invalid action: reply with left, down, right or up. You did not move.",
+            invalid_message=(
+                "Invalid action: reply with L, D, R or U. You did not move."
+                if cfg.letters
+                else "Invalid action: reply with left, down, right or up. You did not move."
+            ),
             state_key=self._state_key,
             describe=self._describe,
         )
@@ -225,7 +276,7 @@ class FrozenLake(GymTextEnv):
     def _render(self, obs: Any) -> str:
         parts = [render_board(self.desc, int(obs))] if self.config.board else []
         if self.config.neighbors:
-            parts.append(neighbor_line(self.desc, int(obs)))
+            parts.append(neighbor_line(self.desc, int(obs), self.config.letters))
         return "\n".join(parts)
 
     def _state_key(self, obs: Any) -> str:
@@ -277,14 +328,18 @@ class FrozenLakeSource(EpisodeSource):
     invalid_penalty: float = 0.0
     neighbors: bool = False
     board: bool = True
+    letters: bool = False
     heldout_fraction: float = 0.05
     salt: str = "frozenlake"
+    demo: str = "expert"
     name: str = "frozenlake"
     default_verifier: str = ""
 
     def __post_init__(self) -> None:
         if not 0 < self.heldout_fraction < 1:
             raise ValueError(f"frozenlake: heldout_fraction={self.heldout_fraction} must be in (0, 1)")
+        if self.demo not in DEMOS:
+            raise ValueError(f"frozenlake: demo={self.demo!r} must be one of {', '.join(DEMOS)}")
         self.config  # noqa: B018 - validates the env kwargs
 
     @property
@@ -302,22 +357,27 @@ class FrozenLakeSource(EpisodeSource):
         return "/".join(generate_map(self.size, self.p, seed))
 
     def expert_actions(self, seed: int) -> list[str]:
-        """The expert's moves for episode ``seed``: a shortest path on its map, ties broken at
-        random by the seed (:func:`shortest_path`)."""
-        return shortest_path(generate_map(self.size, self.p, seed), _expert_rng(seed))
+        """The demonstrator's moves for episode ``seed`` (one letter each with ``letters``): with
+        ``demo: expert`` a shortest path on its map, ties broken at random by the seed
+        (:func:`shortest_path`); with ``demo: safe_random`` :func:`safe_random_walk`."""
+        desc = generate_map(self.size, self.p, seed)
+        if self.demo == "safe_random":
+            moves = safe_random_walk(desc, self.config.turns, _expert_rng(seed))
+        else:
+            moves = shortest_path(desc, _expert_rng(seed))
+        return [m[0].upper() for m in moves] if self.letters else moves
 
 
 @register_source("frozenlake")
 def make_frozenlake_source(**kwargs: Any) -> FrozenLakeSource:
     """Build a :class:`FrozenLakeSource` from the env kwargs plus ``heldout_fraction`` / ``salt``."""
-    check_kwargs("frozenlake", kwargs, {**_TYPES, "heldout_fraction": float, "salt": str})
+    check_kwargs("frozenlake", kwargs, {**_TYPES, "heldout_fraction": float, "salt": str, "demo": str})
     return FrozenLakeSource(**kwargs)
 
 
 def expert_actions(seed: int, **kwargs: Any) -> list[str]:
     """The expert's moves for episode ``seed`` of ``frozenlake`` with env ``kwargs``."""
-    cfg = FrozenLakeConfig(**kwargs)
-    return shortest_path(generate_map(cfg.size, cfg.p, seed), _expert_rng(seed))
+    return FrozenLakeSource(**kwargs).expert_actions(seed)
 
 
 def _expert_rng(seed: int) -> random.Random:

@@ -248,3 +248,47 @@ def test_expert_breaks_ties_between_shortest_paths_at_random_by_seed() -> None:
         firsts.append(drawn[0])
     # BFS alone always opens the same way where both first moves are optimal; the drawn paths don't
     assert 0.3 < firsts.count("right") / len(firsts) < 0.7
+
+
+def test_letters_asks_for_one_letter_and_the_expert_replies_that_way() -> None:
+    src = FrozenLakeSource(neighbors=True, board=False, letters=True)
+    words = FrozenLakeSource(neighbors=True, board=False)
+    problem = src.sample(random.Random(3))
+    seed = src.seed_of(problem)
+    letters = src.expert_actions(seed)
+    assert letters == [w[0].upper() for w in words.expert_actions(seed)] == expert_actions(seed, letters=True)
+    assert src.demonstration(problem, random.Random(0)) == "\n".join(letters)
+    env = src.env()
+    first, _ = env.reset(seed=seed)
+    assert "Reply with one letter: L (left), D (down), R (right) or U (up)." in first
+    assert first.endswith(neighbor_line(generate_map(4, 0.8, seed), 0, letters=True))
+    assert neighbor_line(("SF", "HG"), 0, letters=True) == "Around you: L=# D=H R=F U=#"
+    assert neighbor_line(("SF", "HG"), 1, letters=True) == "Around you: L=S D=G R=# U=#"
+    results = [env.step(a) for a in letters]
+    assert results[-1].info["success"] and results[-1].reward == 1.0
+    env.reset(seed=seed)
+    assert env.step("down").info["invalid_action"] is False  # words still count
+    bad = env.step("x")
+    assert bad.info["invalid_action"] and "reply with L, D, R or U" in bad.observation
+
+
+def test_safe_random_demonstrator_keeps_to_the_ice_but_does_not_seek_the_goal() -> None:
+    src = FrozenLakeSource(neighbors=True, board=False, letters=True, demo="safe_random")
+    reached = moves = 0
+    firsts: list[str] = []
+    for seed in range(200):
+        demo = src.expert_actions(seed)
+        assert demo == src.expert_actions(seed) and 1 <= len(demo) <= src.config.turns  # seeded
+        env = src.env()
+        env.reset(seed)
+        results = [env.step(a) for a in demo]
+        assert not any(r.info["invalid_action"] for r in results)
+        assert not any(r.terminated and not r.info["success"] for r in results)  # never into a hole
+        assert not any("edge of the lake" in r.observation for r in results)  # never off the lake
+        reached += bool(results[-1].info["success"])
+        moves += len(demo)
+        firsts.append(demo[0])
+    assert set(firsts) <= {"R", "D"} and 0.3 < firsts.count("R") / len(firsts) < 0.7
+    assert reached < 100 and moves > 200 * 6  # wanders: far less often at the goal than the expert
+    with pytest.raises(ValueError, match="demo='best' must be one of expert, safe_random"):
+        make_source("frozenlake", demo="best")
