@@ -3,7 +3,8 @@ runs ``python -m services.cli ...`` in a subprocess and must answer with exactly
 line (stdout and stderr together) that names what was wrong, a non-zero exit status (the one the
 case names), no traceback, within 15 s (a responsiveness contract for users, not a benchmark).
 
-The cases run in parallel (a thread pool of 4 subprocesses), once per test session; each case
+The cases run in parallel (a thread pool of one subprocess per core, at most 4: more would make
+each case wait for a core and measure the machine, not the answer), once per test session; each case
 is one test item so that a failure names its case. ``{tiny}`` in a case is a tiny causal LM (the
 tiny test shape, character tokenizer) created once for all cases. No case reaches a real broker or store:
 ``$ROLLSTREAM_BOOTSTRAP`` is ``127.0.0.1:1`` (nothing listens there) and every case has its own
@@ -28,7 +29,7 @@ DATA = Path(__file__).parent / "data" / "bad_input"
 REPO = Path(__file__).resolve().parents[1]
 CASES: list[dict[str, Any]] = yaml.safe_load((DATA / "cases.yaml").read_text())
 ANSWER_WITHIN_S = 15.0
-WORKERS = 4
+WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)

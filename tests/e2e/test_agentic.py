@@ -24,11 +24,14 @@ import uuid
 from pathlib import Path
 
 import pytest
+from aiokafka import TopicPartition
 
 from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import topic_name
+from services.kafka.admin import TopicAdmin
 from services.kafka.bus import Consumer
+from services.launch.runinfo import group_id
 from tests.e2e.faults import sql
 from tests.e2e.test_heal import finish, state
 
@@ -114,15 +117,37 @@ def test_the_docs_environment_trains_through_a_short_run(tmp_path: Path, bootstr
 
 async def wait_for_env_traffic(bootstrap: str, run_id: str, proc: subprocess.Popen[str], steps: int,
                                timeout_s: float = 180) -> None:
-    """Until the run's ``env.requests`` topic has carried ``steps`` actions (``EnvStep``): episodes in flight."""
+    """Until the run's ``env.requests`` topic has carried ``steps`` actions (``EnvStep``: episodes in
+    flight) and the env group has committed past the reset of at least one of those episodes.
+
+    Without the second condition a kill can land before the worker's first commit: the restarted
+    worker then replays every request from offset 0 (resets included), holds every episode again
+    and has nothing to rebuild — correct, but not what this test is about."""
     deadline = time.monotonic() + timeout_s
     seen = 0
+    stepped: dict[TopicPartition, list[int]] = {}  # offsets of the resets of episodes that then stepped
+    reset_at: dict[str, tuple[TopicPartition, int]] = {}
     async with Consumer(KafkaSettings(), bootstrap, group_id=None, topics=[topic_name(run_id, "env.requests")],
                         metadata_max_age_ms=300) as c:
         while seen < steps:
             assert proc.poll() is None, f"the run ended early: {proc.communicate()}"
             assert time.monotonic() < deadline, f"fewer than {steps} env steps within {timeout_s:g} s ({seen})"
-            seen += sum(isinstance(r.event, ev.EnvStep) for r in await c.getmany(timeout_ms=300))
+            for r in await c.getmany(timeout_ms=300):
+                if isinstance(r.event, ev.EnvReset):
+                    reset_at[r.event.episode_id] = (r.tp, r.offset)
+                elif isinstance(r.event, ev.EnvStep):
+                    seen += 1
+                    if r.event.episode_id in reset_at:
+                        tp, offset = reset_at.pop(r.event.episode_id)
+                        stepped.setdefault(tp, []).append(offset)
+    async with TopicAdmin(KafkaSettings(), bootstrap) as admin:
+        while True:
+            assert proc.poll() is None, f"the run ended early: {proc.communicate()}"
+            committed = await admin.raw.list_consumer_group_offsets(group_id("env", run_id))
+            if any(o < committed[tp].offset for tp, offsets in stepped.items() if tp in committed for o in offsets):
+                return
+            assert time.monotonic() < deadline, f"the env group committed no reset within {timeout_s:g} s: {committed}"
+            await asyncio.sleep(0.05)
 
 
 def test_frozenlake_run_survives_kill_9_of_its_env_worker(tmp_path: Path, bootstrap: str, repo_root: Path) -> None:

@@ -61,6 +61,12 @@ async def test_episodes_through_kafka_and_an_env_worker(kafka: KafkaSettings, ru
                             env_kwargs={"size": 4}, seed=s, params=SamplingParams(max_new_tokens=2),
                             limits=AgentLimits(max_turns=20, max_tokens_per_turn=2, max_context_tokens=4000))
                 for i, (c, s) in enumerate(zip(clients, seeds, strict=True))))
+            # each client skips the other's answers (one consumer per client, no group); client 0's
+            # consumer may read the last of client 1's answers a moment after client 1 took it
+            for _ in range(200):  # up to 10 s
+                if clients[0].skipped >= clients[1].answers:
+                    break
+                await asyncio.sleep(0.05)
         finally:
             for c in clients:
                 await c.close()
@@ -69,7 +75,6 @@ async def test_episodes_through_kafka_and_an_env_worker(kafka: KafkaSettings, ru
         assert traj.num_turns == len(expert_actions(s)) and traj.env_s > 0
         assert all(info.get("state_hash") for info in traj.infos)
         assert c.answers == traj.num_turns + 1  # the reset and every step, each answered once
-    # each client skipped the other's answers (one consumer per client, no group)
     assert clients[0].skipped >= clients[1].answers
 
 
