@@ -501,6 +501,9 @@ def parse_args() -> argparse.Namespace:
         ap.error(f"--overhead-steps {args.overhead_steps}: use 0 (skip) or 3 or more")
     if args.only_overhead and not args.overhead_steps:
         ap.error("--only-overhead needs --overhead-steps >= 3")
+    if args.overhead_steps and not (Path(sys.executable).parent / "py-spy").exists():
+        ap.error("the overhead part profiles with py-spy, which is not installed: "
+                 "`.venv/bin/pip install -e '.[bench]'`, or pass --overhead-steps 0")
     return args
 
 

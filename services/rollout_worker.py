@@ -185,7 +185,9 @@ class RolloutWorker(Service):
         """Follow the run's ``metrics`` (no group, from the start) for the trainer's ``cancelled:``
         outcomes of redundant samples."""
         consumer = Consumer(self.s.config.kafka, group_id=None, topics=[topic_name(self.s.run_id, "metrics")],
-                            auto_offset_reset="earliest", client_suffix="rollout-cancel")
+                            auto_offset_reset="earliest", client_suffix="rollout-cancel",
+                            # a busy topic read for a rare message: fewer, fuller fetches
+                            fetch_min_bytes=1 << 20, fetch_max_wait_ms=500)
         await consumer.start()
         try:
             while True:

@@ -264,6 +264,8 @@ class Runner(Renewal, Loops):
             # the revoke hook may take the grace period: give the rebalance room for it
             rebalance_timeout_ms=max(int(s.session_timeout_s * 1000), grace_ms + 10_000),
             max_poll_interval_ms=int(s.max_poll_interval_s * 1000),
+            fetch_min_bytes=s.fetch_min_bytes,
+            fetch_max_wait_ms=s.fetch_max_wait_ms,
             client_suffix=f"{service.name}-consumer",
         )
 

@@ -146,6 +146,12 @@ class ServiceSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Producer compression codec (zstd: faster than aiokafka's LZ4-HC, see bench/bus.py)."""
     linger_ms: int = 5
     """Producer batching delay, milliseconds."""
+    fetch_min_bytes: int = 1
+    """The broker answers a fetch once this many bytes are ready (or ``fetch_max_wait_ms`` passed):
+    1 = at once. Larger: fewer, fuller fetches for a service that need not see each record at
+    once (the recorder)."""
+    fetch_max_wait_ms: int = 500
+    """Longest the broker holds a fetch waiting for ``fetch_min_bytes``, milliseconds."""
     session_timeout_s: float = 10.0
     """Group session timeout: a silent instance is evicted after this long, seconds."""
     max_poll_interval_s: float = 300.0
@@ -162,10 +168,10 @@ class ServiceSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("ServiceSettings: set exactly one of topics / topic_pattern")
         if self.group_id == "":
             raise ValueError("ServiceSettings.group_id must not be empty (None: no consumer group)")
-        for name in ("batch_max_records", "max_concurrency", "dedupe_capacity"):
+        for name in ("batch_max_records", "max_concurrency", "dedupe_capacity", "fetch_min_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServiceSettings.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("poll_timeout_s", "shutdown_grace_s", "retry_backoff_s", "txn_interval_s"):
+        for name in ("poll_timeout_s", "shutdown_grace_s", "retry_backoff_s", "txn_interval_s", "fetch_max_wait_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ServiceSettings.{name} must be >= 0, got {getattr(self, name)}")
         if self.handler_retries < 0:

@@ -387,7 +387,8 @@ class Supervisor:
         wall limit; heal the services and keep the state file current meanwhile."""
         topics = [topic_name(self.run_id, n) for n in ("metrics", "control", "weights")]
         consumer = Consumer(self.cfg.kafka, self.bootstrap, group_id=None, topics=topics,
-                            auto_offset_reset="earliest", client_suffix="supervisor")
+                            auto_offset_reset="earliest", client_suffix="supervisor",
+                            fetch_min_bytes=64 * 1024, fetch_max_wait_ms=500)  # progress: 0.5 s late is fine
         producer = Producer(self.cfg.kafka, self.bootstrap)
         await consumer.start()
         await producer.start()

@@ -189,6 +189,24 @@ async def test_settings_are_strict_and_validated() -> None:
         ServiceSettings(group_id="g", topic_pattern="^rs\\..*", max_concurrency=0)
     with pytest.raises(msgspec.ValidationError, match="unknown field"):
         msgspec.convert({"group_id": "g", "topic_pattern": "x", "bogus": 1}, ServiceSettings)
+    with pytest.raises(ValueError, match="fetch_min_bytes must be >= 1"):
+        ServiceSettings(group_id="g", topic_pattern="^rs\\..*", fetch_min_bytes=0)
+    with pytest.raises(ValueError, match="fetch_max_wait_ms must be >= 0"):
+        ServiceSettings(group_id="g", topic_pattern="^rs\\..*", fetch_max_wait_ms=-1)
+
+
+async def test_fetch_settings_reach_the_consumer() -> None:
+    """A service's fetch_min_bytes / fetch_max_wait_ms are what its aiokafka consumer is built with
+    (the recorder's larger ones included)."""
+    from services.recorder import FETCH_MAX_WAIT_MS, FETCH_MIN_BYTES, Recorder, RecorderSettings
+
+    default = Runner(FunctionService("f", lambda rec, ctx: asyncio.sleep(0)),
+                     ServiceSettings(group_id="g", topic_pattern="^rs\\..*"))
+    assert (default.consumer._kwargs["fetch_min_bytes"], default.consumer._kwargs["fetch_max_wait_ms"]) == (1, 500)
+    recorder = Recorder(RecorderSettings(dsn="chdb:///nowhere"))
+    runner = Runner(recorder, recorder.service_settings())
+    assert runner.consumer._kwargs["fetch_min_bytes"] == FETCH_MIN_BYTES > 1
+    assert runner.consumer._kwargs["fetch_max_wait_ms"] == FETCH_MAX_WAIT_MS
 
 
 # --------------------------------------------------------------------------- failures go to dlq
