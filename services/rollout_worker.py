@@ -187,7 +187,7 @@ class RolloutWorker(Service):
         consumer = Consumer(self.s.config.kafka, group_id=None, topics=[topic_name(self.s.run_id, "metrics")],
                             auto_offset_reset="earliest", client_suffix="rollout-cancel",
                             # a busy topic read for a rare message: fewer, fuller fetches
-                            fetch_min_bytes=1 << 20, fetch_max_wait_ms=500)
+                            fetch_min_bytes=1 << 20)
         await consumer.start()
         try:
             while True:

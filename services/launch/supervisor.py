@@ -21,10 +21,9 @@
 6. past ``run.max_wall_s`` publish a ``Drain`` (as ``rollstream stop`` does: no step starts after
    it, the trainer ends with its final eval); a run not finished :data:`WALL_GRACE_S` later fails;
 7. on ``RunFinished`` (the end of training, or a ``Drain`` from ``rollstream stop`` or the wall
-   limit): wait for
-   the services to exit (SIGTERM the long-running ones: rollout and reward, then the judge and
-   env workers, which rollout and reward may still be waiting on), let the recorder catch up, compute
-   ``summary.json`` from the record (SQL) and print its gist.
+   limit): wait for the services to exit (SIGTERM the long-running ones: rollout and reward, then
+   the judge and env workers, which rollout and reward may still be waiting on), let the recorder
+   catch up, compute ``summary.json`` from the record (SQL) and print its gist.
 
 Healing (:mod:`services.launch.healing`): a service process that exits unexpectedly is restarted
 after a backoff (``run.restart_backoff_s``, doubling, at most ``run.restart_backoff_max_s``), at
@@ -388,7 +387,7 @@ class Supervisor:
         topics = [topic_name(self.run_id, n) for n in ("metrics", "control", "weights")]
         consumer = Consumer(self.cfg.kafka, self.bootstrap, group_id=None, topics=topics,
                             auto_offset_reset="earliest", client_suffix="supervisor",
-                            fetch_min_bytes=64 * 1024, fetch_max_wait_ms=500)  # progress: 0.5 s late is fine
+                            fetch_min_bytes=64 * 1024)  # progress: up to 0.5 s late is fine
         producer = Producer(self.cfg.kafka, self.bootstrap)
         await consumer.start()
         await producer.start()
@@ -418,7 +417,6 @@ class Supervisor:
                 self._stall_probe.cancel()
             await producer.stop()
             await consumer.stop()
-
 
     async def _wall_limit(self, producer: Producer) -> None:
         """Past ``run.max_wall_s``: drain the run once; past the grace after that: fail it."""
