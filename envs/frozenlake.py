@@ -33,7 +33,10 @@ one-letter reply, ``L``, ``D``, ``R`` or ``U``, the neighbors line is written in
 ``Around you: L=# D=H R=F U=#`` (cells as on the board, ``#`` the edge: fixed width, so each move's
 cell sits at a fixed distance before the reply), and the expert demonstrates moves that way; words
 are still accepted. With a character tokenizer a move is then one token, not four or five, so RL cannot
-drift into misspelt moves and credit goes to one choice per turn).
+drift into misspelt moves and credit goes to one choice per turn), ``instructions`` (default true:
+false leaves the instructions out of the first observation, which is then only the board or view;
+for a model trained from scratch, which cannot read them, they are 280 characters of context in
+every turn, and with ``rollout.history_turns`` in every turn's window).
 
 Task source ``frozenlake``: one problem per episode seed, ``prompt_id = "frozenlake:<seed>"``,
 the prompt is the first observation, the reference ``{"env", "seed", "kwargs"}`` as JSON. The
@@ -82,6 +85,7 @@ class FrozenLakeConfig:
     neighbors: bool = False
     board: bool = True
     letters: bool = False
+    instructions: bool = True
 
     def __post_init__(self) -> None:
         check_kwargs("frozenlake", asdict(self), _TYPES)
@@ -114,6 +118,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "neighbors": bool,
     "board": bool,
     "letters": bool,
+    "instructions": bool,
 }
 
 
@@ -251,7 +256,7 @@ class FrozenLake(GymTextEnv):
             self._make,
             self._render,
             parse_action,
-            instructions=instructions,
+            instructions=instructions if cfg.instructions else "",
             max_turns=cfg.turns,
             invalid_penalty=cfg.invalid_penalty,
             invalid_message=(
@@ -329,6 +334,7 @@ class FrozenLakeSource(EpisodeSource):
     neighbors: bool = False
     board: bool = True
     letters: bool = False
+    instructions: bool = True
     heldout_fraction: float = 0.05
     salt: str = "frozenlake"
     demo: str = "expert"

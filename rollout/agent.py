@@ -26,6 +26,20 @@ episode or a limit is reached:
   client raising) ends the episode with ``finish="env_error"`` and the reason in ``error``; the turns
   played so far are kept, so the sample is recorded and accounted for, never lost.
 
+History windows (``AgentLimits.history_turns = k``, ``rollout.history_turns``): instead of one
+growing sequence, every model turn gets a prompt of its own, re-rendered through the chat template
+from a window of the conversation: the first observation (the task) and the model's first reply,
+the last ``k`` turns (observation and reply) before the current one, and the current observation
+(:func:`window_messages`; with ``k`` large enough it is the whole conversation). The episode is then
+a concatenation of independent segments, one per model turn: the turn's prompt (``loss_mask`` 0)
+and its reply (``loss_mask`` 1); :attr:`Trajectory.segment_starts` says where each segment after
+the first begins in ``response_ids``, and the trainer scores every segment as its own sequence
+(``Generation.segment_starts``). ``max_context_tokens`` then bounds each segment (a turn's prompt
+plus its reply), not the episode, so long episodes stay cheap: a turn re-reads only its window.
+This is the step-wise formulation of verl-agent / GiGPO's ``history_length``; it differs from
+theirs in that the window's text is the environment's own observations rendered as chat turns,
+with no task-specific prompt template.
+
 Text-delta rendering (:class:`Turns`): after a model turn, the environment's tokens are found by
 rendering the conversation without and with the new observation and taking the text difference,
 so any chat template that is prefix-stable across turns works (ChatML, Llama-3 and most others).
@@ -58,7 +72,11 @@ class AgentLimits:
     max_tokens_per_turn: int = 32
     """Generated tokens per model turn at most."""
     max_context_tokens: int = 1024
-    """Prompt plus every turn, tokens at most."""
+    """Prompt plus every turn, tokens at most (with ``history_turns``: per turn, its window's prompt
+    plus its reply)."""
+    history_turns: int | None = None
+    """``None``: the episode is one growing sequence. ``k >= 0``: every turn sees only a window of the
+    conversation, the first exchange and the last ``k`` turns (see the module doc)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +122,9 @@ class Trajectory:
     versions: list[tuple[int, int]] = field(default_factory=list)
     """(start, end) weights version of every model turn."""
     infos: list[dict[str, Any]] = field(default_factory=list)
+    segment_starts: list[int] = field(default_factory=list)
+    """History windows: where each model turn's own prompt (after the first turn's) starts in
+    ``response_ids``; empty = one sequence."""
     finish: Finish = "max_turns"
     last_finish_reason: str = "stop"
     """The engine's finish reason of the last model turn (``stop`` / ``length``)."""
@@ -170,6 +191,45 @@ class Turns:
         return self._ids(tail + opened[len(closed):], specials=False)
 
 
+def window_messages(observations: list[str], actions: list[str], history_turns: int,
+                    system_prompt: str = "") -> list[dict[str, str]]:
+    """The chat messages a model turn sees under a history window of ``history_turns`` turns.
+
+    ``observations`` are every observation so far (the reset's first, the current one last: one
+    more than ``actions``). The window keeps the first observation and reply (the task and how
+    the model opened), then the last ``history_turns`` observation/reply pairs before the current
+    observation, and the current observation; user and assistant turns alternate as every chat
+    template expects. Without dropped turns it is the whole conversation.
+    """
+    if len(observations) != len(actions) + 1:
+        raise ValueError(f"window_messages: {len(observations)} observations for {len(actions)} actions "
+                         "(needs one more observation than actions)")
+    t = len(actions)
+    keep = [0, *range(max(1, t - history_turns), t)]  # exchanges (observation j, action j) kept
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    for j in keep if t > 0 else []:
+        messages += [{"role": "user", "content": observations[j]}, {"role": "assistant", "content": actions[j]}]
+    messages.append({"role": "user", "content": observations[t]})
+    return messages
+
+
+def window_prompt(tokenizer: Any, chat: bool, observations: list[str], actions: list[str], history_turns: int,
+                  system_prompt: str = "") -> list[int]:
+    """Token ids of a model turn's prompt under a history window (:func:`window_messages`): through
+    the chat template with the generation prompt, or without one (``chat`` false) the same pieces
+    concatenated as the growing sequence has them (first observation, then each reply followed by
+    ``"\n" + observation + "\n"``)."""
+    messages = window_messages(observations, actions, history_turns, system_prompt)
+    if chat:
+        text = str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    body = [m["content"] for m in messages if m["role"] != "system"]
+    ids = list(tokenizer(body[0], add_special_tokens=True)["input_ids"])
+    for action, obs in zip(body[1::2], body[2::2], strict=True):
+        ids += list(tokenizer(action + "\n" + obs + "\n", add_special_tokens=False)["input_ids"])
+    return ids
+
+
 async def run_episode(
     engine: Engine,
     tokenizer: Any,
@@ -206,17 +266,17 @@ async def run_episode(
         return traj
     # the model's own position limit bounds the context too (the engine refuses longer prompts)
     context = min(limits.max_context_tokens, int(getattr(engine, "max_positions", limits.max_context_tokens)))
+    windowed = limits.history_turns is not None
+    prompt = list(traj.prompt_ids)  # what the next model turn reads: everything so far, or its window
     for step in range(1, limits.max_turns + 1):
         if cancelled is not None and cancelled():
             traj.finish = "cancelled"
             break
-        used = len(traj.prompt_ids) + len(traj.response_ids)
-        room = min(limits.max_tokens_per_turn, context - used)
+        room = min(limits.max_tokens_per_turn, context - len(prompt))
         if room < 1:
             traj.finish = "context"
             break
-        req = GenerationRequest(f"{episode_id}/t{step}", traj.prompt_ids + traj.response_ids,
-                                replace(params, max_new_tokens=room))
+        req = GenerationRequest(f"{episode_id}/t{step}", prompt, replace(params, max_new_tokens=room))
         completion = None
         async with guard():
             async for c in engine.generate([req]):
@@ -251,10 +311,21 @@ async def run_episode(
         if step == limits.max_turns:
             traj.finish = "max_turns"
             break
-        env_ids = turns.after_turn(completion.token_ids, action, obs.text)
-        if len(traj.prompt_ids) + len(traj.response_ids) + len(env_ids) >= context:
-            traj.finish = "context"
-            break
+        if windowed:
+            assert limits.history_turns is not None
+            env_ids = window_prompt(tokenizer, engine.chat, traj.observations, traj.actions, limits.history_turns,
+                                    system_prompt)
+            if len(env_ids) >= context:
+                traj.finish = "context"
+                break
+            traj.segment_starts.append(len(traj.response_ids))
+            prompt = list(env_ids)
+        else:
+            env_ids = turns.after_turn(completion.token_ids, action, obs.text)
+            if len(prompt) + len(completion.token_ids) + len(env_ids) >= context:
+                traj.finish = "context"
+                break
+            prompt = prompt + list(completion.token_ids) + env_ids
         traj.response_ids += env_ids
         traj.logprobs += [0.0] * len(env_ids)
         traj.loss_mask += [0] * len(env_ids)
@@ -375,6 +446,41 @@ def expert_episode(
         target.pop()
         mask.pop()
     return prompt, target, mask
+
+
+def expert_windows(
+    tokenizer: Any,
+    chat: bool,
+    env: Any,
+    seed: int,
+    actions: list[str],
+    *,
+    end_of_turn_id: int,
+    history_turns: int,
+    system_prompt: str = "",
+    limits: AgentLimits = AgentLimits(),
+) -> list[tuple[list[int], list[int]]]:
+    """An expert's episode under a history window, for the supervised warm-up: one
+    ``(prompt_ids, target_ids)`` per model turn, the prompt rendered as :func:`run_episode` renders
+    it with ``history_turns`` (:func:`window_prompt`), the target the action's tokens plus
+    ``end_of_turn_id``. It stops when the episode ends, after ``limits.max_turns`` turns, or at the
+    first turn whose window and action would not fit in ``limits.max_context_tokens``."""
+    text, _ = env.reset(seed=seed)
+    observations: list[str] = [text]
+    played: list[str] = []
+    out: list[tuple[list[int], list[int]]] = []
+    for action in actions[: limits.max_turns]:
+        prompt = window_prompt(tokenizer, chat, observations, played, history_turns, system_prompt)
+        target = [*tokenizer(action, add_special_tokens=False)["input_ids"], end_of_turn_id]
+        if len(prompt) + len(target) > limits.max_context_tokens:
+            break
+        out.append((prompt, target))
+        obs, _, terminated, truncated, _ = env.step(action)
+        if terminated or truncated:
+            break
+        observations.append(obs)
+        played.append(action)
+    return out
 
 
 def turn_spans(loss_mask: Iterable[int]) -> list[tuple[int, int]]:

@@ -294,7 +294,14 @@ class RolloutConfig(Section):
     max_context_tokens: int = 1024
     """Multi-turn domains: prompt plus every agent and environment turn, tokens at most (also capped
     by the model's ``max_position_embeddings``); an episode whose next observation would not fit ends
-    with ``env_finish: context``."""
+    with ``env_finish: context``. With ``history_turns`` it bounds each turn's window and reply."""
+    history_turns: int | None = None
+    """Multi-turn domains: ``null`` (default) plays an episode as one growing sequence, every turn
+    reading the whole conversation. ``k >= 0``: every turn gets a prompt of its own, rendered from a
+    window of the conversation: the first observation and reply, the last ``k`` turns before the
+    current one, and the current observation; the trainer scores each turn as its own sequence
+    (``docs/agentic.md``, "History windows"). Turns then cost their window, not the whole episode,
+    and a Markov environment needs ``0``."""
 
 
 class TrainConfig(Section):
@@ -347,7 +354,8 @@ class TrainConfig(Section):
     warmup_lr: float = 1e-3
     """Learning rate of the supervised warm-up."""
     warmup_batch_size: int = 32
-    """Examples per supervised warm-up step."""
+    """Examples per supervised warm-up step (a multi-turn demonstration is one example, or with
+    ``rollout.history_turns`` one per turn: its turns count as one)."""
     device: str = "auto"
     """Torch device of the trainer (and its greedy evaluation): ``auto`` (CUDA when present, else
     CPU), ``cpu``, ``cuda`` or ``cuda:N``. It may be the rollout's device (one shared GPU) or
@@ -812,6 +820,9 @@ class RunConfig(Section):
                 f"train.batch_size={self.train.batch_size} must be a multiple of "
                 f"rollout.group_size={self.rollout.group_size} (batches hold whole groups)"
             )
+        if self.rollout.history_turns is not None and self.rollout.history_turns < 0:
+            raise ValueError(f"rollout.history_turns={self.rollout.history_turns} must be >= 0 (or null: the whole "
+                             "conversation as one sequence)")
         if self.rollout.group_size_redundancy < 0:
             raise ValueError(f"rollout.group_size_redundancy={self.rollout.group_size_redundancy} must be >= 0")
         if self.env.request_timeout_s <= 0:

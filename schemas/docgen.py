@@ -54,7 +54,8 @@ def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is typing.Literal:
         return " \\| ".join(repr(a) for a in typing.get_args(tp))
     name = getattr(tp, "__name__", None)
-    return name if name and not typing.get_args(tp) else str(tp).replace("typing.", "")
+    text = name if name and not typing.get_args(tp) else str(tp).replace("typing.", "")
+    return text.replace("|", "\\|")  # `int | None` must not split the table's cell
 
 
 def _default(cls: type[msgspec.Struct], name: str) -> str:

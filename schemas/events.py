@@ -204,6 +204,11 @@ class Generation(Event, frozen=True, kw_only=True):
     success: bool = False
     """Multi-turn: the environment reported success (``info["success"]``) when the episode ended.
     (Added after v4.)"""
+    segment_starts: list[int] = msgspec.field(default_factory=list)
+    """Multi-turn with ``rollout.history_turns``: where each agent turn's own prompt (its window of
+    the conversation, ``loss_mask`` 0) starts in ``response_ids``, for every turn after the first.
+    The sequence ``prompt_ids + response_ids`` is then independent segments, each scored on its own
+    (a segment's tokens never attend to an earlier segment's); empty = one sequence. (Added after v6.)"""
 
 
 # --------------------------------------------------------------------------- scored

@@ -105,7 +105,8 @@ class RolloutWorker(Service):
         self.episodic = set(envs.episodic_domains(cfg))
         """Multi-turn domains: their tasks are episodes."""
         self.limits = AgentLimits(max_turns=cfg.rollout.max_turns, max_tokens_per_turn=cfg.rollout.max_new_tokens,
-                                  max_context_tokens=cfg.rollout.max_context_tokens)
+                                  max_context_tokens=cfg.rollout.max_context_tokens,
+                                  history_turns=cfg.rollout.history_turns)
         self.swap_lock = SwapLock()
         self.env_client: KafkaEnvClient | None = None
         self.cancelled: set[str] = set()
@@ -303,6 +304,7 @@ def generation_of(task: ev.RolloutTask, traj: Trajectory, episode_id: str, worke
         queued_s=queued_s, gen_s=traj.gen_s, env_s=traj.env_s, num_turns=n, episode_id=episode_id,
         step_rewards=list(traj.step_rewards), turn_versions=[a for a, _ in traj.versions], state_hashes=hashes,
         env_finish=traj.finish, env_error=traj.error, success=traj.success,
+        segment_starts=list(traj.segment_starts),
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Iterable
+from itertools import pairwise
 
 from schemas import events as ev
 
@@ -54,7 +55,7 @@ def check_task(task: ev.RolloutTask, domains: Collection[str] = ()) -> str | Non
 
 def check_generation(gen: ev.Generation) -> str | None:
     """A generation's per-token lists must line up (``response_ids``, ``logprobs``,
-    ``loss_mask``), its prompt be non-empty, its token ids in ``[0, MAX_TOKEN_ID]`` and its length
+    ``loss_mask``), its ``segment_starts`` increasing and on untrained tokens, its prompt be non-empty, its token ids in ``[0, MAX_TOKEN_ID]`` and its length
     at most ``MAX_TOKENS``, its logprobs finite and ``<= 0``, its loss mask 0/1, its policy versions
     ordered (``0 <= policy_version <= policy_version_end``), its timings finite, and its task
     possible."""
@@ -76,6 +77,13 @@ def check_generation(gen: ev.Generation) -> str | None:
         return f"generation {sid}: logprobs above 0 (log-probabilities are <= 0)"
     if any(m not in (0, 1) for m in gen.loss_mask):
         return f"generation {sid}: loss_mask holds values other than 0 and 1"
+    starts = gen.segment_starts
+    if starts:
+        if any(b <= a for a, b in pairwise([0, *starts])) or starts[-1] >= len(gen.response_ids):
+            return (f"generation {sid}: segment_starts {starts[:8]} must increase strictly within the "
+                    f"{len(gen.response_ids)} response tokens, after the first")
+        if any(gen.loss_mask[i] for i in starts):
+            return f"generation {sid}: a segment starts on a trained token (segment_starts begin a turn's prompt)"
     if gen.policy_version < 0:
         return f"generation {sid}: policy_version {gen.policy_version} < 0"
     if gen.policy_version_end < gen.policy_version:

@@ -20,8 +20,10 @@ positions it covers; :class:`services.trainer_service.Trainer` drives it from th
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +32,7 @@ import torch
 
 import envs
 from envs.base import episode_ref
-from rollout.agent import AgentLimits, LocalEnvClient, Trajectory, expert_episode, run_episode
+from rollout.agent import AgentLimits, LocalEnvClient, Trajectory, expert_episode, expert_windows, run_episode
 from rollout.engine import GenerationRequest
 from rollout.factory import make_engine
 from rollout.model_init import encode_prompt
@@ -42,6 +44,8 @@ from services.kafka.bus import TopicPartition
 from services.trainer_buffer import GroupBuffer
 from trainer.factory import make_strategy
 from trainer.sft import SFTExample
+
+log = logging.getLogger("rollstream.trainer")
 
 __all__ = ["StreamState", "TrainerCore", "TrainerSettings"]
 
@@ -114,7 +118,8 @@ class TrainerCore:
             for d, src in zip(cfg.data.domains, self.sources, strict=True)
         ]
         self.limits = AgentLimits(max_turns=cfg.rollout.max_turns, max_tokens_per_turn=cfg.rollout.max_new_tokens,
-                                  max_context_tokens=min(cfg.rollout.max_context_tokens, self.eval_engine.max_positions))
+                                  max_context_tokens=min(cfg.rollout.max_context_tokens, self.eval_engine.max_positions),
+                                  history_turns=cfg.rollout.history_turns)
         self.version = 0
         """The policy version being trained (weights of ``version`` are the latest published)."""
         self.buffer = GroupBuffer()
@@ -214,12 +219,17 @@ class TrainerCore:
         if cfg.train.warmup_sft_steps <= 0:
             return []
         rng = random.Random(f"{cfg.run.seed}/warmup")
+        t0 = time.perf_counter()
         tok = self.tokenizer
         weights = [d.ratio for d in cfg.data.domains]
         chat = self.eval_engine.chat  # prompts exactly as rollout renders them
 
         def batches() -> Iterator[list[SFTExample]]:
-            for _ in range(cfg.train.warmup_sft_steps):
+            total = cfg.train.warmup_sft_steps
+            every = max(1, total // 10)
+            for k in range(total):
+                if k and k % every == 0:  # drawn lazily by the torch strategy: k steps are done
+                    log.info("warm-up: %d/%d steps done (%.0f s)", k, total, time.perf_counter() - t0)
                 out = []
                 for _ in range(cfg.train.warmup_batch_size):
                     i = rng.choices(range(len(self.sources)), weights=weights)[0]
@@ -227,7 +237,7 @@ class TrainerCore:
                     p = src.sample(rng)
                     system = domain.system_prompt or cfg.model.system_prompt
                     if envs.is_episodic(domain.source):
-                        out.append(self._expert_example(src, p, chat, system))
+                        out += self._expert_examples(src, p, chat, system)
                         continue
                     demo = format_answer(src.demonstration(p, rng), domain.answer)
                     target = [*tok(demo, add_special_tokens=False)["input_ids"], tok.eos_token_id]
@@ -236,16 +246,22 @@ class TrainerCore:
 
         return self.strategy.warmup(batches(), lr=cfg.train.warmup_lr, grad_clip=cfg.train.grad_clip)
 
-    def _expert_example(self, source: object, problem: envs.Problem, chat: bool, system: str) -> SFTExample:
-        """A multi-turn warm-up example: the source's expert actions played in a local environment
-        and rendered as the agent loop renders an episode (:func:`rollout.agent.expert_episode`)."""
+    def _expert_examples(self, source: object, problem: envs.Problem, chat: bool, system: str) -> list[SFTExample]:
+        """A multi-turn warm-up episode: the source's expert actions played in a local environment
+        and rendered as the agent loop renders an episode: one example holding the whole episode
+        (:func:`rollout.agent.expert_episode`), or with ``rollout.history_turns`` one example per
+        turn, its window as the prompt (:func:`rollout.agent.expert_windows`)."""
         ref = episode_ref(problem.reference)
         env = envs.make_env(ref.env, prompt="", reference="", **ref.kwargs)
         actions = list(source.expert_actions(ref.seed))  # type: ignore[attr-defined]
-        prompt, target, mask = expert_episode(self.tokenizer, chat, env, ref.seed, actions,
-                                              end_of_turn_id=self.tokenizer.eos_token_id, system_prompt=system,
-                                              limits=self.limits)
-        return SFTExample(prompt, target, mask)
+        eot = self.tokenizer.eos_token_id
+        if self.limits.history_turns is not None:
+            return [SFTExample(prompt, target) for prompt, target in expert_windows(
+                self.tokenizer, chat, env, ref.seed, actions, end_of_turn_id=eot,
+                history_turns=self.limits.history_turns, system_prompt=system, limits=self.limits)]
+        prompt, target, mask = expert_episode(self.tokenizer, chat, env, ref.seed, actions, end_of_turn_id=eot,
+                                              system_prompt=system, limits=self.limits)
+        return [SFTExample(prompt, target, mask)]
 
     # ----------------------------------------------------------------- weights
 

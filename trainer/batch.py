@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Container, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import NamedTuple
 
 import torch
@@ -61,6 +62,10 @@ class TrainSample:
     state_hashes: tuple[str, ...] = ()
     """Multi-turn: the environment state each agent turn acted from (GiGPO's anchors); empty or
     ``""`` entries = unknown (such a turn is its own anchor group)."""
+    segment_starts: tuple[int, ...] = ()
+    """Multi-turn with history windows: where each later turn's own prompt starts in
+    ``response_ids``; ``prompt + response`` is then independent sequences (:func:`segment_layout`).
+    Empty = one sequence."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,11 @@ class TokenBatch:
     def num_tokens(self) -> int:
         """Trained tokens in the batch."""
         return int(self.loss_mask.sum())
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the batch (sequences; a windowed episode has one per turn after :func:`split_rows`)."""
+        return int(self.input_ids.shape[0])
 
     @property
     def num_seqs(self) -> int:
@@ -133,6 +143,68 @@ def collate(samples: list[TrainSample], pad_id: int) -> TokenBatch:
         "response_len": torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float),  # (B,)
     }
     return TokenBatch(ids, attn, loss_mask, old_lp, rewards.clone(), extras)
+
+
+# --------------------------------------------------------------------------- segments (history windows)
+
+
+Segment = tuple[int, int, int]
+"""``(sample, start, end)``: tokens ``[start, end)`` of a sample's ``prompt + response``, one row."""
+
+
+def segment_layout(samples: Sequence[TrainSample]) -> list[Segment] | None:
+    """The rows of a batch whose samples hold independent segments (``segment_starts``: a windowed
+    episode, one segment per turn), in sample order; ``None`` when every sample is one sequence."""
+    if not any(s.segment_starts for s in samples):
+        return None
+    rows: list[Segment] = []
+    for b, s in enumerate(samples):
+        p, n = len(s.prompt_ids), len(s.prompt_ids) + len(s.response_ids)
+        bounds = [0, *(p + k for k in s.segment_starts), n]
+        if any(b1 <= b0 for b0, b1 in pairwise(bounds)) or bounds[-2] >= n:
+            raise ValueError(f"sample {s.sample_id or b}: segment_starts {list(s.segment_starts)[:8]} do not "
+                             f"increase strictly within its {len(s.response_ids)} response tokens")
+        rows += [(b, lo, hi) for lo, hi in pairwise(bounds)]
+    return rows
+
+
+def split_rows(batch: TokenBatch, layout: Sequence[Segment]) -> TokenBatch:
+    """``batch`` (one row per sample) cut into one row per segment, each left-aligned and
+    right-padded: ``input_ids``/``attention_mask`` columns ``[start, end)`` of its sample, per-token
+    tensors (``(B, L - 1)``, aligned with the targets) columns ``[start, end - 1)``; per-sample
+    tensors (``(B,)``) are repeated for each of the sample's rows. The first token of a segment is
+    predicted by no row: it is a turn's prompt, never trained."""
+    width = max(hi - lo for _, lo, hi in layout)
+    rows = len(layout)
+    src = torch.tensor([b for b, _, _ in layout])  # (R,) sample of each row
+
+    def tokens(t: torch.Tensor, w: int, shift: int) -> torch.Tensor:
+        out = torch.zeros(rows, w, dtype=t.dtype)  # (R, w)
+        for r, (b, lo, hi) in enumerate(layout):
+            out[r, : hi - lo - shift] = t[b, lo : hi - shift]
+        return out
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return tokens(t, width - 1, 1) if t.dim() == 2 else t[src]
+
+    return TokenBatch(
+        input_ids=tokens(batch.input_ids, width, 0),  # padded with id 0 (attention_mask 0 there)
+        attention_mask=tokens(batch.attention_mask, width, 0),
+        loss_mask=cut(batch.loss_mask),
+        old_logprobs=cut(batch.old_logprobs),
+        advantages=cut(batch.advantages),
+        extras={k: cut(v) for k, v in batch.extras.items()},
+    )
+
+
+def merge_rows(x: torch.Tensor, layout: Sequence[Segment], samples: int, width: int) -> torch.Tensor:
+    """The inverse of :func:`split_rows` for a per-token tensor: ``x`` (R, W - 1), one row per
+    segment, back to ``(samples, width - 1)`` in the samples' columns (0 where no row predicts: each
+    segment's first token)."""
+    out = torch.zeros(samples, width - 1, dtype=x.dtype)  # (B, L - 1)
+    for r, (b, lo, hi) in enumerate(layout):
+        out[b, lo : hi - 1] = x[r, : hi - lo - 1]
+    return out
 
 
 # --------------------------------------------------------------------------- group assembly
@@ -254,6 +326,7 @@ def samples_from_scored(scored: list[ScoredSample]) -> list[TrainSample]:
             step_rewards=tuple(s.step_rewards or s.generation.step_rewards),
             policy_version=s.generation.policy_version,
             state_hashes=tuple(s.generation.state_hashes),
+            segment_starts=tuple(s.generation.segment_starts),
         )
         for s in scored
     ]

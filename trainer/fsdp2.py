@@ -272,7 +272,7 @@ class FSDP2Strategy(TorchStrategy):
         by_tokens = self.algo.loss_agg_mode == "token-mean"
         total = max(batch.num_tokens if by_tokens else batch.num_seqs, 1)
         micros: list[tuple[TokenBatch, float]] = []
-        for start in range(0, len(samples), self.micro_batch_size):
+        for start in range(0, batch.num_rows, self.micro_batch_size):
             micro = batch.rows(start, start + self.micro_batch_size)
             share = (micro.num_tokens if by_tokens else micro.num_seqs) / total
             if share > 0:  # rows with nothing trained: no loss, no gradient (as TorchStrategy)

@@ -15,6 +15,12 @@ gae``). One optimizer step (:meth:`TorchStrategy.train_step`) over a batch of
    loss, entropy bonus, value loss), scaled by the micro-batch's share of the batch's tokens
    (``token-mean``) or sequences (``seq-mean-*``) so the accumulated gradient is the full-batch
    loss's; ``backward()``;
+   A batch with windowed episodes (``TrainSample.segment_starts``, ``rollout.history_turns``) is
+   collated and its advantages computed one row per episode (turns, step rewards and GiGPO's
+   anchors are per episode), but every forward pass sees one row per turn
+   (:func:`trainer.batch.split_rows`): a turn's tokens attend only to its own window, as in
+   rollout. Micro-batches then count turn rows, and ``seq-mean-*`` modes weigh each turn as a
+   sequence;
 5. clip the global gradient norm, ``optimizer.step()`` (and the critic's), ``step += 1``; adapt the
    KL coefficient.
 
@@ -61,7 +67,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from schemas.config import AlgorithmConfig, RunConfig, TrainConfig, resolve_dtype
 from trainer import algorithm as alg
 from trainer import losses as L
-from trainer.batch import TokenBatch, TrainSample, collate
+from trainer.batch import TokenBatch, TrainSample, collate, merge_rows, segment_layout, split_rows
 from trainer.logprobs import token_logprobs
 from trainer.losses import entropy_from_logits, masked_mean
 from trainer.sft import SFTExample, sft_warmup
@@ -584,15 +590,22 @@ class TorchStrategy:
         ex = batch.extras
         metrics: dict[str, float] = {}
         mask = batch.loss_mask
-        prox = self.logprobs(batch) if cfg.old_logprobs == "recompute" else None
-        ref = self.logprobs(batch, self.ref_model) if self.ref_model is not None else None
-        values = self.values(batch) if self.critic is not None else None
+        # windowed episodes: forward passes see one row per segment, advantages the whole episode
+        layout = segment_layout(samples)
+        seen = split_rows(batch, layout) if layout is not None else batch
+
+        def per_sample(x: torch.Tensor) -> torch.Tensor:  # (R, W - 1) -> (B, L - 1)
+            return x if layout is None else merge_rows(x, layout, batch.num_rows, batch.input_ids.shape[1])
+
+        prox = per_sample(self.logprobs(seen)) if cfg.old_logprobs == "recompute" else None
+        ref = per_sample(self.logprobs(seen, self.ref_model)) if self.ref_model is not None else None
+        values = per_sample(self.values(seen)) if self.critic is not None else None
         kl = None
         if cfg.add_token_level_kl:
             if ref is None:
                 raise RuntimeError("add_token_level_kl is on but no reference model was loaded (init_reference)")
             if cfg.kl_penalty == "full":
-                kl = self.full_kl(batch) * (mask > 0)  # (B, T)
+                kl = per_sample(self.full_kl(seen)) * (mask > 0)  # (B, T)
             else:
                 current = prox if prox is not None else batch.old_logprobs
                 kl = L.kl_penalty(current, ref, cfg.kl_penalty) * (mask > 0)  # (B, T)
@@ -618,7 +631,8 @@ class TorchStrategy:
             metrics["critic/returns_mean"] = L._mmean(returns, mask)
         if kl is not None:
             alg.update_kl_coef(cfg, self.algo_state, float((kl * (mask > 0)).sum(1).mean()), len(samples))
-        return batch.replace(old_logprobs=old_lp, advantages=adv * (mask > 0), loss_mask=mask, extras=extras), metrics
+        out = batch.replace(old_logprobs=old_lp, advantages=adv * (mask > 0), loss_mask=mask, extras=extras)
+        return (split_rows(out, layout) if layout is not None else out), metrics
 
     def backward(self, micro: TokenBatch, share: float) -> dict[str, float]:
         """The configured loss of one prepared micro-batch times ``share``; ``backward()``.
@@ -710,7 +724,7 @@ class TorchStrategy:
         by_tokens = self.algo.loss_agg_mode == "token-mean"
         total = max(batch.num_tokens if by_tokens else batch.num_seqs, 1)
         acc: dict[str, float] = {}
-        for start in range(0, len(samples), self.micro_batch_size):
+        for start in range(0, batch.num_rows, self.micro_batch_size):
             micro = batch.rows(start, start + self.micro_batch_size)
             share = (micro.num_tokens if by_tokens else micro.num_seqs) / total
             if share == 0:

@@ -123,6 +123,9 @@ def check_domains(cfg: Any) -> None:
         except (ValueError, RuntimeError) as e:
             raise ConfigError(f"{key}: data.heldout_size={cfg.data.heldout_size} held-out prompts cannot be drawn "
                               f"from task source {d.source!r}: {e}") from None
+    if cfg.rollout.history_turns is not None and not any(is_episodic(d.source) for d in cfg.data.domains):
+        raise ConfigError(f"config: rollout.history_turns={cfg.rollout.history_turns} applies to multi-turn domains "
+                          "and data.domains has none; remove it")
 
 
 def model_dir_of(cfg: Any, run_dir: Path) -> Path:

@@ -32,7 +32,7 @@ from schemas.topics import topic_name
 from services.kafka.admin import TopicAdmin
 from services.kafka.bus import Consumer
 from services.launch.runinfo import group_id
-from tests.e2e.faults import sql
+from tests.e2e.faults import rollstream, sql
 from tests.e2e.test_heal import finish, state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
@@ -195,3 +195,31 @@ def test_frozenlake_run_survives_kill_9_of_its_env_worker(tmp_path: Path, bootst
     assert rebuilds >= 1, log[-3000:]
     print(f"frozenlake kill -9 of env: {len(dead)} dead letters {[d['reason'] for d in dead]}, "
           f"{rebuilds} rebuilds, {after[0]['n']} observations after the kill, samples {s}")
+
+
+def test_a_windowed_frozenlake_run_trains_each_turn_on_its_own_window(tmp_path: Path, bootstrap: str,
+                                                                        repo_root: Path) -> None:
+    """``rollout.history_turns: 0`` through the real services: every trained episode is laid out as
+    one segment per turn in the record (``Generation.segment_starts``), the run accounts for every
+    sample, and ``replay step`` recomputes a windowed step from its checkpoint."""
+    env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=bootstrap)
+    runs = tmp_path / "runs"
+    run_id = f"e2e-window-{uuid.uuid4().hex[:6]}"
+    sets = [*SHORT_AGENTIC, "rollout.history_turns=0", "rollout.max_turns=6", "rollout.max_context_tokens=400"]
+    proc = start(repo_root / "examples" / "frozenlake.yaml", run_id, runs, env, sets)
+    finish(proc, timeout_s=300)
+    summary = json.loads((runs / run_id / "summary.json").read_text())
+    assert summary["steps"] == 2
+    s = summary["samples"]
+    assert s["unaccounted"] == 0 and s["trained"] > 0
+    assert s["issued"] == s["trained"] + s["dropped_stale"] + s["filtered"] + s["dead_letter"]
+    gens = sql(f"SELECT JSONExtractUInt(payload, 'num_turns') AS turns, "
+               f"length(JSONExtractArrayRaw(payload, 'segment_starts')) AS segments "
+               f"FROM events FINAL WHERE run_id = '{run_id}' AND kind = 'Generation'", runs, run_id, env)
+    assert len(gens) >= s["trained"]
+    assert all(g["segments"] == g["turns"] - 1 for g in gens), gens
+    assert any(g["turns"] > 1 for g in gens)
+    rep = rollstream("replay", "step", run_id, "1", "--format", "json", "--runs-dir", str(runs), env=env, timeout=300)
+    assert rep.returncode == 0, rep.stderr
+    out = json.loads(rep.stdout)
+    assert out["step"] == 1 and out["max_abs_diff"] <= 1e-5, out["metrics"]

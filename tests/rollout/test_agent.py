@@ -3,6 +3,7 @@ template and an in-process environment."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -188,3 +189,103 @@ def test_expert_episode_has_the_agent_loops_layout(chat_dir: Path) -> None:
     _, t3, m3 = expert_episode(tok, True, envs.make_env("frozenlake", prompt="", reference="", size=4), 3, actions,
                                end_of_turn_id=tok.eos_token_id, limits=AgentLimits(max_context_tokens=len(prompt)))
     assert t3 == [] and m3 == []
+
+
+def test_window_messages_keep_the_first_exchange_and_the_last_k_turns() -> None:
+    from rollout.agent import window_messages
+
+    obs, acts = ["o0", "o1", "o2", "o3", "o4"], ["a0", "a1", "a2", "a3"]
+
+    def seen(k: int, t: int) -> list[str]:
+        return [m["content"] for m in window_messages(obs[: t + 1], acts[:t], k, system_prompt="sys")]
+
+    assert seen(0, 0) == ["sys", "o0"]
+    assert seen(0, 1) == ["sys", "o0", "a0", "o1"]  # nothing dropped yet
+    assert seen(0, 4) == ["sys", "o0", "a0", "o4"]
+    assert seen(1, 4) == ["sys", "o0", "a0", "o3", "a3", "o4"]
+    assert seen(2, 4) == ["sys", "o0", "a0", "o2", "a2", "o3", "a3", "o4"]
+    assert seen(9, 4) == ["sys", "o0", "a0", "o1", "a1", "o2", "a2", "o3", "a3", "o4"]  # the whole conversation
+    roles = [m["role"] for m in window_messages(obs, acts, 1)]
+    assert roles == ["user", "assistant", "user", "assistant", "user"]  # alternating, no system without one
+    with pytest.raises(ValueError, match="one more observation"):
+        window_messages(obs, acts[:2], 0)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+async def test_a_windowed_episode_is_one_segment_per_turn_each_scored_on_its_own(chat_dir: Path, chat: bool) -> None:
+    """With a history window every turn's prompt is its window rendered afresh (loss 0), its reply
+    the sampled tokens (loss 1); the trainer, splitting the episode at ``segment_starts``, gives
+    every reply token the logprob the engine sampled it with, and turns attend only to their window."""
+    from rollout.agent import window_prompt
+    from trainer.batch import segment_layout, split_rows
+
+    engine = TorchEngine(chat_dir, max_batch=4, seed=3)
+    engine.chat = chat
+    limits = AgentLimits(max_turns=5, max_tokens_per_turn=6, history_turns=1)
+    traj = await episode(engine, limits, length=4)
+    assert traj.finish == "terminated" and traj.num_turns == 4 and traj.step_rewards == [0.5] * 4
+    assert len(traj.segment_starts) == 3 and len(turn_spans(traj.loss_mask)) == 4
+    bounds = [0, *traj.segment_starts, len(traj.response_ids)]
+    system = SYSTEM if chat else ""
+    for t in range(1, 4):
+        seg = traj.response_ids[bounds[t]: bounds[t + 1]]
+        mask = traj.loss_mask[bounds[t]: bounds[t + 1]]
+        prompt = window_prompt(engine.tokenizer, chat, traj.observations[: t + 1], traj.actions[:t], 1, system)
+        assert seg[: len(prompt)] == prompt and mask == [0] * len(prompt) + [1] * (len(seg) - len(prompt))
+    if chat:  # turn 3 sees the first exchange and turn 2, not turn 1
+        text = engine.tokenizer.decode(traj.response_ids[bounds[3]: bounds[4]])
+        assert "start 7" in text and "room 2" in text and "room 3" in text and "room 1" not in text
+    strategy = TorchStrategy(chat_dir, temperature=1.0, micro_batch_size=2)
+    sample = TrainSample(traj.prompt_ids, traj.response_ids, traj.logprobs, traj.loss_mask, 1.0, group_id="g",
+                         segment_starts=tuple(traj.segment_starts))
+    layout = segment_layout([sample])
+    assert layout is not None and len(layout) == 4
+    rows = split_rows(collate([sample], strategy.pad_id), layout)
+    mask_rows = rows.loss_mask.bool()
+    assert int(mask_rows.sum()) == sum(traj.loss_mask)
+    assert torch.allclose(strategy.logprobs(rows)[mask_rows], rows.old_logprobs[mask_rows], atol=1e-4)
+    # read as one sequence instead, later turns would see tokens their window does not hold
+    whole = collate([sample], strategy.pad_id)
+    late = whole.loss_mask.bool().clone()
+    late[0, : len(traj.prompt_ids) + bounds[1]] = False
+    assert not torch.allclose(strategy.logprobs(whole)[late], whole.old_logprobs[late], atol=1e-4)
+
+
+async def test_a_window_that_does_not_fit_ends_the_episode_on_context(chat_dir: Path) -> None:
+    """``max_context_tokens`` bounds each turn's window and reply, not the episode: a window of
+    every turn outgrows it, a window of none keeps playing."""
+    engine = TorchEngine(chat_dir, max_batch=2, seed=4)
+    probe = await episode(engine, AgentLimits(max_turns=1, max_tokens_per_turn=6), length=20)
+    context = len(probe.prompt_ids) + 60
+    growing = await episode(engine, AgentLimits(max_turns=15, max_tokens_per_turn=6, max_context_tokens=context,
+                                                 history_turns=20), length=20)
+    assert growing.finish == "context" and 2 <= growing.num_turns < 15
+    starts = [0, *growing.segment_starts, len(growing.response_ids)]
+    assert all(b - a <= context for a, b in pairwise(starts[1:]))
+    steady = await episode(engine, AgentLimits(max_turns=15, max_tokens_per_turn=6, max_context_tokens=context,
+                                                history_turns=0), length=20)
+    assert steady.finish == "max_turns" and steady.num_turns == 15
+    assert len(steady.prompt_ids) + len(steady.response_ids) > context  # the episode itself is longer
+
+
+def test_expert_windows_render_each_turn_as_the_loop_does(chat_dir: Path) -> None:
+    import envs
+    from envs.frozenlake import expert_actions
+    from rollout.agent import expert_windows, window_prompt
+
+    tok = TorchEngine(chat_dir, max_batch=2).tokenizer
+    actions = expert_actions(3)
+    env = envs.make_env("frozenlake", prompt="", reference="", size=4)
+    turns = expert_windows(tok, True, env, 3, actions, end_of_turn_id=tok.eos_token_id, history_turns=0,
+                           system_prompt=SYSTEM, limits=AgentLimits(max_turns=20, max_context_tokens=4000))
+    assert len(turns) == len(actions)
+    replay = envs.make_env("frozenlake", prompt="", reference="", size=4)
+    observations = [replay.reset(seed=3)[0]]
+    for t, ((prompt, target), action) in enumerate(zip(turns, actions, strict=True)):
+        assert prompt == window_prompt(tok, True, observations, list(actions[:t]), 0, SYSTEM)
+        assert tok.decode(target[:-1]) == action and target[-1] == tok.eos_token_id
+        observations.append(replay.step(action).observation)
+    short = expert_windows(tok, True, envs.make_env("frozenlake", prompt="", reference="", size=4), 3, actions,
+                           end_of_turn_id=tok.eos_token_id, history_turns=0,
+                           limits=AgentLimits(max_turns=2, max_context_tokens=4000))
+    assert len(short) == 2

@@ -17,10 +17,10 @@ def example_events() -> list[ev.Event]:
     )
     gen = ev.Generation(
         run_id=RUN, event_id="e-gen", ts=1700000001.0, task=task, prompt_ids=[1, 5, 6, 7], response_ids=[9, 10, 2],
-        response_text="19", logprobs=[-0.5, -0.25, -0.125], loss_mask=[1, 1, 1], finish_reason="stop",
+        response_text="19", logprobs=[-0.5, 0.0, -0.125], loss_mask=[1, 0, 1], finish_reason="stop",
         policy_version=3, policy_version_end=4, worker_id="w0", queued_s=0.01, gen_s=0.2,
         env_s=0.5, num_turns=2, episode_id="g1/0@0a1b2c3d", step_rewards=[0.0, 1.0], turn_versions=[3, 4],
-        state_hashes=["aa11", "bb22"], env_finish="terminated", success=True,
+        state_hashes=["aa11", "bb22"], env_finish="terminated", success=True, segment_starts=[1],
     )
     scored = ev.ScoredSample(run_id=RUN, event_id="e-scored", ts=4.0, generation=gen, reward=1.0,
                              rewards={"correct": 1.0, "judge": 0.75}, verifier="exact", details="19 == 19",

@@ -129,3 +129,13 @@ def test_judge_fields_added_after_v5_default_in_old_payloads() -> None:
     req = msgspec.msgpack.Decoder(TOPICS["judge.requests"].event_type).decode(
         (FIXTURES / "v6" / "JudgeRequest.msgpack").read_bytes())
     assert isinstance(req, ev.JudgeRequest) and req.judge == "quality" and req.scored.generation.response_text == "19"
+
+
+def test_segment_starts_added_after_v6_default_in_old_payloads() -> None:
+    """Generation.segment_starts (history windows): v6 payloads decode as one sequence, v7 payloads
+    carry where each later turn's own prompt starts."""
+    dec = msgspec.msgpack.Decoder(TOPICS["generations"].event_type)
+    old = dec.decode((FIXTURES / "v6" / "Generation.msgpack").read_bytes())
+    assert isinstance(old, ev.Generation) and old.segment_starts == []
+    new = dec.decode((FIXTURES / "v7" / "Generation.msgpack").read_bytes())
+    assert isinstance(new, ev.Generation) and new.segment_starts == [1] and new.loss_mask == [1, 0, 1]

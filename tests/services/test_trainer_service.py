@@ -81,6 +81,17 @@ def test_impossible_values_are_named() -> None:
     assert check_task(ok.generation.task, domains={"arith"}) is None
 
 
+
+def test_segment_starts_must_begin_untrained_prompts_in_order() -> None:
+    gen = msgspec.structs.replace(scored("g", 0).generation, response_ids=[2, 5, 6, 2], logprobs=[-0.1, 0.0, 0.0, -0.2],
+                                  loss_mask=[1, 0, 0, 1])
+    assert check_generation(msgspec.structs.replace(gen, segment_starts=[1])) is None
+    assert "must increase strictly" in str(check_generation(msgspec.structs.replace(gen, segment_starts=[2, 1])))
+    assert "must increase strictly" in str(check_generation(msgspec.structs.replace(gen, segment_starts=[0])))
+    assert "must increase strictly" in str(check_generation(msgspec.structs.replace(gen, segment_starts=[4])))
+    assert "on a trained token" in str(check_generation(msgspec.structs.replace(gen, segment_starts=[3])))
+
+
 # --------------------------------------------------------------------------- the handler
 
 

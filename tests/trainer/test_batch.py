@@ -6,12 +6,15 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import msgspec
+import pytest
 
 from schemas.config import AlgorithmConfig
 from schemas.events import Generation, RolloutTask, ScoredSample
 from trainer.batch import (
     Rejection,
+    TrainSample,
     assemble,
+    collate,
     group_complete,
     group_reject_reason,
     samples_from_scored,
@@ -162,3 +165,28 @@ def test_samples_from_scored_keeps_order_reward_and_group() -> None:
     long = msgspec.structs.replace(batch[0], generation=msgspec.structs.replace(batch[0].generation,
                                                                                 finish_reason="length"))
     assert samples_from_scored([long])[0].truncated
+
+
+def test_split_rows_cuts_episodes_into_their_segments_and_merge_rows_puts_them_back() -> None:
+    import torch
+
+    from trainer.batch import merge_rows, segment_layout, split_rows
+
+    a = TrainSample([1, 5], [6, 7, 8, 9, 10], [-0.1, 0.0, 0.0, -0.4, -0.5], [1, 0, 0, 1, 1], 1.0, "a",
+                    segment_starts=(1,))
+    b = TrainSample([1, 4, 4], [3], [-0.3], [1], 0.0, "b")
+    layout = segment_layout([a, b])
+    assert layout == [(0, 0, 3), (0, 3, 7), (1, 0, 4)]
+    batch = collate([a, b], pad_id=0)
+    rows = split_rows(batch, layout)
+    assert rows.input_ids.tolist() == [[1, 5, 6, 0], [7, 8, 9, 10], [1, 4, 4, 3]]
+    assert rows.attention_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1]]
+    assert rows.loss_mask.tolist() == [[0, 1, 0], [0, 1, 1], [0, 0, 1]]  # token 7 starts a prompt: no target
+    assert rows.old_logprobs[1].tolist() == pytest.approx([0.0, -0.4, -0.5])
+    assert rows.extras["rewards"].tolist() == [1.0, 1.0, 0.0] and rows.num_rows == 3
+    assert rows.num_tokens == batch.num_tokens == 4
+    back = merge_rows(rows.old_logprobs, layout, 2, batch.input_ids.shape[1])
+    assert torch.equal(back * batch.loss_mask, batch.old_logprobs * batch.loss_mask)
+    assert segment_layout([b]) is None
+    with pytest.raises(ValueError, match="segment_starts"):
+        segment_layout([TrainSample([1], [6, 7], [0.0, 0.0], [0, 1], 0.0, "c", segment_starts=(2,))])

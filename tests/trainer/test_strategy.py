@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -170,3 +171,82 @@ def test_cosine_lr_schedule(model_dir: Path) -> None:
     assert [warm.lr_at(k) for k in range(3)] == pytest.approx([cosine.lr_at(k) * (k + 1) / 4 for k in range(3)])
     assert warm.lr_at(3) == pytest.approx(cosine.lr_at(3)) and warm.lr_at(10) == pytest.approx(1e-4)
     assert warm.train_step(make_samples(2))["actor/lr"] == pytest.approx(0.25e-3)
+
+
+def windowed_episodes(strategy: TorchStrategy, episodes: int = 4, turns: int = 3, seed: int = 0,
+                      ) -> tuple[list[TrainSample], list[TrainSample]]:
+    """Episodes under a history window (each turn a segment: its own prompt, then its reply), with
+    behaviour logprobs from each segment read on its own; and the same turns as separate samples."""
+    rng = random.Random(seed)
+    windowed, split = [], []
+    for e in range(episodes):
+        segs = []
+        for _ in range(turns):
+            prompt = [1] + [rng.randrange(4, 60) for _ in range(rng.randrange(3, 9))]
+            reply = [rng.randrange(4, 60) for _ in range(rng.randrange(1, 4))] + [2]
+            row = collate([TrainSample(prompt, reply, [0.0] * len(reply), [1] * len(reply), 0.0)], strategy.pad_id)
+            lp = strategy.logprobs(row)[0, len(prompt) - 1:].tolist()
+            segs.append((prompt, reply, lp))
+        reward = float(e % 2)
+        group = f"g{e // 2}"
+        response, lps, mask, starts = [], [], [], []
+        for t, (prompt, reply, lp) in enumerate(segs):
+            if t:
+                starts.append(len(response))
+                response += prompt
+                lps += [0.0] * len(prompt)
+                mask += [0] * len(prompt)
+            response += reply
+            lps += lp
+            mask += [1] * len(reply)
+            split.append(TrainSample(prompt, reply, lp, [1] * len(reply), reward, f"e{e}/t{t}", group_id=group))
+        windowed.append(TrainSample(segs[0][0], response, lps, mask, reward, f"e{e}", group_id=group,
+                                    segment_starts=tuple(starts)))
+    return windowed, split
+
+
+def test_windowed_episodes_train_as_their_turns_would_on_their_own(model_dir: Path) -> None:
+    """A windowed episode is scored one row per turn: behaviour logprobs read on each turn's own
+    window are the strategy's own (ratio 1), and with an episode-level advantage (Dr. GRPO,
+    token-mean) the step equals the step on the same turns given as separate samples."""
+    from schemas.config import AlgorithmConfig
+
+    algo = AlgorithmConfig(adv_estimator="dr_grpo", old_logprobs="recompute")
+    a = TorchStrategy(model_dir, lr=1e-2, micro_batch_size=4, algo=algo)
+    b = TorchStrategy(model_dir, lr=1e-2, micro_batch_size=4, algo=algo)
+    windowed, split = windowed_episodes(a)
+    batch, _ = a.prepare(windowed)
+    assert batch.num_rows == len(split) == 12
+    trained = batch.loss_mask.bool()
+    assert torch.allclose(batch.old_logprobs[trained],  # recomputed on the rows (no cross-turn attention)
+                          torch.tensor([x for s in split for x in s.old_logprobs]), atol=1e-5)
+    ma, mb = a.train_step(windowed), b.train_step(split)
+    assert ma["train/tokens"] == mb["train/tokens"] and ma["train/samples"] == 4
+    assert ma["loss/policy"] == pytest.approx(mb["loss/policy"], abs=1e-6)
+    assert ma["actor/ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    pa, pb = params(a), params(b)
+    assert all(torch.allclose(pa[k], pb[k], atol=1e-6) for k in pa)
+
+
+def test_windowed_gigpo_advantages_follow_the_episode(model_dir: Path) -> None:
+    """GiGPO on windowed episodes: per-turn advantages are computed over the episode (its step
+    rewards and anchors), then land on that turn's row."""
+    from schemas.config import AlgorithmConfig
+    from trainer import algorithm as alg
+    from trainer.batch import merge_rows, segment_layout
+
+    s = TorchStrategy(model_dir, algo=AlgorithmConfig(adv_estimator="gigpo"))
+    windowed, _ = windowed_episodes(s, seed=1)
+    windowed = [dataclasses.replace(w, step_rewards=(0.0, float(i % 2), 1.0), state_hashes=("a", f"b{i % 2}", "c"))
+                for i, w in enumerate(windowed)]
+    batch, _ = s.prepare(windowed)
+    whole = collate(windowed, s.pad_id)
+    adv, _, _ = alg.compute_advantages(s.algo, s.algo_state, whole.extras["rewards"], whole.extras["group_ids"],
+                                       whole.loss_mask, step_rewards=[w.step_rewards for w in windowed],
+                                       state_hashes=[w.state_hashes for w in windowed])
+    layout = segment_layout(windowed)
+    assert layout is not None
+    back = merge_rows(batch.advantages, layout, len(windowed), whole.input_ids.shape[1])
+    assert torch.allclose(back, adv, atol=1e-6) and adv.abs().sum() > 0
+    per_row = [set(batch.advantages[r][batch.loss_mask[r] > 0].tolist()) for r in range(batch.num_rows)]
+    assert all(len(v) == 1 for v in per_row)  # one advantage per turn

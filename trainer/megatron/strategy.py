@@ -372,7 +372,7 @@ class MegatronStrategy(TorchStrategy):
         by_tokens = self.algo.loss_agg_mode == "token-mean"
         total = max(batch.num_tokens if by_tokens else batch.num_seqs, 1)
         acc: dict[str, float] = {}
-        for index, start in enumerate(range(0, len(samples), self.micro_batch_size)):
+        for index, start in enumerate(range(0, batch.num_rows, self.micro_batch_size)):
             if index % self.dp != self.dp_rank:
                 continue
             micro = batch.rows(start, start + self.micro_batch_size)
