@@ -31,6 +31,11 @@ cell from which no push sequence can bring it to a target) makes the room unsolv
 ``info["deadlock"]`` says so, and with ``end_on_deadlock`` the episode terminates there (no
 success).
 
+Presentation kwargs: ``instructions`` (default true: false leaves the rules out of the first
+observation, which is then the board alone: for a model trained from scratch, which cannot read
+them) and ``letters`` (default false: true asks for one-letter replies ``U``/``D``/``L``/``R``, one
+token each with a character tokenizer, and the expert demonstrates them; words still count).
+
 ``info``: ``turn``, ``state_hash`` (digest of the room, the player and the boxes), ``success``,
 ``invalid_action``, ``deadlock``; ``seed`` after reset.
 
@@ -217,6 +222,8 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "step_penalty": float,
     "invalid_penalty": float,
     "end_on_deadlock": bool,
+    "instructions": bool,
+    "letters": bool,
 }
 
 
@@ -232,6 +239,8 @@ class SokobanConfig:
     step_penalty: float = 0.0
     invalid_penalty: float = 0.0
     end_on_deadlock: bool = False
+    instructions: bool = True
+    letters: bool = False
 
     def __post_init__(self) -> None:
         check_kwargs("sokoban", asdict(self), _TYPES)
@@ -261,12 +270,13 @@ class Sokoban:
 
     def __init__(self, config: SokobanConfig | None = None) -> None:
         self.config = cfg = config or SokobanConfig()
+        reply = ("Reply with one letter: U (up), D (down), L (left) or R (right)." if cfg.letters else
+                 "Reply with one move: up, down, left or right (the last one in your reply counts).")
         self.instructions = (
             "Sokoban: push every box $ onto a target . (# wall, * box on a target, @ you, + you on "
             "a target). You push a box by walking into it; you cannot pull boxes or push two at "
-            f"once. You have {cfg.turns} moves. Reply with one move: up, down, left or right (the "
-            "last one in your reply counts)."
-        )
+            f"once. You have {cfg.turns} moves. {reply}"
+        ) if cfg.instructions else ""
         self.room: Room | None = None
         self.player, self.boxes = -1, frozenset[int]()
         self.seed, self.turn, self.done, self.succeeded, self.deadlock = 0, 0, True, False, False
@@ -291,7 +301,8 @@ class Sokoban:
         self.room = generate_room(self.seed, self.config.size, self.config.boxes)
         self.player, self.boxes = self.room.player, self.room.boxes
         self.turn, self.done, self.succeeded, self.deadlock = 0, False, False, False
-        return f"{self.instructions}\n\n{self.board()}", {**self._info(False), "seed": self.seed}
+        text = f"{self.instructions}\n\n{self.board()}" if self.instructions else self.board()
+        return text, {**self._info(False), "seed": self.seed}
 
     def step(self, action: str) -> StepResult:
         if self.done or self.room is None:
@@ -303,7 +314,8 @@ class Sokoban:
         if a is None:
             reward, feedback = (
                 cfg.invalid_penalty,
-                "Invalid action: reply with up, down, left or right. Nothing moved.",
+                ("Invalid action: reply with U, D, L or R. Nothing moved." if cfg.letters
+                 else "Invalid action: reply with up, down, left or right. Nothing moved."),
             )
         else:
             reward, word, d = cfg.step_penalty, ACTIONS[a], room.deltas[a]
@@ -371,6 +383,8 @@ class SokobanSource(EpisodeSource):
     step_penalty: float = 0.0
     invalid_penalty: float = 0.0
     end_on_deadlock: bool = False
+    instructions: bool = True
+    letters: bool = False
     heldout_fraction: float = 0.05
     salt: str = "sokoban"
     name: str = "sokoban"
@@ -400,8 +414,10 @@ class SokobanSource(EpisodeSource):
         return render(room, room.boxes, room.player)
 
     def expert_actions(self, seed: int) -> list[str]:
-        """The expert's moves for episode ``seed``: a BFS shortest solution."""
-        return expert_actions(seed, size=self.size, boxes=self.boxes)
+        """The expert's moves for episode ``seed``: a BFS shortest solution (one letter each with
+        ``letters``)."""
+        moves = expert_actions(seed, size=self.size, boxes=self.boxes)
+        return [m[0].upper() for m in moves] if self.letters else moves
 
 
 @register_source("sokoban")

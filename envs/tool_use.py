@@ -236,12 +236,15 @@ class ToolUseConfig:
     python_wall_s: float = 2.0
     python_memory_mb: int = 256
     max_output_chars: int = 400
+    instructions: bool = True
+    """False: the first observation is the task alone, without the tool syntax (for a model trained
+    from scratch, which learns the syntax from the warm-up's demonstrations, not from the text)."""
     family_list: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _typed(self, {"families": str, "difficulty": int, "max_turns": int, "allow_python": bool,
                       "allow_calc": bool, "tool_bonus": float, "python_wall_s": float,
-                      "python_memory_mb": int, "max_output_chars": int})
+                      "python_memory_mb": int, "max_output_chars": int, "instructions": bool})
         if self.families.strip() == "all":
             fams = tuple(f for f in FAMILIES if self.allow_python or f not in PYTHON_ONLY)
         else:
@@ -262,7 +265,7 @@ class ToolUseConfig:
 
 
 _KWARGS = ("families", "difficulty", "max_turns", "allow_python", "allow_calc", "tool_bonus",
-           "python_wall_s", "python_memory_mb", "max_output_chars")
+           "python_wall_s", "python_memory_mb", "max_output_chars", "instructions")
 
 
 def _typed(obj: Any, types: dict[str, type]) -> None:
@@ -387,7 +390,7 @@ class ToolUseEnv:
         self.seed = random.SystemRandom().randrange(2**31) if seed is None else int(seed)
         self.task = self.task_for(self.cfg, self.seed)
         self.turn, self.tool_calls, self.done = 0, 0, False
-        obs = f"Task: {self.task.question}\n{_instructions(self.cfg)}"
+        obs = f"Task: {self.task.question}" + (f"\n{_instructions(self.cfg)}" if self.cfg.instructions else "")
         return obs, {**self._info(False, False, ""), "seed": self.seed, "family": self.task.family}
 
     def _info(self, success: bool, invalid: bool, tool: str) -> dict[str, Any]:

@@ -165,6 +165,7 @@ def test_reference_rebuilds_the_episode() -> None:
         ({"success_rate": 0.0}, "success_rate"),
         ({"max_turns": -1}, "max_turns"),
         ({"invalid_penalty": 0.5}, "invalid_penalty"),
+        ({"instructions": "no"}, "instructions"),
         ({"holes": 3}, "holes"),
     ],
 )
@@ -292,3 +293,11 @@ def test_safe_random_demonstrator_keeps_to_the_ice_but_does_not_seek_the_goal() 
     assert reached < 100 and moves > 200 * 6  # wanders: far less often at the goal than the expert
     with pytest.raises(ValueError, match="demo='best' must be one of expert, safe_random"):
         make_source("frozenlake", demo="best")
+
+
+def test_instructions_false_leaves_only_the_view() -> None:
+    kw = {"neighbors": True, "board": False, "letters": True}
+    full, _ = make_frozenlake_env(**kw).reset(seed=5)
+    bare, _ = make_frozenlake_env(**kw, instructions=False).reset(seed=5)
+    assert full.startswith("FrozenLake:") and full.endswith(bare) and bare.startswith("Around you: L=")
+    assert "\n" not in bare

@@ -239,6 +239,8 @@ def test_reference_rebuilds_the_episode() -> None:
         ({"step_penalty": 0.5}, "step_penalty"),
         ({"invalid_penalty": 1}, "invalid_penalty"),
         ({"end_on_deadlock": 1}, "end_on_deadlock"),
+        ({"instructions": "no"}, "instructions"),
+        ({"letters": 1}, "letters"),
         ({"walls": 3}, "walls"),
     ],
 )
@@ -247,3 +249,19 @@ def test_kwargs_are_validated(kwargs: dict[str, object], name: str) -> None:
         make_sokoban_env(**kwargs)
     with pytest.raises(ValueError, match=name):
         make_source("sokoban", **kwargs)
+
+
+def test_instructions_false_shows_the_board_alone_and_letters_are_one_letter_moves() -> None:
+    plain, terse = make_sokoban_env(), make_sokoban_env(instructions=False, letters=True)
+    full, _ = plain.reset(seed=4)
+    board, _ = terse.reset(seed=4)
+    assert full.startswith("Sokoban:") and full.endswith(board) and not board.startswith("Sokoban")
+    assert board == plain.board()
+    src = make_source("sokoban", letters=True)
+    words = make_source("sokoban").expert_actions(4)  # type: ignore[attr-defined]
+    assert src.expert_actions(4) == [w[0].upper() for w in words]  # type: ignore[attr-defined]
+    for move in src.expert_actions(4):  # type: ignore[attr-defined]
+        res = terse.step(move)
+    assert res.info["success"] and res.terminated
+    terse.reset(seed=4)
+    assert "reply with U, D, L or R" in terse.step("jump").observation

@@ -59,6 +59,7 @@ def test_registered_env_and_source() -> None:
         ({"python_wall_s": 0}, "python_wall_s"),
         ({"python_memory_mb": 16}, "python_memory_mb"),
         ({"max_output_chars": 1}, "max_output_chars"),
+        ({"instructions": "no"}, "instructions"),
     ],
 )
 def test_bad_kwargs_are_one_line_errors_naming_them(kwargs: dict[str, object], name: str) -> None:
@@ -480,3 +481,9 @@ def test_reset_and_calc_steps_are_cheap() -> None:
         env.step("calc: 4821 * 739")
         env.step("answer: 1")
     assert (time.perf_counter() - t) / 200 < 0.01
+
+
+def test_instructions_false_shows_the_task_alone() -> None:
+    full, _ = new_env().reset(seed=7)
+    bare, _ = new_env(instructions=False).reset(seed=7)
+    assert full.startswith(bare + "\n") and bare.startswith("Task: ") and "calc:" not in bare
