@@ -37,7 +37,8 @@ prompt is the first observation, the reference is JSON ``{"env", "seed", "kwargs
 A seed is held out iff ``sha256("tool_use|<seed>")`` mapped to ``[0, 1)`` is below
 ``heldout_fraction``; training seeds are redrawn until they are not; ``heldout(n)`` is the first
 ``n`` held-out seeds counting up from 0. :meth:`ToolUseSource.expert_actions` calls the tool once
-(``calc`` where it can, else ``python``) and answers; the demonstration joins its actions with
+(``calc`` where it can, else ``python``) and answers (source kwarg ``demo: mixed``: half the
+episodes, by seed, answer at once without a tool); the demonstration joins its actions with
 ``\\n---\\n``.
 """
 
@@ -58,6 +59,10 @@ from envs.sandbox import SandboxLimits, SandboxResult, run_python
 
 NAME = "tool_use"
 FAMILIES = ("mul", "sum", "powmod", "primes")
+DEMOS = ("tool", "mixed")
+"""Source kwarg ``demo``: who demonstrates for the warm-up: ``tool`` (every episode calls a tool,
+then answers) or ``mixed`` (half answer at once, without a tool: RL has to find out that the tool
+pays)."""
 PYTHON_ONLY = frozenset({"primes"})
 """Families the calculator cannot solve (left out of ``families="all"`` without python)."""
 DEMO_SEP = "\n---\n"
@@ -461,11 +466,14 @@ class ToolUseSource:
     name = NAME
     default_verifier = ""
 
-    def __init__(self, heldout_fraction: float = 0.05, **env_kwargs: Any) -> None:
+    def __init__(self, heldout_fraction: float = 0.05, demo: str = "tool", **env_kwargs: Any) -> None:
         if isinstance(heldout_fraction, bool) or not isinstance(heldout_fraction, int | float) \
                 or not 0 < heldout_fraction < 1:
             raise ValueError(f"{NAME}: heldout_fraction={heldout_fraction!r} must be in (0, 1)")
+        if demo not in DEMOS:
+            raise ValueError(f"{NAME}: demo={demo!r} must be one of {', '.join(DEMOS)}")
         self.heldout_fraction = float(heldout_fraction)
+        self.demo = demo
         self.cfg = _config(env_kwargs)
 
     def env(self) -> ToolUseEnv:
@@ -499,8 +507,11 @@ class ToolUseSource:
 
     def expert_actions(self, seed: int) -> list[str]:
         """One tool call (``calc`` where it can, else ``python``; none when no tool is enabled)
-        then the answer."""
+        then the answer. With ``demo: mixed`` half the episodes (by seed) answer at once, without a
+        tool."""
         task = ToolUseEnv.task_for(self.cfg, seed)
+        if self.demo == "mixed" and seed_heldout(f"{NAME}/direct", seed, 0.5):
+            return [f"answer: {task.answer}"]
         actions = []
         if self.cfg.allow_calc and task.calc_expr:
             actions.append(f"calc: {task.calc_expr}")

@@ -487,3 +487,16 @@ def test_instructions_false_shows_the_task_alone() -> None:
     full, _ = new_env().reset(seed=7)
     bare, _ = new_env(instructions=False).reset(seed=7)
     assert full.startswith(bare + "\n") and bare.startswith("Task: ") and "calc:" not in bare
+
+
+def test_mixed_demonstrations_answer_half_the_episodes_without_a_tool() -> None:
+    tool, mixed = make_source("tool_use", families="mul"), make_source("tool_use", families="mul", demo="mixed")
+    seeds = range(200)
+    direct = [s for s in seeds if len(mixed.expert_actions(s)) == 1]  # type: ignore[attr-defined]
+    assert 70 <= len(direct) <= 130
+    for s in seeds:
+        with_tool = tool.expert_actions(s)  # type: ignore[attr-defined]
+        assert with_tool[0].startswith("calc: ") and len(with_tool) == 2
+        assert mixed.expert_actions(s) == (with_tool[1:] if s in direct else with_tool)  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="demo"):
+        make_source("tool_use", demo="oracle")
