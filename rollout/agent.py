@@ -456,15 +456,17 @@ def expert_windows(
     actions: list[str],
     *,
     end_of_turn_id: int,
-    history_turns: int,
+    limits: AgentLimits,
     system_prompt: str = "",
-    limits: AgentLimits = AgentLimits(),
 ) -> list[tuple[list[int], list[int]]]:
-    """An expert's episode under a history window, for the supervised warm-up: one
-    ``(prompt_ids, target_ids)`` per model turn, the prompt rendered as :func:`run_episode` renders
-    it with ``history_turns`` (:func:`window_prompt`), the target the action's tokens plus
+    """An expert's episode under the history window of ``limits.history_turns``, for the supervised
+    warm-up: one ``(prompt_ids, target_ids)`` per model turn, the prompt rendered as
+    :func:`run_episode` renders it (:func:`window_prompt`), the target the action's tokens plus
     ``end_of_turn_id``. It stops when the episode ends, after ``limits.max_turns`` turns, or at the
     first turn whose window and action would not fit in ``limits.max_context_tokens``."""
+    history_turns = limits.history_turns
+    if history_turns is None:
+        raise ValueError("expert_windows needs limits.history_turns (use expert_episode for one sequence)")
     text, _ = env.reset(seed=seed)
     observations: list[str] = [text]
     played: list[str] = []

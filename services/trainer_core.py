@@ -257,8 +257,8 @@ class TrainerCore:
         eot = self.tokenizer.eos_token_id
         if self.limits.history_turns is not None:
             return [SFTExample(prompt, target) for prompt, target in expert_windows(
-                self.tokenizer, chat, env, ref.seed, actions, end_of_turn_id=eot,
-                history_turns=self.limits.history_turns, system_prompt=system, limits=self.limits)]
+                self.tokenizer, chat, env, ref.seed, actions, end_of_turn_id=eot, limits=self.limits,
+                system_prompt=system)]
         prompt, target, mask = expert_episode(self.tokenizer, chat, env, ref.seed, actions, end_of_turn_id=eot,
                                               system_prompt=system, limits=self.limits)
         return [SFTExample(prompt, target, mask)]

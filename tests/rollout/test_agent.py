@@ -276,8 +276,8 @@ def test_expert_windows_render_each_turn_as_the_loop_does(chat_dir: Path) -> Non
     tok = TorchEngine(chat_dir, max_batch=2).tokenizer
     actions = expert_actions(3)
     env = envs.make_env("frozenlake", prompt="", reference="", size=4)
-    turns = expert_windows(tok, True, env, 3, actions, end_of_turn_id=tok.eos_token_id, history_turns=0,
-                           system_prompt=SYSTEM, limits=AgentLimits(max_turns=20, max_context_tokens=4000))
+    turns = expert_windows(tok, True, env, 3, actions, end_of_turn_id=tok.eos_token_id, system_prompt=SYSTEM,
+                           limits=AgentLimits(max_turns=20, max_context_tokens=4000, history_turns=0))
     assert len(turns) == len(actions)
     replay = envs.make_env("frozenlake", prompt="", reference="", size=4)
     observations = [replay.reset(seed=3)[0]]
@@ -286,6 +286,6 @@ def test_expert_windows_render_each_turn_as_the_loop_does(chat_dir: Path) -> Non
         assert tok.decode(target[:-1]) == action and target[-1] == tok.eos_token_id
         observations.append(replay.step(action).observation)
     short = expert_windows(tok, True, envs.make_env("frozenlake", prompt="", reference="", size=4), 3, actions,
-                           end_of_turn_id=tok.eos_token_id, history_turns=0,
-                           limits=AgentLimits(max_turns=2, max_context_tokens=4000))
+                           end_of_turn_id=tok.eos_token_id,
+                           limits=AgentLimits(max_turns=2, max_context_tokens=4000, history_turns=0))
     assert len(short) == 2
