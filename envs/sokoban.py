@@ -33,8 +33,12 @@ success).
 
 Presentation kwargs: ``instructions`` (default true: false leaves the rules out of the first
 observation, which is then the board alone: for a model trained from scratch, which cannot read
-them) and ``letters`` (default false: true asks for one-letter replies ``U``/``D``/``L``/``R``, one
-token each with a character tokenizer, and the expert demonstrates them; words still count).
+them), ``letters`` (default false: true asks for one-letter replies ``U``/``D``/``L``/``R``, one
+token each with a character tokenizer, and the expert demonstrates them; words still count) and
+``positions`` (default false: true adds a line under every board saying where each box off a target
+and each free target is relative to the player, e.g. ``box U1 L2, target D1 R3`` — rows up/down,
+columns left/right; :func:`positions`. The board stays whole; the line spares a small model from
+locating ``@``, ``$`` and ``.`` in a 2-D grid of characters, which it reads poorly).
 
 ``info``: ``turn``, ``state_hash`` (digest of the room, the player and the boxes), ``success``,
 ``invalid_action``, ``deadlock``; ``seed`` after reset.
@@ -97,6 +101,23 @@ def render(room: Room, boxes: frozenset[int] | set[int], player: int) -> str:
                 row.append("." if i in room.targets else " ")
         rows.append("".join(row))
     return "\n".join(rows)
+
+
+def positions(room: Room, boxes: frozenset[int] | set[int], player: int) -> str:
+    """Where the boxes not on a target and the free targets are, relative to the player, in rows and
+    columns: ``box U1 L2, target D1 R3`` (``U``/``D`` rows up/down, ``L``/``R`` columns left/right; a
+    zero offset is left out, ``here`` when both are). Boxes first, then targets, each in cell order."""
+    pr, pc = divmod(player, room.size)
+
+    def offset(cell: int) -> str:
+        r, c = divmod(cell, room.size)
+        parts = [f"{'U' if r < pr else 'D'}{abs(r - pr)}"] if r != pr else []
+        parts += [f"{'L' if c < pc else 'R'}{abs(c - pc)}"] if c != pc else []
+        return " ".join(parts) or "here"
+
+    items = [f"box {offset(b)}" for b in sorted(set(boxes) - room.targets)]
+    items += [f"target {offset(t)}" for t in sorted(room.targets - set(boxes))]
+    return ", ".join(items)
 
 
 def _connected(floor: set[int], size: int) -> bool:
@@ -224,6 +245,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "end_on_deadlock": bool,
     "instructions": bool,
     "letters": bool,
+    "positions": bool,
 }
 
 
@@ -241,6 +263,7 @@ class SokobanConfig:
     end_on_deadlock: bool = False
     instructions: bool = True
     letters: bool = False
+    positions: bool = False
 
     def __post_init__(self) -> None:
         check_kwargs("sokoban", asdict(self), _TYPES)
@@ -282,8 +305,12 @@ class Sokoban:
         self.seed, self.turn, self.done, self.succeeded, self.deadlock = 0, 0, True, False, False
 
     def board(self) -> str:
+        """The board, and with ``positions`` a line saying where boxes and targets are."""
         assert self.room is not None
-        return render(self.room, self.boxes, self.player)
+        text = render(self.room, self.boxes, self.player)
+        if self.config.positions:
+            text += "\n" + positions(self.room, self.boxes, self.player)
+        return text
 
     def _info(self, invalid: bool) -> dict[str, Any]:
         assert self.room is not None
@@ -385,6 +412,7 @@ class SokobanSource(EpisodeSource):
     end_on_deadlock: bool = False
     instructions: bool = True
     letters: bool = False
+    positions: bool = False
     heldout_fraction: float = 0.05
     salt: str = "sokoban"
     name: str = "sokoban"

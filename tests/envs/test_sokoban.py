@@ -15,6 +15,7 @@ from envs.sokoban import (
     expert_actions,
     generate_room,
     make_sokoban_env,
+    positions,
     render,
     solve,
 )
@@ -241,6 +242,7 @@ def test_reference_rebuilds_the_episode() -> None:
         ({"end_on_deadlock": 1}, "end_on_deadlock"),
         ({"instructions": "no"}, "instructions"),
         ({"letters": 1}, "letters"),
+        ({"positions": "yes"}, "positions"),
         ({"walls": 3}, "walls"),
     ],
 )
@@ -265,3 +267,19 @@ def test_instructions_false_shows_the_board_alone_and_letters_are_one_letter_mov
     assert res.info["success"] and res.terminated
     terse.reset(seed=4)
     assert "reply with U, D, L or R" in terse.step("jump").observation
+
+
+def test_positions_names_boxes_and_targets_relative_to_the_player() -> None:
+    room = Room(size=6, walls=frozenset(), targets=frozenset({8, 33}), boxes=frozenset({15, 33}), player=21)
+    # player at (3, 3); box 15 = (2, 3) one row up; box 33 = (5, 3) sits on its target; target 8 = (1, 2)
+    assert positions(room, room.boxes, room.player) == "box U1, target U2 L1"
+    assert positions(room, {15}, 8) == "box D1 R1, target here, target D4 R1"
+    env = make_sokoban_env(instructions=False, letters=True, positions=True)
+    first, _ = env.reset(seed=4)
+    board, hint = first.rsplit("\n", 1)
+    assert board == render(env.room, env.boxes, env.player) and hint.startswith("box ")  # type: ignore[arg-type]
+    moved = env.step("U").observation
+    assert moved.endswith(positions(env.room, env.boxes, env.player))  # type: ignore[arg-type]
+    plain = make_sokoban_env(instructions=False)
+    assert plain.reset(seed=4)[0] == render(plain.room, plain.boxes, plain.player)  # type: ignore[arg-type]
+    assert make_source("sokoban", positions=True).env_kwargs()["positions"] is True  # type: ignore[attr-defined]
