@@ -349,6 +349,12 @@ class TrainConfig(Section):
     """Keep the newest K checkpoints (0 = all; the one of step 0, the RL start, is always kept)."""
     eval_every: int = 5
     """Greedy evaluation on the held-out set every K steps (0 = only start and end)."""
+    eval_samples: int = 0
+    """Besides the greedy answer, sample every held-out problem (or play every held-out episode)
+    this many times at ``rollout.temperature`` / ``rollout.top_p`` in each evaluation:
+    ``eval/accuracy_sampled`` (and ``eval/<domain>/accuracy_sampled``) is the mean correctness of
+    those samples (mean@k), the policy as rollout runs it. 0 = greedy only. Costs k greedy
+    evaluations' worth of generation per evaluation."""
     warmup_sft_steps: int = 0
     """Supervised warm-up steps on generated solutions before RL (0 = none)."""
     warmup_lr: float = 1e-3
@@ -889,6 +895,7 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("train.checkpoint_every", ">=", 0),
     ("train.keep_checkpoints", ">=", 0),
     ("train.eval_every", ">=", 0),
+    ("train.eval_samples", ">=", 0),
     ("train.warmup_sft_steps", ">=", 0),
     ("train.warmup_lr", ">", 0),
     ("train.warmup_batch_size", ">=", 1),

@@ -1,14 +1,15 @@
 """The trainer's work that needs no Kafka: model setup, warm-up, evaluation, weights, checkpoints.
 
 :class:`TrainerCore` holds the training backend (:func:`trainer.factory.make_strategy`), the
-greedy evaluation engine (:func:`rollout.factory.make_engine`), the version counter, the
+evaluation engine (:func:`rollout.factory.make_engine`), the version counter, the
 buffer of undecided samples (:class:`services.trainer_buffer.GroupBuffer`) and the consumer
 positions it covers; :class:`services.trainer_service.Trainer` drives it from the run's topics.
 
 * :meth:`TrainerCore.warm_up` — the supervised warm-up on the task sources' demonstrations
   (``Strategy.warmup``);
 * :meth:`TrainerCore.evaluate` — greedy accuracy on every domain's held-out problems (multi-turn
-  domains: the success rate of greedy episodes against in-process environments);
+  domains: the success rate of greedy episodes against in-process environments), and with
+  ``train.eval_samples`` the mean accuracy of sampled answers or episodes;
 * :meth:`TrainerCore.weights_event` — export the weights of the current version to
   ``<run>/weights/v<version>`` and describe them (``WeightsPublished``);
 * :meth:`TrainerCore.save_checkpoint` / :meth:`TrainerCore.load_checkpoint` —
@@ -69,7 +70,7 @@ class TrainerSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     poll_timeout_s: float = 0.2
     """Longest wait for scored samples per poll, seconds."""
     eval_batch: int = 64
-    """Concurrent sequences of the greedy evaluation engine."""
+    """Concurrent sequences of the evaluation engine."""
 
 
 def format_answer(answer: str, mode: str) -> str:
@@ -109,7 +110,7 @@ class TrainerCore:
         device = settings.device or resolve_device(cfg.train.device, "train.device")
         self.strategy = make_strategy(cfg, settings.model_dir, device=device)
         self.tokenizer = self.strategy.tokenizer
-        # the greedy evaluation runs a local torch engine whatever rollout.engine is
+        # the evaluation runs a local torch engine whatever rollout.engine is
         self.eval_engine = make_engine(cfg, settings.model_dir, max_batch=settings.eval_batch,
                                        device=device, seed=cfg.run.seed, policy_version=0, local=True)
         self.sources = [envs.make_source(d.source, **d.kwargs) for d in cfg.data.domains]
@@ -145,24 +146,47 @@ class TrainerCore:
 
     async def evaluate(self, split: str) -> dict[str, float]:
         """Greedy accuracy on the held-out problems of every domain (``eval/accuracy`` overall,
-        ``eval/<domain>/accuracy`` per domain, ``eval/response_len``)."""
+        ``eval/<domain>/accuracy`` per domain, ``eval/response_len``); with ``train.eval_samples`` k
+        > 0 also the mean correctness of k samples per problem at the rollout's temperature and top-p
+        (``eval/accuracy_sampled``, ``eval/<domain>/accuracy_sampled``). Both stop where rollout
+        stops (``rollout.stop``)."""
         weights = self._weights_dir(self.version)
         if weights.exists():  # before the warm-up there are none yet: the initial model is evaluated
             await self.eval_engine.load_weights(weights, self.version)
-        params = SamplingParams(max_new_tokens=self.cfg.rollout.max_new_tokens, greedy=True)
+        ro = self.cfg.rollout
+        greedy = SamplingParams(max_new_tokens=ro.max_new_tokens, greedy=True, stop=tuple(ro.stop))
         metrics: dict[str, float] = {}
+        correct, total, length = await self._evaluate_with(greedy, 1, "accuracy", metrics)
+        metrics["eval/accuracy"] = correct / max(1, total)
+        metrics["eval/response_len"] = length / max(1, total)
+        k = self.cfg.train.eval_samples
+        if k > 0:
+            sampled = SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
+                                     stop=tuple(ro.stop))
+            correct, total, _ = await self._evaluate_with(sampled, k, "accuracy_sampled", metrics)
+            metrics["eval/accuracy_sampled"] = correct / max(1, total)
+        self.last_eval = metrics
+        return metrics
+
+    async def _evaluate_with(self, params: SamplingParams, k: int, name: str,
+                             metrics: dict[str, float]) -> tuple[int, int, int]:
+        """``k`` answers (or episodes) per held-out problem of every domain with ``params``; sets
+        ``eval/<domain>/<name>`` (and, for multi-turn domains with ``k == 1``, their return and
+        turns). Returns (correct, answers, model tokens generated)."""
         correct = total = length = 0
         reward = self.cfg.reward
         for domain, problems, verifier in self.heldout:
             system = domain.system_prompt or self.cfg.model.system_prompt
             if envs.is_episodic(domain.source):
-                ok, tokens = await self._evaluate_episodes(domain.name, problems, system, params, metrics)
+                ok, tokens = await self._evaluate_episodes(domain.name, problems, system, params, k, name, metrics)
                 length += tokens
                 correct += ok
-                total += len(problems)
+                total += k * len(problems)
                 continue
-            reqs = [GenerationRequest(p.prompt_id, self.eval_engine.encode(p.prompt, system), params) for p in problems]
-            by_id = {p.prompt_id: p for p in problems}
+            reqs = [GenerationRequest(f"{p.prompt_id}#{j}" if k > 1 else p.prompt_id,
+                                      self.eval_engine.encode(p.prompt, system), params)
+                    for p in problems for j in range(k)]
+            by_id = {r.request_id: p for r, p in zip(reqs, (p for p in problems for _ in range(k)), strict=True)}
             done = [c async for c in self.eval_engine.generate(reqs)]
             # as the reward router runs them: bounded by reward.timeout_s, off the event loop (a
             # verifier that hangs or crashes scores 0 and cannot stall the trainer)
@@ -173,35 +197,33 @@ class TrainerCore:
                 for c in done))
             ok = sum(int(res.correct) for res in results)
             length += sum(len(c.token_ids) for c in done)
-            metrics[f"eval/{domain.name}/accuracy"] = ok / max(1, len(problems))
+            metrics[f"eval/{domain.name}/{name}"] = ok / max(1, len(reqs))
             correct += ok
-            total += len(problems)
-        metrics["eval/accuracy"] = correct / max(1, total)
-        metrics["eval/response_len"] = length / max(1, total)
-        self.last_eval = metrics
-        return metrics
+            total += len(reqs)
+        return correct, total, length
 
-    async def _evaluate_episodes(self, name: str, problems: list[envs.Problem], system: str, params: SamplingParams,
-                                 metrics: dict[str, float]) -> tuple[int, int]:
-        """Greedy episodes of a multi-turn domain's held-out problems, all at once, against in-process
-        environments (evaluation needs no environment workers). Metrics: ``eval/<domain>/accuracy``
-        (success rate), ``eval/<domain>/return`` and ``eval/<domain>/turns`` (means). Returns
-        (successes, model tokens generated)."""
+    async def _evaluate_episodes(self, domain: str, problems: list[envs.Problem], system: str, params: SamplingParams,
+                                 k: int, name: str, metrics: dict[str, float]) -> tuple[int, int]:
+        """``k`` episodes of each held-out problem of a multi-turn domain with ``params``, all at once,
+        against in-process environments (evaluation needs no environment workers). Metrics:
+        ``eval/<domain>/<name>`` (success rate); for the greedy pass also ``eval/<domain>/return`` and
+        ``eval/<domain>/turns`` (means). Returns (successes, model tokens generated)."""
         client = LocalEnvClient(envs.make_env)
 
-        async def play(p: envs.Problem) -> Trajectory:
+        async def play(p: envs.Problem, j: int) -> Trajectory:
             ref = episode_ref(p.reference)
             return await run_episode(self.eval_engine, self.eval_engine.tokenizer, client,
-                                     episode_id=f"eval/{p.prompt_id}", env=ref.env, env_kwargs=ref.kwargs,
-                                     seed=ref.seed, params=params,
+                                     episode_id=f"eval/{p.prompt_id}" + (f"#{j}" if k > 1 else ""), env=ref.env,
+                                     env_kwargs=ref.kwargs, seed=ref.seed, params=params,
                                      limits=self.limits, system_prompt=system)
 
-        trajs = await asyncio.gather(*(play(p) for p in problems))
-        n = max(1, len(problems))
+        trajs = await asyncio.gather(*(play(p, j) for p in problems for j in range(k)))
+        n = max(1, len(trajs))
         ok = sum(int(t.success) for t in trajs)
-        metrics[f"eval/{name}/accuracy"] = ok / n
-        metrics[f"eval/{name}/return"] = sum(t.episode_return for t in trajs) / n
-        metrics[f"eval/{name}/turns"] = sum(t.num_turns for t in trajs) / n
+        metrics[f"eval/{domain}/{name}"] = ok / n
+        if name == "accuracy":  # the greedy pass
+            metrics[f"eval/{domain}/return"] = sum(t.episode_return for t in trajs) / n
+            metrics[f"eval/{domain}/turns"] = sum(t.num_turns for t in trajs) / n
         return ok, sum(sum(t.loss_mask) for t in trajs)
 
     async def eval_event(self, split: str) -> ev.EvalResult:

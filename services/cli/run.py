@@ -298,6 +298,10 @@ def _run(cfg: Any, rid: str, prepare_only: bool, cluster: Any) -> None:
     out.print(json.dumps({k: summary[k] for k in ("run_id", "steps", "wall_s", "samples", "throughput")}))
     out.print(f"held-out accuracy: init {ev_['init']['accuracy']}, start {ev_['start']['accuracy']}, "
               f"final {ev_['final']['accuracy']}")
+    if "accuracy_sampled" in ev_["final"]:
+        out.print(f"held-out sampled accuracy (train.eval_samples={cfg.train.eval_samples}): "
+                  f"init {ev_['init'].get('accuracy_sampled')}, start {ev_['start'].get('accuracy_sampled')}, "
+                  f"final {ev_['final']['accuracy_sampled']}")
     out.print(f"summary: {supervisor.run_dir_of(cfg, rid) / 'summary.json'}")
 
 

@@ -85,7 +85,8 @@ def summarize(cfg: RunConfig, run_id: str, progress: Progress, wall_s: float) ->
     issued = int(client.query("SELECT count() FROM sample_tasks FINAL WHERE run_id = {r:String}",
                               parameters=p).result_rows[0][0])
     evals = client.query(
-        "SELECT step, split, metrics['eval/accuracy'] FROM evals FINAL WHERE run_id = {r:String} ORDER BY ts",
+        "SELECT step, split, metrics['eval/accuracy'], mapContains(metrics, 'eval/accuracy_sampled'), "
+        "metrics['eval/accuracy_sampled'] FROM evals FINAL WHERE run_id = {r:String} ORDER BY ts",
         parameters=p).result_rows
     thr = client.query(
         "SELECT sum(response_len), sum(gen_s), min(generated_ts), max(generated_ts) FROM samples "
@@ -93,8 +94,15 @@ def summarize(cfg: RunConfig, run_id: str, progress: Progress, wall_s: float) ->
     steps = client.query(
         "SELECT count(), sum(metrics['train/tokens']), sum(metrics['perf/step_s']) FROM train_steps FINAL "
         "WHERE run_id = {r:String}", parameters=p).result_rows[0]
-    heldout = [(int(s), float(a)) for s, split, a in evals if split == "heldout"]
-    init = [float(a) for s, split, a in evals if split == "init"]
+    heldout = [(int(s), float(a), float(sa) if has else None) for s, split, a, has, sa in evals if split == "heldout"]
+    init = [(float(a), float(sa) if has else None) for s, split, a, has, sa in evals if split == "init"]
+
+    def point(e: tuple[int, float, float | None] | None) -> dict[str, Any]:
+        out: dict[str, Any] = {"accuracy": e[1] if e else None, "step": e[0] if e else None}
+        if e is not None and e[2] is not None:  # with train.eval_samples
+            out["accuracy_sampled"] = e[2]
+        return out
+
     gen_tokens = int(thr[0][0] or 0) if thr else 0
     gen_span = (thr[0][3] - thr[0][2]).total_seconds() if thr and thr[0][2] and thr[0][3] else 0.0
     summary: dict[str, Any] = {
@@ -103,10 +111,11 @@ def summarize(cfg: RunConfig, run_id: str, progress: Progress, wall_s: float) ->
         "steps": int(steps[0]),
         "wall_s": round(wall_s, 1),
         "eval": {
-            "init": {"accuracy": init[0] if init else None},
-            "start": {"accuracy": heldout[0][1] if heldout else None, "step": heldout[0][0] if heldout else None},
-            "final": {"accuracy": heldout[-1][1] if heldout else None, "step": heldout[-1][0] if heldout else None},
-            "curve": [{"step": s, "accuracy": a} for s, a in heldout],
+            "init": {"accuracy": init[0][0] if init else None,
+                     **({"accuracy_sampled": init[0][1]} if init and init[0][1] is not None else {})},
+            "start": point(heldout[0] if heldout else None),
+            "final": point(heldout[-1] if heldout else None),
+            "curve": [point(e) for e in heldout],
         },
         "samples": {
             "issued": issued,

@@ -26,12 +26,21 @@ def test_short_run_accounts_for_every_sample(tmp_path: Path, bootstrap: str, rep
     env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=bootstrap)
     runs = tmp_path / "runs"
     run_id = f"e2e-async{async_ratio}-{uuid.uuid4().hex[:6]}"  # unique: a long-lived broker keeps old runs
+    sampled = ["train.eval_samples=2"] if async_ratio == "0" else []  # mean@2 beside the greedy accuracy
     res = rollstream("run", str(repo_root / "examples" / "main.yaml"), "--run-id", run_id,
-                     *[a for kv in [*SHORT, f"rollout.async_ratio={async_ratio}", f"run.runs_dir={runs}"]
+                     *[a for kv in [*SHORT, *sampled, f"rollout.async_ratio={async_ratio}", f"run.runs_dir={runs}"]
                        for a in ("--set", kv)], env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     summary = json.loads((runs / run_id / "summary.json").read_text())
     assert summary["steps"] == 4
+    evals = sql(f"SELECT split, mapContains(metrics, 'eval/accuracy_sampled') AS has FROM evals FINAL "
+                f"WHERE run_id = '{run_id}'", runs, run_id, env)
+    assert len(evals) >= 3 and all(e["has"] == bool(sampled) for e in evals)
+    if sampled:
+        assert 0 <= summary["eval"]["final"]["accuracy_sampled"] <= 1
+        assert "held-out sampled accuracy (train.eval_samples=2)" in res.stdout
+    else:
+        assert "accuracy_sampled" not in summary["eval"]["final"]
     s = summary["samples"]
     assert s["issued"] > 0 and s["trained"] >= 4 * 16 - 16  # a group may be cut by staleness
     assert s["unaccounted"] == 0

@@ -1,0 +1,73 @@
+"""TrainerCore's evaluation: the greedy accuracy, and with ``train.eval_samples`` the mean accuracy of
+sampled answers (single-turn domains) or sampled episodes (multi-turn domains)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import envs
+from rollout.engine import Completion, GenerationRequest
+from schemas.config import parse_config
+from services.trainer_core import TrainerCore, TrainerSettings
+
+
+def core(tmp_path: Path, model_dir: Path, yaml: str) -> TrainerCore:
+    return TrainerCore(TrainerSettings(run_id="r", config=parse_config(yaml), model_dir=str(model_dir),
+                                       run_dir=str(tmp_path / "run")))
+
+
+async def test_sampled_accuracy_is_the_mean_over_k_answers_per_problem(tmp_path: Path, model_dir: Path) -> None:
+    c = core(tmp_path, model_dir, "data: {heldout_size: 6}\ntrain: {eval_samples: 3}\n"
+                                  "rollout: {temperature: 0.7, top_p: 0.9, stop: ['=']}")
+    (_, problems, _), = c.heldout
+    reference = {p.prompt_id: p.reference for p in problems}
+    seen: list[GenerationRequest] = []
+
+    async def generate(reqs: list[GenerationRequest]) -> AsyncIterator[Completion]:
+        # the greedy answer is right, and of the k samples only the first (#0)
+        for r in reqs:
+            seen.append(r)
+            pid, _, j = r.request_id.partition("#")
+            text = reference[pid] if r.params.greedy or j == "0" else "no"
+            yield Completion(r.request_id, r.prompt_ids, [1], [0.0], text, "stop", 0, 0)
+
+    c.eval_engine.generate = generate  # type: ignore[method-assign]
+    metrics = await c.evaluate("heldout")
+    assert metrics["eval/accuracy"] == 1.0 and metrics["eval/arith/accuracy"] == 1.0
+    assert metrics["eval/accuracy_sampled"] == pytest.approx(1 / 3)
+    assert metrics["eval/arith/accuracy_sampled"] == pytest.approx(1 / 3)
+    greedy = [r for r in seen if r.params.greedy]
+    sampled = [r for r in seen if not r.params.greedy]
+    assert len(greedy) == 6 and len(sampled) == 18
+    assert {r.request_id for r in sampled} == {f"{p}#{j}" for p in reference for j in range(3)}
+    assert all(r.params.temperature == 0.7 and r.params.top_p == 0.9 and r.params.stop == ("=",) for r in sampled)
+    assert all(r.params.stop == ("=",) for r in greedy)  # evaluation stops where rollout stops
+
+
+async def test_without_eval_samples_only_the_greedy_pass_runs(tmp_path: Path, model_dir: Path) -> None:
+    c = core(tmp_path, model_dir, "data: {heldout_size: 4}")
+    metrics = await c.evaluate("heldout")
+    assert set(metrics) == {"eval/accuracy", "eval/arith/accuracy", "eval/response_len"}
+
+
+async def test_sampled_episodes_play_each_held_out_room_k_times(tmp_path: Path, model_dir: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    c = core(tmp_path, model_dir, "data: {heldout_size: 4, domains: [{name: lake, source: frozenlake}]}\n"
+                                  "train: {eval_samples: 2}\nrollout: {max_turns: 3, max_new_tokens: 8}")
+    made: list[dict[str, Any]] = []
+    make_env = envs.make_env
+
+    def counting(name: str, **kwargs: Any) -> Any:
+        made.append(kwargs)
+        return make_env(name, **kwargs)
+
+    monkeypatch.setattr(envs, "make_env", counting)
+    metrics = await c.evaluate("heldout")
+    assert len(made) == 4 + 2 * 4  # one greedy episode and two sampled ones per held-out room
+    assert 0 <= metrics["eval/lake/accuracy_sampled"] <= 1 and metrics["eval/accuracy_sampled"] == \
+        metrics["eval/lake/accuracy_sampled"]
+    assert {"eval/lake/return", "eval/lake/turns"} <= set(metrics)
