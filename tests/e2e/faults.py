@@ -46,6 +46,13 @@ def rollstream(*args: str, env: dict[str, str], timeout: float = 600) -> subproc
                           env=env, timeout=timeout, cwd=REPO)
 
 
+def assert_accounted(samples: dict[str, int]) -> None:
+    """``summary.json``'s ``samples``: every issued sample has exactly one terminal status."""
+    assert samples["unaccounted"] == 0, samples
+    assert samples["issued"] == (samples["trained"] + samples["dropped_stale"] + samples["filtered"]
+                                 + samples["dead_letter"]), samples
+
+
 def sql(q: str, runs: Path, run_id: str, env: dict[str, str]) -> list[dict[str, Any]]:
     res = rollstream("sql", q, "--run", run_id, "--runs-dir", str(runs), "--format", "json", env=env)
     assert res.returncode == 0, res.stderr

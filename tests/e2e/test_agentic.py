@@ -32,7 +32,7 @@ from schemas.topics import topic_name
 from services.kafka.admin import TopicAdmin
 from services.kafka.bus import Consumer
 from services.launch.runinfo import group_id
-from tests.e2e.faults import rollstream, sql
+from tests.e2e.faults import assert_accounted, rollstream, sql
 from tests.e2e.test_heal import finish, state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
@@ -78,7 +78,7 @@ def test_the_docs_environment_trains_through_a_short_run(tmp_path: Path, bootstr
     assert summary["steps"] == 2
     s = summary["samples"]
     assert s["unaccounted"] == 0 and s["trained"] > 0
-    assert s["issued"] == s["trained"] + s["dropped_stale"] + s["filtered"] + s["dead_letter"]
+    assert_accounted(s)
 
     # the environment's resets, actions and observations are in the record, and they are the doc's game
     kinds = sql(f"SELECT kind, count() AS n, countIf(error != '') AS errors FROM env_events FINAL "
@@ -170,7 +170,7 @@ def test_frozenlake_run_survives_kill_9_of_its_env_worker(tmp_path: Path, bootst
     assert summary["steps"] == 3
     s = summary["samples"]
     assert s["unaccounted"] == 0 and s["trained"] > 0
-    assert s["issued"] == s["trained"] + s["dropped_stale"] + s["filtered"] + s["dead_letter"]
+    assert_accounted(s)
 
     rows = sql(f"SELECT service, kind, exit_code, restarts, previous_pid FROM service_events FINAL "
                f"WHERE run_id = '{run_id}' AND kind != 'ServiceStarted'", runs, run_id, env)
@@ -212,7 +212,7 @@ def test_a_windowed_frozenlake_run_trains_each_turn_on_its_own_window(tmp_path: 
     assert summary["steps"] == 2
     s = summary["samples"]
     assert s["unaccounted"] == 0 and s["trained"] > 0
-    assert s["issued"] == s["trained"] + s["dropped_stale"] + s["filtered"] + s["dead_letter"]
+    assert_accounted(s)
     gens = sql(f"SELECT JSONExtractUInt(payload, 'num_turns') AS turns, "
                f"length(JSONExtractArrayRaw(payload, 'segment_starts')) AS segments "
                f"FROM events FINAL WHERE run_id = '{run_id}' AND kind = 'Generation'", runs, run_id, env)

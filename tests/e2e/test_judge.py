@@ -27,7 +27,7 @@ from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import topic_name
 from services.kafka.bus import Consumer
-from tests.e2e.faults import sql
+from tests.e2e.faults import assert_accounted, sql
 from tests.e2e.test_heal import finish, state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -80,7 +80,7 @@ def accounted(runs: Path, run_id: str) -> dict[str, int]:
     assert summary["steps"] == 3
     s: dict[str, int] = summary["samples"]
     assert s["unaccounted"] == 0 and s["trained"] > 0
-    assert s["issued"] == s["trained"] + s["dropped_stale"] + s["filtered"] + s["dead_letter"]
+    assert_accounted(s)
     return s
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.faults import sql
+from tests.e2e.faults import assert_accounted, sql
 from tests.e2e.test_heal import finish, state, wait_for_step
 from tests.e2e.test_run import SHORT
 
@@ -57,7 +57,7 @@ def test_a_ray_run_heals_and_records_like_a_local_run(tmp_path: Path, bootstrap:
     assert summary["steps"] == 4
     s = summary["samples"]
     assert s["issued"] > 0 and s["unaccounted"] == 0
-    assert s["issued"] == s["trained"] + s["dropped_stale"] + s["filtered"] + s["dead_letter"]
+    assert_accounted(s)
     where = f"WHERE run_id = '{run_id}'"
     tables = ("samples", "sample_generations", "sample_rewards", "train_steps", "evals", "weights")
     rec = sql(  # one CLI call: each one costs seconds
