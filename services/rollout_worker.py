@@ -81,7 +81,9 @@ class RolloutSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device: str = ""
     """Torch device of the engine; empty = ``rollout.device`` of the config, resolved here."""
     weights_timeout_s: float = 600.0
-    """How long a task may wait for the weights version it needs before failing, seconds."""
+    """How long a task may wait for the weights version it needs before failing, seconds. Version 0
+    is waited for without a limit: the trainer publishes it after its supervised warm-up, which may
+    take longer (the supervisor watches the trainer, and ``run.max_wall_s`` bounds the run)."""
 
 
 class RolloutWorker(Service):
@@ -205,11 +207,13 @@ class RolloutWorker(Service):
             await consumer.stop()
 
     async def _wait_for_version(self, version: int) -> None:
+        """Until the engine holds ``version`` or newer (``TimeoutError`` after ``weights_timeout_s``,
+        except for version 0: see the setting)."""
         need = max(0, version)
         async with self._version_changed:
             await asyncio.wait_for(
                 self._version_changed.wait_for(lambda: self.engine.policy_version >= need),
-                timeout=self.s.weights_timeout_s,
+                timeout=self.s.weights_timeout_s if need > 0 else None,
             )
 
     async def handle(self, rec: Record, ctx: Context) -> None:

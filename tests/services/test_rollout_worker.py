@@ -1,12 +1,18 @@
-"""The rollout worker's multi-turn pieces that need no broker: an episode as a ``Generation``."""
+"""The rollout worker's pieces that need no broker: an episode as a ``Generation``; how long a task
+waits for its weights."""
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
 from typing import Any
+
+import pytest
 
 from rollout.agent import Trajectory
 from schemas import events as ev
-from services.rollout_worker import generation_of
+from schemas.config import RunConfig
+from services.rollout_worker import RolloutSettings, RolloutWorker, generation_of
 from services.sanity import check_generation
 
 
@@ -38,3 +44,22 @@ def test_an_episode_becomes_one_generation_with_its_turns() -> None:
                                            step_rewards=[0.0], actions=["x"], versions=[(0, 0)], infos=[{}],
                                            finish="context"), "e", "w", Tok(), 0.0)
     assert cut.finish_reason == "length" and cut.state_hashes == [""]
+
+
+async def test_version_0_is_awaited_past_the_timeout_later_versions_are_not() -> None:
+    """Version 0 comes after the trainer's warm-up, however long: a task waiting for it must not
+    fail after ``weights_timeout_s`` (64 first episodes were dead-lettered by an 11-minute warm-up)."""
+    worker = RolloutWorker.__new__(RolloutWorker)  # only what _wait_for_version reads
+    worker.s = RolloutSettings(run_id="r", config=RunConfig(), model_dir="unused", weights_timeout_s=0.05)
+    worker.engine = SimpleNamespace(policy_version=-1)  # type: ignore[assignment]
+    worker._version_changed = asyncio.Condition()
+
+    first = asyncio.create_task(worker._wait_for_version(0))
+    await asyncio.sleep(0.3)  # six timeouts long
+    assert not first.done()
+    worker.engine.policy_version = 0
+    async with worker._version_changed:
+        worker._version_changed.notify_all()
+    await asyncio.wait_for(first, 1.0)
+    with pytest.raises(TimeoutError):
+        await worker._wait_for_version(1)  # a later version keeps the limit
