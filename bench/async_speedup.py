@@ -18,7 +18,10 @@ Modes, run one after the other:
   service's strategy) and swap the weights into the engine. Barriers at each stage.
 * ``stream k``: ``rollstream run examples/main.yaml`` with ``rollout.async_ratio = k`` (0, 1, 2)
   and ``train.max_staleness = k``: the real services through Kafka, the same warmed-up model
-  (``model.path``, no warm-up), ``reward.latency: lognormal``.
+  (``model.path``, no warm-up), ``reward.latency: lognormal``. The reward router runs exactly once
+  (Kafka transactions: a scored sample waits for the slower ones before it in its partition);
+  ``--modes 2a`` (``stream 2 alo``) runs it with ``reward.delivery: at_least_once`` instead (each
+  sample sent as soon as it is scored).
 
 Per mode it prints:
 
@@ -133,15 +136,16 @@ async def sync_mode(cfg: RunConfig, model: Path, sigma: float, mean_s: float, wo
 
 
 def stream_mode(k: int, cfg: RunConfig, model: Path, sigma: float, mean_s: float, runs: Path,
-                env: dict[str, str]) -> Result:
-    """``rollstream run`` with ``rollout.async_ratio = k``; per-step time from the record."""
+                env: dict[str, str], at_least_once: bool = False) -> Result:
+    """``rollstream run`` with ``rollout.async_ratio = k`` (and ``reward.delivery: at_least_once``
+    when asked); per-step time from the record."""
     run_id = f"bench-async{k}-{uuid.uuid4().hex[:6]}"
     sets = [f"model.path={model}", "train.warmup_sft_steps=0", f"train.steps={cfg.train.steps}",
             f"train.batch_size={BATCH}", f"train.micro_batch_size={BATCH}", f"rollout.group_size={GROUP}",
             f"train.eval_every={cfg.train.steps}", f"train.checkpoint_every={cfg.train.steps}",
             f"rollout.async_ratio={k}", f"train.max_staleness={k}", "reward.latency=lognormal",
             f"reward.latency_mean_s={mean_s}", f"reward.latency_sigma={sigma}", f"run.runs_dir={runs}",
-            f"run.seed={cfg.run.seed}"]
+            f"run.seed={cfg.run.seed}", f"reward.delivery={'at_least_once' if at_least_once else 'exactly_once'}"]
     cmd = [sys.executable, "-m", "services.cli", "run", str(REPO / "examples" / "main.yaml"), "--run-id", run_id,
            *[a for kv in sets for a in ("--set", kv)]]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=1800)
@@ -155,7 +159,7 @@ def stream_mode(k: int, cfg: RunConfig, model: Path, sigma: float, mean_s: float
     ts = [float(r["t"]) for r in rows]
     summary = json.loads((runs / run_id / "summary.json").read_text())
     s = summary["samples"]
-    return Result(f"stream {k}", (ts[-1] - ts[0]) / (len(ts) - 1), float(summary["eval"]["final"]["accuracy"]),
+    return Result(f"stream {k}" + (" alo" if at_least_once else ""), (ts[-1] - ts[0]) / (len(ts) - 1), float(summary["eval"]["final"]["accuracy"]),
                   f"stale {s['dropped_stale']}/{s['issued']}")
 
 
@@ -170,7 +174,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="GRPO steps per mode")
     ap.add_argument("--levels", default="low,medium,high", help="latency variance levels: low, medium, high")
     ap.add_argument("--mean-s", type=float, default=1.0, help="mean simulated reward latency, seconds")
-    ap.add_argument("--modes", default="sync,0,1,2", help="sync and/or async ratios of the streaming runs")
+    ap.add_argument("--modes", default="sync,0,1,2",
+                    help="sync and/or async ratios of the streaming runs; a ratio with a trailing 'a' (2a) runs the "
+                         "reward router with reward.delivery=at_least_once")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the sync loop")
     ap.add_argument("--warm", type=Path, default=None,
                     help="reuse this warmed-up model directory (created there when it does not exist yet)")
@@ -204,20 +210,21 @@ def main() -> None:
                 if m == "sync":
                     r, g, t = asyncio.run(sync_mode(cfg, model, sigma, a.mean_s, work / "sync"))
                 else:
-                    r = stream_mode(int(m), cfg, model, sigma, a.mean_s, work / "runs", env)
+                    r = stream_mode(int(m.rstrip("a")), cfg, model, sigma, a.mean_s, work / "runs", env,
+                                    at_least_once=m.endswith("a"))
                 results.append(r)
                 print(f"  {level}: {r.mode}: {r.step_s:.2f} s/step, accuracy {r.accuracy:.3f} ({r.detail})", flush=True)
             tables.append((level, sigma, emax, gmax, g, t, results))
         print(f"\nasync speedup: arith, tiny model, batch {BATCH} ({BATCH // GROUP} groups of {GROUP}), {a.steps} steps, "
               f"reward latency lognormal mean {a.mean_s:g}s; {machine()}")
-        print(f"{'variance':8} {'mode':9} {'s/step':>7} {'speedup':>8} {'bound s':>8} {'of bound':>8} {'accuracy':>8}  notes")
+        print(f"{'variance':8} {'mode':13} {'s/step':>7} {'speedup':>8} {'bound s':>8} {'of bound':>8} {'accuracy':>8}  notes")
         for level, sigma, emax, gmax, g, t, results in tables:
             base = next((r.step_s for r in results if r.mode == "sync"), float("nan"))
             for r in results:
                 k = 0 if r.mode == "sync" else int(r.mode.split()[1])
                 # on-policy (sync, stream 0) waits for the batch's slowest reward; k >= 1 overlaps groups
                 bound = g + emax + t if k == 0 else max(g + t, gmax / (1 + k))
-                print(f"{level:8} {r.mode:9} {r.step_s:7.2f} {base / r.step_s:7.2f}x {bound:8.2f} "
+                print(f"{level:8} {r.mode:13} {r.step_s:7.2f} {base / r.step_s:7.2f}x {bound:8.2f} "
                       f"{bound / r.step_s:8.0%} {r.accuracy:8.3f}  sigma {sigma}, E[max L] {emax:.2f}s (group {gmax:.2f}s); "
                       f"{r.detail}")
     finally:

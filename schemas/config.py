@@ -612,6 +612,15 @@ class RewardConfig(Section):
     """Mean of the simulated reward latency, seconds."""
     latency_sigma: float = 1.0
     """Shape of the simulated reward latency (as ``env.latency_sigma``)."""
+    delivery: Literal["exactly_once", "at_least_once"] = "exactly_once"
+    """How the router hands scored samples on. ``exactly_once``: in Kafka transactions together with
+    the offsets they answer, each partition's finished prefix at a time, so a sample scored before a
+    slower one of its partition waits for it (head-of-line blocking under long-tailed latency).
+    ``at_least_once``: each sample is sent the moment it is scored, and offsets are committed per
+    partition up to the first unfinished record; after a crash the records past that point are
+    scored again and sent again under the same event ids, and the trainer keeps the first copy of a
+    sample (its buffer drops a sample id it holds or has decided). Judged domains are judged once per
+    copy."""
 
 
 class TrackingConfig(Section):

@@ -1,4 +1,4 @@
-"""The reward router: ``generations`` -> verifier by domain -> ``scored``, exactly once.
+"""The reward router: ``generations`` -> verifier by domain -> ``scored``, exactly once (by default).
 
 Each ``Generation`` is routed by its task's domain to the verifier configured for that domain
 (``data.domains[].verifier``, or the task source's default), run with a time bound
@@ -7,7 +7,10 @@ in transactional mode: scored outputs and the consumed offsets they answer are c
 in Kafka transactions (each partition's finished prefix, every ``txn_interval_s``; no batch
 barrier: a slow verifier holds back only the later records of its partition), so a generation is
 scored exactly once even across
-crashes. A verifier that crashes or hangs yields reward 0 with the error in ``details`` (the
+crashes. With ``reward.delivery: at_least_once`` it runs the runtime's at-least-once loop instead:
+every sample is sent as soon as it is scored (no head-of-line blocking behind a slow one), offsets
+are committed after the outputs were acknowledged, and a crash re-scores what was not committed
+(same event ids; the trainer keeps one copy per sample id). A verifier that crashes or hangs yields reward 0 with the error in ``details`` (the
 sample is still trained on, and the error is visible in the record) — never a lost sample.
 
 Judged domains (``data.domains[].judge``): the verifier runs here as for any domain; the sample,
@@ -201,12 +204,18 @@ def score_episode(gen: ev.Generation) -> ev.ScoredSample:
     )
 
 
-async def run(settings: RewardSettings, stop: object = None) -> object:
-    """Score generations until stopped (SIGTERM/SIGINT or ``stop``)."""
-    s = settings
-    service_settings = ServiceSettings(
+def service_settings(s: RewardSettings) -> ServiceSettings:
+    """The runtime settings of a router instance: transactional unless ``reward.delivery`` is
+    ``at_least_once``."""
+    exactly_once = s.config.reward.delivery == "exactly_once"
+    return ServiceSettings(
         group_id=f"rs-reward-{s.run_id}", run_id=s.run_id, topics=["generations"], kafka=s.config.kafka,
-        transactional=True, transactional_id=s.transactional_id or f"rs-reward-{s.run_id}", batch_max_records=64,
+        transactional=exactly_once, transactional_id=(s.transactional_id or f"rs-reward-{s.run_id}") if exactly_once
+        else "", batch_max_records=64,
         max_concurrency=max(1, s.concurrency, s.config.max_inflight if s.config.reward.latency != "none" else 0),
     )
-    return await run_service(RewardRouter(s), service_settings, stop=stop)  # type: ignore[arg-type]
+
+
+async def run(settings: RewardSettings, stop: object = None) -> object:
+    """Score generations until stopped (SIGTERM/SIGINT or ``stop``)."""
+    return await run_service(RewardRouter(settings), service_settings(settings), stop=stop)  # type: ignore[arg-type]

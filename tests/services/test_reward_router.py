@@ -10,7 +10,14 @@ import pytest
 
 from schemas import events as ev
 from schemas.config import ConfigError, RunConfig, parse_raw
-from services.reward_router import judge_of, score, verifier_table, with_verdict
+from services.reward_router import (
+    RewardSettings,
+    judge_of,
+    score,
+    service_settings,
+    verifier_table,
+    with_verdict,
+)
 
 
 def episode(**kw: object) -> ev.Generation:
@@ -114,3 +121,14 @@ def test_simulated_reward_latency_needs_a_mean_and_a_finite_tail() -> None:
     with pytest.raises(ConfigError, match=re.escape("reward.latency_sigma=1 must be > 0 (> 1 for pareto")):
         parse_raw({"reward": {"latency": "pareto", "latency_mean_s": 1.0, "latency_sigma": 1.0}})
     assert parse_raw({"reward": {"latency": "exponential", "latency_mean_s": 0.5}}).reward.latency_mean_s == 0.5
+
+
+def test_delivery_picks_transactions_or_the_at_least_once_loop() -> None:
+    cfg = parse_raw({})
+    strict = service_settings(RewardSettings(run_id="r", config=cfg))
+    assert strict.transactional and strict.transactional_id == "rs-reward-r"
+    loose = service_settings(RewardSettings(run_id="r", config=parse_raw({"reward": {"delivery": "at_least_once"}})))
+    assert not loose.transactional and loose.transactional_id == ""
+    assert loose.deterministic_output_ids and loose.commit == "after_effect"  # copies after a crash share ids
+    with pytest.raises(ConfigError, match="delivery"):
+        parse_raw({"reward": {"delivery": "twice"}})
