@@ -159,7 +159,8 @@ def stream_mode(k: int, cfg: RunConfig, model: Path, sigma: float, mean_s: float
     ts = [float(r["t"]) for r in rows]
     summary = json.loads((runs / run_id / "summary.json").read_text())
     s = summary["samples"]
-    return Result(f"stream {k}" + (" alo" if at_least_once else ""), (ts[-1] - ts[0]) / (len(ts) - 1), float(summary["eval"]["final"]["accuracy"]),
+    mode = f"stream {k}" + (" alo" if at_least_once else "")
+    return Result(mode, (ts[-1] - ts[0]) / (len(ts) - 1), float(summary["eval"]["final"]["accuracy"]),
                   f"stale {s['dropped_stale']}/{s['issued']}")
 
 

@@ -10,8 +10,10 @@ scored exactly once even across
 crashes. With ``reward.delivery: at_least_once`` it runs the runtime's at-least-once loop instead:
 every sample is sent as soon as it is scored (no head-of-line blocking behind a slow one), offsets
 are committed after the outputs were acknowledged, and a crash re-scores what was not committed
-(same event ids; the trainer keeps one copy per sample id). A verifier that crashes or hangs yields reward 0 with the error in ``details`` (the
-sample is still trained on, and the error is visible in the record) — never a lost sample.
+(same event ids; the trainer keeps one copy per sample id).
+
+A verifier that crashes or hangs yields reward 0 with the error in ``details`` (the sample is still
+trained on, and the error is visible in the record) — never a lost sample.
 
 Judged domains (``data.domains[].judge``): the verifier runs here as for any domain; the sample,
 with its verifier components, then goes to ``judge.requests`` as a ``JudgeRequest`` (in the same
@@ -207,7 +209,7 @@ def score_episode(gen: ev.Generation) -> ev.ScoredSample:
 def service_settings(s: RewardSettings) -> ServiceSettings:
     """The runtime settings of a router instance: transactional unless ``reward.delivery`` is
     ``at_least_once``."""
-    exactly_once = s.config.reward.delivery == "exactly_once"
+    exactly_once = {"exactly_once": True, "at_least_once": False}[s.config.reward.delivery]
     return ServiceSettings(
         group_id=f"rs-reward-{s.run_id}", run_id=s.run_id, topics=["generations"], kafka=s.config.kafka,
         transactional=exactly_once, transactional_id=(s.transactional_id or f"rs-reward-{s.run_id}") if exactly_once

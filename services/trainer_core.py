@@ -171,7 +171,7 @@ class TrainerCore:
     async def _evaluate_with(self, params: SamplingParams, k: int, name: str,
                              metrics: dict[str, float]) -> tuple[int, int, int]:
         """``k`` answers (or episodes) per held-out problem of every domain with ``params``; sets
-        ``eval/<domain>/<name>`` (and, for multi-turn domains with ``k == 1``, their return and
+        ``eval/<domain>/<name>`` (and, for multi-turn domains in the greedy pass, their return and
         turns). Returns (correct, answers, model tokens generated)."""
         correct = total = length = 0
         reward = self.cfg.reward
@@ -183,10 +183,14 @@ class TrainerCore:
                 correct += ok
                 total += k * len(problems)
                 continue
-            reqs = [GenerationRequest(f"{p.prompt_id}#{j}" if k > 1 else p.prompt_id,
-                                      self.eval_engine.encode(p.prompt, system), params)
-                    for p in problems for j in range(k)]
-            by_id = {r.request_id: p for r, p in zip(reqs, (p for p in problems for _ in range(k)), strict=True)}
+            reqs: list[GenerationRequest] = []
+            by_id: dict[str, envs.Problem] = {}
+            for p in problems:
+                prompt_ids = self.eval_engine.encode(p.prompt, system)  # once per problem, shared by its k
+                for j in range(k):
+                    rid = f"{p.prompt_id}#{j}" if k > 1 else p.prompt_id
+                    reqs.append(GenerationRequest(rid, prompt_ids, params))
+                    by_id[rid] = p
             done = [c async for c in self.eval_engine.generate(reqs)]
             # as the reward router runs them: bounded by reward.timeout_s, off the event loop (a
             # verifier that hangs or crashes scores 0 and cannot stall the trainer)
