@@ -28,7 +28,9 @@ recorder serves read-only queries to other processes (:mod:`services.store.serve
 endpoint file is ``<store>.endpoint``), under one lock with its own inserts.
 
 With ``stop_when_finished`` the recorder exits by itself once it has seen the run's
-``RunFinished`` and then an idle poll with zero lag.
+``RunFinished`` and then an idle poll with zero lag: at once when ``producers_done_file`` exists
+(``rollstream run``'s supervisor writes it once every other service of the run has exited, so
+nothing more can come), else after ``idle_exit_s`` of such quiet polls.
 
 Experiment trackers (``tracking`` in the run config, :mod:`services.tracking`): given the run's
 ``config``, the recorder hands each newly stored ``TrainStep`` / ``EvalResult`` of its run to the
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import threading
 import time
@@ -94,6 +97,10 @@ class RecorderSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     """Exit after the run's ``RunFinished`` was recorded and the recorder has caught up."""
     idle_exit_s: float = 2.0
     """With ``stop_when_finished``: how long the topics must stay quiet after ``RunFinished``, seconds."""
+    producers_done_file: str = ""
+    """With ``stop_when_finished``: a file whose existence says that every other service of the run
+    has exited; once it exists the recorder exits at the first idle poll with zero lag after
+    ``RunFinished``, without waiting ``idle_exit_s``. Empty = none."""
     config: RunConfig | None = None
     """The run's config: its ``tracking`` section turns experiment trackers on (needs ``run_id``)."""
     run_dir: str = ""
@@ -279,6 +286,9 @@ class Recorder(BatchService):
         if polled or not measured:
             return
         if s.stop_when_finished and self.finished_seen and self.lag == 0:
+            if s.producers_done_file and os.path.exists(s.producers_done_file):
+                runner.stop.set()  # nothing more can come: everything is recorded
+                return
             self._quiet_since = self._quiet_since or time.monotonic()
             if time.monotonic() - self._quiet_since >= s.idle_exit_s:
                 runner.stop.set()

@@ -357,7 +357,7 @@ async def _run_service(name: str, cfg: Any, run: str, run_dir: Path, model_dir: 
     import asyncio
     import signal
 
-    from services.launch.runs import store_dsn_of
+    from services.launch.runs import PRODUCERS_DONE, store_dsn_of
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -387,7 +387,7 @@ async def _run_service(name: str, cfg: Any, run: str, run_dir: Path, model_dir: 
         await recorder.run(recorder.RecorderSettings(
             run_id=run, dsn=store_dsn_of(cfg, run), kafka=cfg.kafka, stop_when_finished=True,
             batch_max_records=cfg.store.batch_max_records, lag_report_every_s=cfg.store.lag_report_every_s,
-            config=cfg, run_dir=str(run_dir)), stop)
+            config=cfg, run_dir=str(run_dir), producers_done_file=str(run_dir / PRODUCERS_DONE)), stop)
     elif name == "env":
         from services import env_worker
 

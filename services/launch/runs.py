@@ -9,6 +9,11 @@ from typing import Any
 from schemas.config import RunConfig
 from services import store as st
 
+PRODUCERS_DONE = "producers.done"
+"""In a run's folder: written by ``rollstream run``'s supervisor at the end of the run once every
+service but the recorder has exited; the recorder then exits as soon as it has recorded everything
+(``RecorderSettings.producers_done_file``)."""
+
 
 def run_dir_of(cfg: RunConfig, run_id: str) -> Path:
     """``<run.runs_dir>/<run_id>`` (absolute)."""

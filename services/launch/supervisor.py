@@ -22,8 +22,9 @@
    it, the trainer ends with its final eval); a run not finished :data:`WALL_GRACE_S` later fails;
 7. on ``RunFinished`` (the end of training, or a ``Drain`` from ``rollstream stop`` or the wall
    limit): wait for the services to exit (SIGTERM the long-running ones: rollout and reward, then
-   the judge and env workers, which rollout and reward may still be waiting on), let the recorder
-   catch up, compute ``summary.json`` from the record (SQL) and print its gist.
+   the judge and env workers, which rollout and reward may still be waiting on), tell the recorder
+   that nothing more will come (:data:`PRODUCERS_DONE`) and let it catch up, compute
+   ``summary.json`` from the record (SQL) and print its gist.
 
 Healing (:mod:`services.launch.healing`): a service process that exits unexpectedly is restarted
 after a backoff (``run.restart_backoff_s``, doubling, at most ``run.restart_backoff_max_s``), at
@@ -83,13 +84,13 @@ from services.launch.prepare import (
 )
 from services.launch.progress import Progress, summarize
 from services.launch.runinfo import RunInfo, probe_run
-from services.launch.runs import run_dir_of, store_dsn_of
+from services.launch.runs import PRODUCERS_DONE, run_dir_of, store_dsn_of
 from services.launch.state import write_state
 from services.launch.status import WARM_UP_FACTOR, lag_services, stall_text
 from services.launch.threads import torch_threads
 
 __all__ = [
-    "JUDGE_SERVICE", "LABEL_ENV", "LONG_RUNNING", "STOPPED_AT_END", "Progress", "RunError", "Supervisor", "config_text",
+    "JUDGE_SERVICE", "LABEL_ENV", "LONG_RUNNING", "PRODUCERS_DONE", "STOPPED_AT_END", "Progress", "RunError", "Supervisor", "config_text",
     "judged", "last_log_line", "load_run_config", "multi_turn", "new_run_id", "prepare_model", "prepare_run", "run_dir_of", "run_supervised", "service_command",
     "store_dsn_of", "summarize", "write_run_config",
 ]
@@ -110,6 +111,7 @@ ENV_SERVICE = "env"
 JUDGE_SERVICE = "judge"
 """The judge workers of judged domains (started only when a domain has a judge)."""
 STOPPED_AT_END = (*LONG_RUNNING, JUDGE_SERVICE, ENV_SERVICE)
+
 """Services that run until told to stop: SIGTERMed once the run has finished (the judge and env
 workers last: reward and rollout workers may still wait on them)."""
 LABEL_ENV = "ROLLSTREAM_SERVICE_LABEL"
@@ -223,6 +225,7 @@ class Supervisor:
     def start_children(self) -> None:
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / PRODUCERS_DONE).unlink(missing_ok=True)  # a resumed run is producing again
         # PYTHONHASHSEED: a few reasoning-gym generators iterate over sets, so the feeder and the
         # trainer agree on the held-out split only with one hash seed in every service
         self._env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=self.bootstrap, PYTHONUNBUFFERED="1",
@@ -311,6 +314,21 @@ class Supervisor:
             elif slot.state == "restarting":  # its restart is called off
                 slot.state = "stopped"
         self.write_state()
+
+    def wait_producers(self, timeout_s: float = 60.0) -> bool:
+        """Wait (up to ``timeout_s``) for every service but the recorder to exit (the trainer and
+        the feeder end by themselves on ``RunFinished``); then write :data:`PRODUCERS_DONE` so that
+        the recorder need not wait for quiet topics. False (no file) when one is still running."""
+        deadline = time.monotonic() + timeout_s
+        for label, proc in list(self.procs.items()):
+            if label == "recorder":
+                continue
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return False
+        (self.run_dir / PRODUCERS_DONE).touch()
+        return True
 
     def wait_recorder(self, timeout_s: float = 120.0) -> None:
         proc = self.procs.get("recorder")
@@ -461,6 +479,7 @@ async def run_supervised(cfg: RunConfig, run_id: str, bootstrap: str, console: C
             # trainer and feeder exit on RunFinished; rollout, reward, judge and env run until told to stop
             await asyncio.to_thread(sup.terminate, LONG_RUNNING)
             await asyncio.to_thread(sup.terminate, STOPPED_AT_END)
+            await asyncio.to_thread(sup.wait_producers)
             await asyncio.to_thread(sup.wait_recorder)
         else:
             console.print("[yellow]stopping the services...[/yellow]")

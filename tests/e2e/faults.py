@@ -53,6 +53,13 @@ def assert_accounted(samples: dict[str, int]) -> None:
                                  + samples["dead_letter"]), samples
 
 
+def status(runs: Path, run_id: str, env: dict[str, str]) -> dict[str, Any]:
+    """``rollstream status RUN --format json``."""
+    res = rollstream("status", run_id, "--runs-dir", str(runs), "--format", "json", env=env, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return dict(json.loads(res.stdout))
+
+
 def sql(q: str, runs: Path, run_id: str, env: dict[str, str]) -> list[dict[str, Any]]:
     res = rollstream("sql", q, "--run", run_id, "--runs-dir", str(runs), "--format", "json", env=env)
     assert res.returncode == 0, res.stderr

@@ -3,7 +3,8 @@
 * ``kill -9`` of one service at a point chosen at random (seeded) in the middle of the run —
   feeder, rollout (mid-generation), reward (mid-transaction), trainer (after a checkpoint, with
   a step after it that the restarted trainer re-runs from the record), recorder (mid-batch): the
-  supervisor restarts it and the run completes;
+  supervisor restarts it and the run completes; ``rollstream status`` and the record's
+  ``service_events`` show that one restart;
 * the Kafka broker stopped for 20 s in the middle of the run (a broker of the test's own, never
   the shared one) and started again: every service rides it out;
 * a verifier that hangs or crashes on some samples: they are scored 0 with the reason, the run
@@ -36,6 +37,7 @@ from tests.e2e.faults import (
     invariants,
     recovery_after,
     sql,
+    status,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -66,6 +68,7 @@ def kill_service_run(runs: Path, bootstrap: str, service: str, seed: int = 0, *s
         run = RunProc(runs, run_id, [*OVERRIDES, *sets], env)
         watch.wait(lambda s: s.done_steps >= KILL_AT[service], 300, f"{KILL_AT[service]} step(s)", run)
         time.sleep(random.Random(f"{seed}/{service}").uniform(0, 0.3))
+        (victim,) = run.service_pids(service)
         killed_at = run.kill_service(service)
         assert watch.seen.finished is None and watch.seen.done_steps < STEPS, f"killed too late: {watch.seen}"
         if service == "recorder":
@@ -81,9 +84,23 @@ def kill_service_run(runs: Path, bootstrap: str, service: str, seed: int = 0, *s
         code = run.wait(360)
         recovery = recovery_after(watch, killed_at)
     assert code == 0, run.output()
+    assert f"service {service} killed by SIGKILL (exit code -9); restarting in 1 s" in run.output(), run.output()
     assert f"restarted {service}" in run.output(), run.output()
     inv = invariants(runs, run_id, env)
     check_invariants(inv, STEPS)
+    # `rollstream status` and the record's service_events show the one restart, of this service only
+    after = status(runs, run_id, env)
+    assert after["phase"] == "finished" and after["step"] == STEPS and after["policy_version"] == STEPS, after
+    svc = after["services"][service]
+    assert svc["restarts"] == 1 and svc["pid"] != victim and svc["state"] in ("stopped", "exited"), svc
+    assert all(s["restarts"] == 0 for name, s in after["services"].items() if name != service), after
+    rows = sql(f"SELECT service, kind, exit_code, restarts, previous_pid, pid FROM service_events FINAL "
+               f"WHERE run_id = '{run_id}' AND kind != 'ServiceStarted'", runs, run_id, env)
+    assert rows == [{"service": service, "kind": "ServiceRestarted", "exit_code": -9, "restarts": 1,
+                     "previous_pid": victim, "pid": svc["pid"]}], rows
+    started = sql(f"SELECT service FROM service_events FINAL WHERE run_id = '{run_id}' AND kind = 'ServiceStarted' "
+                  "ORDER BY service", runs, run_id, env)
+    assert [r["service"] for r in started] == ["feeder", "recorder", "reward", "rollout", "trainer"], started
     if service == "trainer":  # the restarted trainer re-ran the step(s) after its checkpoint from the record
         log = (runs / run_id / "logs" / "trainer.log").read_text()
         rerun = re.search(r"resumed from the checkpoint of step (\d+); (\d+) later step", log)

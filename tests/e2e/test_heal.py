@@ -1,10 +1,10 @@
 """End to end, as a user runs it (a subprocess per CLI call, the real broker and store):
 
-* a run heals: ``kill -9`` of the rollout process once the first training step is on the bus;
-  the supervisor restarts it, the run completes, ``rollstream status`` shows ``restarts=1`` for
-  rollout and the record has the restart in ``service_events``;
+* (a run that heals from ``kill -9`` of a service, with ``rollstream status`` and the record's
+  ``service_events`` showing the restart, is ``test_faults.py``);
 * ``rollstream stop`` drains a run from another terminal: ``rollstream run`` then writes its
-  summary and exits 0 with fewer steps than configured, and ``status`` calls the run stopped.
+  summary and exits 0 with fewer steps than configured, and ``status`` calls the run stopped;
+* ``run.max_wall_s`` drains a run the same way.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import topic_name
 from services.kafka.bus import Consumer
-from tests.e2e.faults import rollstream, sql
+from tests.e2e.faults import rollstream, sql, status
 from tests.e2e.test_run import SHORT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -57,12 +57,6 @@ def state(runs: Path, run_id: str) -> dict[str, Any]:
     return json.loads((runs / run_id / "supervisor.json").read_text())
 
 
-def status(runs: Path, run_id: str, env: dict[str, str]) -> dict[str, Any]:
-    res = rollstream("status", run_id, "--runs-dir", str(runs), "--format", "json", env=env, timeout=60)
-    assert res.returncode == 0, res.stderr
-    return dict(json.loads(res.stdout))
-
-
 def finish(proc: subprocess.Popen[str], timeout_s: float = 180) -> tuple[str, str]:
     try:
         out, err = proc.communicate(timeout=timeout_s)
@@ -72,36 +66,6 @@ def finish(proc: subprocess.Popen[str], timeout_s: float = 180) -> tuple[str, st
         pytest.fail(f"the run did not finish within {timeout_s:g} s:\n{out}\n{err}")
     assert proc.returncode == 0, out + err
     return out, err
-
-
-def test_a_killed_rollout_is_restarted_and_the_run_completes(tmp_path: Path, bootstrap: str, repo_root: Path) -> None:
-    env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=bootstrap)
-    runs = tmp_path / "runs"
-    run_id = f"e2e-heal-{uuid.uuid4().hex[:6]}"
-    proc = start_run(repo_root, runs, run_id, env, "train.steps=6")
-    try:
-        asyncio.run(wait_for_step(bootstrap, run_id, 0, proc))
-        victim = state(runs, run_id)["services"]["rollout"]["pid"]
-        os.kill(victim, signal.SIGKILL)
-    finally:
-        _, err = finish(proc)
-    assert "service rollout killed by SIGKILL (exit code -9); restarting in 1 s" in err
-    assert "restarted rollout" in err
-    summary = json.loads((runs / run_id / "summary.json").read_text())
-    assert summary["steps"] == 6 and summary["samples"]["unaccounted"] == 0
-
-    after = status(runs, run_id, env)
-    assert after["phase"] == "finished" and after["step"] == 6 and after["policy_version"] == 6
-    rollout = after["services"]["rollout"]
-    assert rollout["restarts"] == 1 and rollout["pid"] != victim and rollout["state"] == "stopped"
-    assert all(s["restarts"] == 0 for name, s in after["services"].items() if name != "rollout")
-    rows = sql(f"SELECT service, kind, exit_code, restarts, previous_pid, pid FROM service_events FINAL "
-               f"WHERE run_id = '{run_id}' AND kind != 'ServiceStarted'", runs, run_id, env)
-    assert rows == [{"service": "rollout", "kind": "ServiceRestarted", "exit_code": -9, "restarts": 1,
-                     "previous_pid": victim, "pid": rollout["pid"]}]
-    started = sql(f"SELECT service FROM service_events FINAL WHERE run_id = '{run_id}' AND kind = 'ServiceStarted' "
-                  "ORDER BY service", runs, run_id, env)
-    assert [r["service"] for r in started] == ["feeder", "recorder", "reward", "rollout", "trainer"]
 
 
 def test_stop_drains_a_run_from_another_terminal(tmp_path: Path, bootstrap: str, repo_root: Path) -> None:
@@ -140,17 +104,17 @@ def test_the_wall_limit_drains_the_run_and_still_writes_its_summary(tmp_path: Pa
     env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=bootstrap)
     runs = tmp_path / "runs"
     run_id = f"e2e-wall-{uuid.uuid4().hex[:6]}"
-    # far more steps than 50 s can hold on any machine (a fast one did 196 in 46 s), so the wall, not
+    # far more steps than 30 s can hold on any machine (a fast one did 196 steps in 46 s), so the wall, not
     # the step count, is what ends the run
-    proc = start_run(repo_root, runs, run_id, env, "train.steps=20000", "run.max_wall_s=50")
+    proc = start_run(repo_root, runs, run_id, env, "train.steps=20000", "run.max_wall_s=30")
     out, err = finish(proc, timeout_s=400)
-    assert "run.max_wall_s=50s reached: draining the run" in err, err
+    assert "run.max_wall_s=30s reached: draining the run" in err, err
     assert "held-out accuracy" in out
     summary = json.loads((runs / run_id / "summary.json").read_text())
     assert summary["steps"] < 20000 and summary["samples"]["unaccounted"] == 0
     assert summary["eval"]["final"]["accuracy"] is not None
     after = status(runs, run_id, env)
-    assert after["phase"] == "stopped" and after["draining"] == "run.max_wall_s=50s reached"
+    assert after["phase"] == "stopped" and after["draining"] == "run.max_wall_s=30s reached"
     drains = sql(f"SELECT JSONExtractString(payload, 'reason') AS reason FROM events FINAL WHERE run_id = '{run_id}' "
                  "AND kind = 'Drain' ORDER BY ts", runs, run_id, env)
-    assert drains[0]["reason"] == "run.max_wall_s=50s reached"
+    assert drains[0]["reason"] == "run.max_wall_s=30s reached"

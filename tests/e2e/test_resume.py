@@ -47,7 +47,7 @@ CASES = {
 }
 
 
-WARMUP_OVERRIDES = ["train.warmup_sft_steps=300"]
+WARMUP_OVERRIDES = ["train.warmup_sft_steps=150"]
 
 
 def resume_run(runs: Path, bootstrap: str, point: str) -> FaultResult:

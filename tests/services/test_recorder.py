@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import msgspec
 
@@ -42,6 +43,21 @@ async def record(bootstrap: str, run_id: str, dsn: str, group: str) -> int:
     settings = RecorderSettings(run_id=run_id, dsn=dsn, kafka=KafkaSettings(bootstrap=bootstrap), group_id=group,
                                 stop_when_finished=True, idle_exit_s=0.5)
     return await asyncio.wait_for(Recorder(settings).run(), timeout=60)
+
+
+async def test_the_producers_done_file_ends_the_wait_for_quiet_topics(bootstrap: str, run_id: str, store_dsn: str,
+                                                                     tmp_path: Path) -> None:
+    """With the supervisor's file present the recorder exits once it has recorded everything after
+    ``RunFinished``, long before ``idle_exit_s`` of quiet polls would have passed."""
+    sent = await publish_examples(bootstrap, run_id)
+    done = tmp_path / "producers.done"
+    done.touch()
+    settings = RecorderSettings(run_id=run_id, dsn=store_dsn, kafka=KafkaSettings(bootstrap=bootstrap),
+                                group_id=f"{run_id}-done", stop_when_finished=True, idle_exit_s=600,
+                                producers_done_file=str(done))
+    rec = Recorder(settings)
+    assert await asyncio.wait_for(rec.run(), timeout=120) == sent
+    assert rec.finished_seen and rec.lag == 0
 
 
 async def test_records_everything_once(bootstrap: str, run_id: str, store_dsn: str) -> None:
