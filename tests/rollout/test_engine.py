@@ -45,6 +45,9 @@ async def test_greedy_is_deterministic_and_batch_independent(model_dir: Path) ->
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 async def test_logprobs_match_teacher_forced_forward(model_dir: Path, temperature: float) -> None:
     engine = TorchEngine(model_dir, max_batch=4, seed=3)  # 6 requests, 4 slots: rows join mid-flight
+    # the prefill computes the LM head at the last prompt position only; the first token's
+    # logprob below checks that this is the right position
+    assert engine._last_logits_only == {"logits_to_keep": 1}
     params = SamplingParams(max_new_tokens=16, temperature=temperature)
     done = await generate_all(engine, requests(engine, params))
     for c in done:
