@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bus.py [--bootstrap HOST:PORT] [--n N] [--seconds S] [--compression C]
                                   [--overhead-steps 20] [--only-overhead] [--threads N] [--rate 50]
-                                  [--warm DIR] [--profile-out FILE]
+                                  [--warm DIR] [--profile-out FILE] [--config CFG]
 
 1. Kafka end to end, per event size: a consumer group (``read_committed``, manual commit after
    every batch, the same :class:`services.kafka.bus.Consumer` the services use) runs while a
@@ -37,6 +37,11 @@
 
    ``--threads N`` sets the torch threads of every process (``OMP_NUM_THREADS`` for the
    services); ``--profile-out`` keeps the raw profile.
+
+   ``--config CFG`` (e.g. ``examples/smollm2_reasoning.yaml``) measures the Kafka part on another
+   example as shipped (its own model, no warm-up, ``async_ratio`` 0, 16 held-out problems): the
+   two runs through Kafka and the Kafka CPU table, without the in-process loop (which wires the
+   main example's single domain only) and so without the whole-pipeline overhead line.
 
 Needs a reachable broker (``--bootstrap``, else ``$ROLLSTREAM_BOOTSTRAP``, else
 127.0.0.1:9092); creates the topics of a throwaway run and deletes them at the end.
@@ -314,21 +319,28 @@ def overhead(args: argparse.Namespace) -> int:
     import common  # bench/common.py
 
     steps = args.overhead_steps
-    model = common.warm_model_at(args.warm)
+    main = args.config is None
     env = dict(os.environ, PYTHONHASHSEED="0", ROLLSTREAM_BOOTSTRAP=args.bootstrap)
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)  # every service process's torch threads
     work = Path(tempfile.mkdtemp(prefix="bus-overhead-"))
-    sets = [f"model.path={model}", "train.warmup_sft_steps=0", f"train.steps={steps}", "rollout.async_ratio=0",
+    sets = ["train.warmup_sft_steps=0", f"train.steps={steps}", "rollout.async_ratio=0",
             "train.max_staleness=0", f"train.eval_every={steps}", f"train.checkpoint_every={steps}",
             f"run.runs_dir={work / 'runs'}", "run.seed=0"]
+    if main:
+        model = common.warm_model_at(args.warm)
+        sets.insert(0, f"model.path={model}")
+    else:
+        sets.append("data.heldout_size=16")
+    what = ("the main example (batch 256 = 32 groups of 8, async_ratio 0), {steps} RL steps from the warmed-up model"
+            if main else f"{args.config} as shipped but async_ratio 0 and no warm-up, {{steps}} RL steps")
 
     phases: list[tuple[str, float]] = []
 
     def kafka_run(tag: str, prefix: list[str] | None) -> tuple[str, float, float]:
         run_id = f"bench-bus-{tag}-{uuid4().hex[:6]}"
         t0 = time.perf_counter()
-        common.rollstream_run(run_id, sets, env, prefix=prefix)
+        common.rollstream_run(run_id, sets, env, prefix=prefix, config=args.config)
         wall = time.perf_counter() - t0
         rows = common.sql(f"SELECT toUnixTimestamp64Micro(ts) / 1e6 AS t FROM train_steps FINAL "
                           f"WHERE run_id = '{run_id}' ORDER BY step", run_id, work / "runs", env)
@@ -343,8 +355,8 @@ def overhead(args: argparse.Namespace) -> int:
         return run_id, (ts[-1] - ts[0]) / (len(ts) - 1), wall
 
     try:
-        print(f"\nKafka overhead: the main example (batch 256 = 32 groups of 8, async_ratio 0), {steps} RL steps "
-              "from the warmed-up model, through Kafka and in one process", flush=True)
+        print(f"\nKafka overhead: {what.format(steps=steps)}, through Kafka"
+              f"{' and in one process' if main else ''}", flush=True)
         cpu0 = broker_cpu_s(args.bootstrap)
         _, kafka_step, kafka_wall = kafka_run("plain", None)
         cpu1 = broker_cpu_s(args.bootstrap)
@@ -356,9 +368,11 @@ def overhead(args: argparse.Namespace) -> int:
         if args.profile_out:
             shutil.copyfile(prof, args.profile_out)
         print(f"  through Kafka under py-spy: {prof_step:.3f} s/step", flush=True)
-        inproc_step, g, t = inprocess(steps, model, work / "inproc", args.threads)
-        print(f"  in one process: {inproc_step:.3f} s/step (generate + score {g:.3f} s, train + weight swap {t:.3f} s)",
-              flush=True)
+        inproc_step = 0.0
+        if main:
+            inproc_step, g, t = inprocess(steps, model, work / "inproc", args.threads)
+            print(f"  in one process: {inproc_step:.3f} s/step (generate + score {g:.3f} s, train + weight swap "
+                  f"{t:.3f} s)", flush=True)
         by, total = profile_breakdown(prof, args.rate)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -371,13 +385,18 @@ def overhead(args: argparse.Namespace) -> int:
     threads = f"{args.threads} torch threads per process" if args.threads else "torch's default threads"
     print(f"\nStep time (wall, steps 2..{steps}; {threads}): the same handlers, in-process vs through Kafka")
     print(f"machine: {common.machine()}")
-    rows: list[tuple[str, ...]] = [("pipeline", "s/step", "÷ in-process"),
-            ("in one process (generate, score, train, swap)", f"{inproc_step:.3f}", "1.00x"),
-            ("through Kafka (rollstream run)", f"{kafka_step:.3f}", f"{kafka_step / inproc_step:.2f}x"),
-            ("through Kafka under py-spy", f"{prof_step:.3f}", f"{prof_step / inproc_step:.2f}x")]
-    _table(rows)
-    print(f"whole-pipeline overhead (Kafka, separate processes, recorder, polling): "
-          f"{(kafka_step - inproc_step) / kafka_step:.1%} of the Kafka step time")
+    if main:
+        rows: list[tuple[str, ...]] = [("pipeline", "s/step", "÷ in-process"),
+                ("in one process (generate, score, train, swap)", f"{inproc_step:.3f}", "1.00x"),
+                ("through Kafka (rollstream run)", f"{kafka_step:.3f}", f"{kafka_step / inproc_step:.2f}x"),
+                ("through Kafka under py-spy", f"{prof_step:.3f}", f"{prof_step / inproc_step:.2f}x")]
+        _table(rows)
+        print(f"whole-pipeline overhead (Kafka, separate processes, recorder, polling): "
+              f"{(kafka_step - inproc_step) / kafka_step:.1%} of the Kafka step time")
+    else:
+        _table([("pipeline", "s/step"), ("through Kafka (rollstream run)", f"{kafka_step:.3f}"),
+                ("through Kafka under py-spy", f"{prof_step:.3f}")])
+        print(f"(no in-process loop for {args.config}: the Kafka part below is the measurement)")
     if phases:
         print("where a step's wall time goes through Kafka (unprofiled run, mean over steps 2.., from the record):")
         _table([("phase", "s/step", "of step"), *[(name, f"{sec:.3f}", f"{sec / kafka_step:.0%}") for name, sec in phases]])
@@ -493,6 +512,8 @@ def parse_args() -> argparse.Namespace:
                     help="overhead part: keep the raw py-spy profile of the Kafka run here")
     ap.add_argument("--only-overhead", action="store_true", help="run the Kafka-overhead part alone")
     ap.add_argument("--rate", type=int, default=50, help="py-spy samples per second in the overhead part")
+    ap.add_argument("--config", type=Path, default=None,
+                    help="overhead part on this example config instead of the main example (see the docstring)")
     ap.add_argument("--warm", type=Path, default=None,
                     help="warmed-up model directory for the overhead part (created when missing; "
                          "default .cache/bench/warm)")
@@ -614,6 +635,8 @@ def _table(rows: Sequence[tuple[str, ...]]) -> None:
 
 def main() -> int:
     args = parse_args()
+    if args.config is not None and not args.config.is_file():
+        raise SystemExit(f"bench/bus.py: --config {args.config}: no such file")
     if not args.only_overhead:
         rc = asyncio.run(bus(args))
         if rc:

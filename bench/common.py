@@ -91,10 +91,11 @@ def warm_model_at(path: Path | None) -> Path:
 
 
 def rollstream_run(run_id: str, sets: list[str], env: dict[str, str], *, prefix: list[str] | None = None,
-                   timeout_s: float = 1800) -> subprocess.CompletedProcess[str]:
-    """``rollstream run examples/main.yaml --run-id RUN_ID --set ...`` (``prefix``: a profiler command
-    line to run it under, e.g. ``py-spy record ... --``). Exits with the output's tail on failure."""
-    cmd = [*(prefix or []), sys.executable, "-m", "services.cli", "run", str(REPO / "examples" / "main.yaml"),
+                   timeout_s: float = 1800, config: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``rollstream run CONFIG --run-id RUN_ID --set ...`` (``config``: default ``examples/main.yaml``;
+    ``prefix``: a profiler command line to run it under, e.g. ``py-spy record ... --``). Exits with
+    the output's tail on failure."""
+    cmd = [*(prefix or []), sys.executable, "-m", "services.cli", "run", str(config or REPO / "examples" / "main.yaml"),
            "--run-id", run_id, *[a for kv in sets for a in ("--set", kv)]]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout_s)
     if res.returncode != 0:
