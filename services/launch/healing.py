@@ -59,7 +59,7 @@ _LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d[,.]\d+ (\d+ )?")
 _ERROR_WORDS = ("error", "traceback", "exception", "critical", "fatal")
 
 
-def _log_lines(path: Path, max_bytes: int) -> list[str]:
+def _log_lines(path: Path, max_bytes: int, last_process_only: bool = False) -> list[str]:
     try:
         with open(path, "rb") as fh:
             fh.seek(0, 2)
@@ -68,14 +68,20 @@ def _log_lines(path: Path, max_bytes: int) -> list[str]:
             text = fh.read().decode("utf-8", "replace")
     except OSError:
         return []
-    return [_LOG_PREFIX.sub("", ln).strip() for ln in text.splitlines()
-            if ln.strip() and not ln.startswith(RESTART_MARK)]
+    lines = text.splitlines()
+    if last_process_only:
+        marks = [i for i, ln in enumerate(lines) if ln.startswith(RESTART_MARK)]
+        lines = lines[marks[-1] + 1:] if marks else lines
+    return [_LOG_PREFIX.sub("", ln).strip() for ln in lines if ln.strip() and not ln.startswith(RESTART_MARK)]
 
 
-def last_error_line(path: Path, max_bytes: int = 256 << 10) -> str:
+def last_error_line(path: Path, max_bytes: int = 256 << 10, last_process_only: bool = False) -> str:
     """The last line of a log that mentions an error ('' if none), without its timestamp and
-    pid; only the last ``max_bytes`` of the file are read."""
-    errors = [ln for ln in _log_lines(path, max_bytes) if any(w in ln.lower() for w in _ERROR_WORDS)]
+    pid; only the last ``max_bytes`` of the file are read. ``last_process_only``: only the lines
+    after the last :data:`RESTART_MARK`, i.e. those of the service's latest process (so that an
+    error of an earlier process is never given as the reason a later one ended)."""
+    lines = _log_lines(path, max_bytes, last_process_only)
+    errors = [ln for ln in lines if any(w in ln.lower() for w in _ERROR_WORDS)]
     return errors[-1][:300] if errors else ""
 
 

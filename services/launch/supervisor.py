@@ -233,6 +233,9 @@ class Supervisor:
         self._env.setdefault("PYTHONHASHSEED", "0")
         for label in self.labels():
             slot = ServiceSlot(label, logs / f"{label}.log")
+            if slot.log_path.exists() and slot.log_path.stat().st_size:  # a resumed run: its own process from here
+                with open(slot.log_path, "a") as fh:
+                    fh.write(f"{RESTART_MARK} start of {label} (the run resumed) ---\n")
             self.slots.append(slot)
             self._spawn(slot)
             self.pending.append(ev.ServiceStarted(run_id=self.run_id, service=label, pid=slot.pid,
@@ -272,7 +275,8 @@ class Supervisor:
             verdict = None
             code = proc.poll() if slot.state == "running" and proc is not None else None
             if code is not None:
-                verdict = self.healer.on_exit(slot, int(code), last_error_line(slot.log_path), finished)
+                verdict = self.healer.on_exit(slot, int(code), last_error_line(slot.log_path, last_process_only=True),
+                                              finished)
             elif slot.state == "exited":
                 verdict = self.healer.recheck(slot, finished)
             if verdict is not None:

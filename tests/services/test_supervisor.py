@@ -153,6 +153,13 @@ def test_last_error_line_skips_restart_marks_and_timestamps(tmp_path: Path) -> N
     assert last_log_line(log) == "ERROR rollstream.x: engine error: CUDA out of memory"
     log.write_text("2026-01-02 03:04:05,678 4242 INFO rollstream.x: started\n")
     assert last_error_line(log) == "" and last_log_line(log) == "INFO rollstream.x: started"
+    # why the latest process ended: never an error of an earlier one (it died before logging any)
+    log.write_text("2026-01-02 03:04:06,000 4242 ERROR rollstream.x: unexpected ImportError: no name\n"
+                   f"{RESTART_MARK} restart 1 of x (pid 4242 exited with code 1; waited 1 s) ---\n")
+    assert last_error_line(log, last_process_only=True) == ""
+    with open(log, "a") as fh:
+        fh.write("2026-01-02 03:04:08,000 4343 ERROR rollstream.x: engine error: out of memory\n")
+    assert last_error_line(log, last_process_only=True) == "ERROR rollstream.x: engine error: out of memory"
 
 
 # --------------------------------------------------------------------------- the state file
@@ -227,8 +234,11 @@ def test_supervisor_restarts_records_and_gives_up(tmp_path: Path, monkeypatch: A
     sup.pending.clear()
     second.code = 2  # type: ignore[attr-defined]
     sup.check_children()  # past run.max_restarts=1
+    # the second process logged nothing: the first one's error is not given as its reason, only as
+    # where the log ends
     assert sup.failure is not None and sup.failure.startswith(
-        "service rollout exited with code 2 after 1 restart (run.max_restarts=1): ERROR rollstream.rollout: boom")
+        "service rollout exited with code 2 after 1 restart (run.max_restarts=1); its log ends: "
+        "ERROR rollstream.rollout: boom")
     (failed,) = sup.pending
     assert isinstance(failed, ev.ServiceFailed) and (failed.service, failed.exit_code) == ("rollout", 2)
     assert read_state(tmp_path / "r1")["services"]["rollout"]["state"] == "failed"  # type: ignore[index]
