@@ -1,7 +1,7 @@
 """The recorder: every message of a run's topics into the run's ClickHouse store.
 
 It runs on :mod:`services.kafka.runtime` as a batch service: consumer group
-``rs-recorder-<run_id or all>`` on ``^rs\\.<run_id>\\..*`` (or ``^rs\\..*`` for all runs);
+``rs-recorder-<run_id or all>`` on every topic of the run (or ``^rs\\..*`` for all runs);
 :meth:`Recorder.handle_batch` inserts each poll with one insert per table, and the runtime
 commits the poll's offsets once it returned (``commit="after_effect"``). The runtime's dedupe
 is off (every message is recorded, a redelivered duplicate too). Ingestion is idempotent on
@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import threading
 import time
 from collections import defaultdict, deque
@@ -53,7 +52,7 @@ import msgspec
 
 from schemas import events as ev
 from schemas.config import KafkaSettings, RunConfig
-from schemas.topics import parse_topic
+from schemas.topics import TOPICS, parse_topic, topic_name
 from services import store as st
 from services.kafka.bus import Consumer, Record, TopicPartition
 from services.kafka.runtime import BatchContext, BatchService, Runner, ServiceSettings
@@ -238,13 +237,19 @@ class Recorder(BatchService):
 
     def service_settings(self) -> ServiceSettings:
         """How the recorder runs on :mod:`services.kafka.runtime`: a batch handler over the
-        run's topics by pattern, commit after each insert, every message to the handler (no
+        run's topics (every topic of :data:`schemas.topics.TOPICS`; a recorder of every run
+        subscribes by pattern), commit after each insert, every message to the handler (no
         dedupe, undecodable bytes too), fetches held by the broker until :data:`FETCH_MIN_BYTES`
-        are ready or :data:`FETCH_MAX_WAIT_MS` passed (fewer, fuller fetches and inserts)."""
+        are ready or :data:`FETCH_MAX_WAIT_MS` passed (fewer, fuller fetches and inserts).
+
+        A run's recorder names its topics rather than a pattern: a pattern subscription refreshes
+        the metadata of every topic of the cluster every 5 s, which on a broker that keeps many
+        runs' topics became most of the recorder's Kafka work."""
         s = self.settings
-        pattern = rf"^rs\.{re.escape(s.run_id)}\..*" if s.run_id else r"^rs\..*"
+        topics = [topic_name(s.run_id, name) for name in TOPICS] if s.run_id else []
         return ServiceSettings(
-            group_id=self._group_id(), run_id=s.run_id, topic_pattern=pattern, kafka=s.kafka,
+            group_id=self._group_id(), run_id=s.run_id, topics=topics, topic_pattern="" if topics else r"^rs\..*",
+            kafka=s.kafka,
             batch_max_records=s.batch_max_records, poll_timeout_s=s.poll_timeout_s, dedupe=False,
             handle_undecodable=True, fetch_min_bytes=FETCH_MIN_BYTES, fetch_max_wait_ms=FETCH_MAX_WAIT_MS,
         )
