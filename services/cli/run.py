@@ -47,12 +47,13 @@ def read_config(path: Path, overrides: list[str]) -> Any:
     return parse_config(text, overrides, source=str(path))
 
 
-def check_backends(cfg: Any) -> None:
+def check_backends(cfg: Any, devices: bool = True) -> None:
     """Refuse, in one line and before anything starts, what cannot run here: a generation engine
     or training strategy (:func:`rollout.factory.check_engine`, :func:`trainer.factory.check_strategy`),
     a task source, verifier or source argument of ``data.domains`` that does not exist, a
     ``model.path`` that is not a model directory, a judge model that cannot judge
-    (:func:`check_judges`), a device this machine lacks, and an experiment tracker whose package is
+    (:func:`check_judges`), a device this machine lacks (``devices``: a service that uses no
+    device skips that check, which imports torch), and an experiment tracker whose package is
     missing (:func:`services.tracking.check_trackers`)."""
     from rollout.factory import check_engine
     from services.tracking import check_trackers
@@ -63,8 +64,13 @@ def check_backends(cfg: Any) -> None:
     check_trackers(cfg)
     check_domains(cfg)
     check_model_path(cfg)
-    check_devices(cfg)
+    if devices:
+        check_devices(cfg)
     check_judges(cfg)  # last: it may load a judge's tokenizer (seconds)
+
+
+DEVICE_SERVICES = ("rollout", "trainer", "judge")
+"""The services that run a model on ``rollout.device`` / ``train.device`` / ``judge.device``."""
 
 
 def check_devices(cfg: Any) -> None:
@@ -339,7 +345,9 @@ def service_cmd(
         cfg = supervisor.load_run_config(runs_dir, run, set_)
     except supervisor.RunError as e:
         raise UserError(str(e)) from None
-    check_backends(cfg)
+    # feeder, reward, recorder and env workers use no device: checking one would import torch
+    # (about 1.7 s of CPU per process, at every start and restart)
+    check_backends(cfg, devices=name in DEVICE_SERVICES)
     cfg = with_store(cfg)
     if opt("bootstrap_given"):  # --bootstrap on the command line wins over kafka.bootstrap of the run's config
         cfg = msgspec.structs.replace(cfg, kafka=msgspec.structs.replace(cfg.kafka, bootstrap=opt("bootstrap")))

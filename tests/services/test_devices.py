@@ -62,3 +62,23 @@ def test_describe_names_servers_and_ranks() -> None:
                        "train: {strategy: megatron, ranks: 4, tensor_parallel: 2, device: cpu}}")
     assert describe(cfg) == ("devices: rollout via server servers (http://h:8000), "
                              "trainer megatron x4 ranks (TP 2 x DP 2) from cpu (float32)")
+
+
+def test_services_without_a_device_skip_the_device_check_and_never_import_torch() -> None:
+    """``rollstream service feeder|reward|recorder|env`` checks the config without importing torch
+    (the device check would: ``auto`` asks torch for CUDA); rollout, trainer and judge check it."""
+    import subprocess
+    import sys
+
+    from services.cli.run import DEVICE_SERVICES, SERVICES
+
+    assert set(DEVICE_SERVICES) == {"rollout", "trainer", "judge"} and set(DEVICE_SERVICES) < set(SERVICES)
+    code = ("import sys\n"
+            "from schemas.config import parse_config\n"
+            "from services.cli import run\n"
+            "run.check_backends(parse_config('{}'), devices=False)\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n"
+            "run.check_backends(parse_config('{}'))\n"
+            "assert 'torch' in sys.modules\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
