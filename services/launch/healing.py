@@ -94,6 +94,12 @@ RESTART_MARK = "--- rollstream run:"
 """Lines the supervisor writes into a service's log between two of its processes."""
 
 
+def mark_log(path: Path, text: str) -> None:
+    """Append a :data:`RESTART_MARK` line: the lines after it are a new process's."""
+    with open(path, "a") as fh:
+        fh.write(f"{RESTART_MARK} {text} ---\n")
+
+
 @dataclass
 class ServiceSlot:
     """One service of the run as the supervisor sees it (one per process it keeps alive)."""

@@ -66,12 +66,12 @@ from services.errors import one_line
 from services.kafka.bus import Consumer, Producer
 from services.launch.healing import (
     LONG_RUNNING,
-    RESTART_MARK,
     Healer,
     ServiceSlot,
     describe_exit,
     last_error_line,
     last_log_line,
+    mark_log,
 )
 from services.launch.prepare import (
     RunError,
@@ -111,7 +111,6 @@ ENV_SERVICE = "env"
 JUDGE_SERVICE = "judge"
 """The judge workers of judged domains (started only when a domain has a judge)."""
 STOPPED_AT_END = (*LONG_RUNNING, JUDGE_SERVICE, ENV_SERVICE)
-
 """Services that run until told to stop: SIGTERMed once the run has finished (the judge and env
 workers last: reward and rollout workers may still wait on them)."""
 LABEL_ENV = "ROLLSTREAM_SERVICE_LABEL"
@@ -234,8 +233,7 @@ class Supervisor:
         for label in self.labels():
             slot = ServiceSlot(label, logs / f"{label}.log")
             if slot.log_path.exists() and slot.log_path.stat().st_size:  # a resumed run: its own process from here
-                with open(slot.log_path, "a") as fh:
-                    fh.write(f"{RESTART_MARK} start of {label} (the run resumed) ---\n")
+                mark_log(slot.log_path, f"start of {label} (the run resumed)")
             self.slots.append(slot)
             self._spawn(slot)
             self.pending.append(ev.ServiceStarted(run_id=self.run_id, service=label, pid=slot.pid,
@@ -254,9 +252,8 @@ class Supervisor:
     def _restart(self, slot: ServiceSlot) -> None:
         previous = slot.pid
         slot.restarts += 1
-        with open(slot.log_path, "a") as fh:
-            fh.write(f"{RESTART_MARK} restart {slot.restarts} of {slot.label} (pid {previous} "
-                     f"{describe_exit(slot.last_exit_code)}; waited {slot.backoff_s:g} s) ---\n")
+        mark_log(slot.log_path, f"restart {slot.restarts} of {slot.label} (pid {previous} "
+                 f"{describe_exit(slot.last_exit_code)}; waited {slot.backoff_s:g} s)")
         self._spawn(slot)
         log.info("restarted %s: pid %d (restart %d)", slot.label, slot.pid, slot.restarts)
         self.pending.append(ev.ServiceRestarted(
@@ -319,20 +316,16 @@ class Supervisor:
                 slot.state = "stopped"
         self.write_state()
 
-    def wait_producers(self, timeout_s: float = 60.0) -> bool:
-        """Wait (up to ``timeout_s``) for every service but the recorder to exit (the trainer and
-        the feeder end by themselves on ``RunFinished``); then write :data:`PRODUCERS_DONE` so that
-        the recorder need not wait for quiet topics. False (no file) when one is still running."""
+    def wait_producers(self, timeout_s: float = 60.0) -> None:
+        """Wait (up to ``timeout_s``) for every service but the recorder to exit (trainer and feeder
+        end by themselves on ``RunFinished``), then write :data:`PRODUCERS_DONE` (not if one runs on)."""
         deadline = time.monotonic() + timeout_s
-        for label, proc in list(self.procs.items()):
-            if label == "recorder":
-                continue
-            try:
+        try:
+            for proc in [p for label, p in self.procs.items() if label != "recorder"]:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                return False
+        except subprocess.TimeoutExpired:
+            return  # the recorder falls back to waiting for quiet topics
         (self.run_dir / PRODUCERS_DONE).touch()
-        return True
 
     def wait_recorder(self, timeout_s: float = 120.0) -> None:
         proc = self.procs.get("recorder")
