@@ -1,4 +1,8 @@
-"""Does the ML core learn? A synchronous GRPO run without Kafka, on CPU.
+"""Does the ML core learn? A synchronous GRPO run without Kafka, in one process.
+
+Trainer and engine run where ``train.device`` and ``rollout.device`` say (both ``auto`` by
+default: the GPU when torch sees one, in bfloat16; else the CPU in float32), e.g.
+``--set train.device=cpu --set rollout.device=cpu`` on a GPU machine.
 
 init tiny model -> supervised warm-up -> loop:
     sample prompts, generate ``group_size`` answers each with ``TorchEngine`` (T = rollout
@@ -48,6 +52,7 @@ from rollout.engine import GenerationRequest, TorchEngine, generate_all
 from rollout.model_init import count_parameters, encode_prompt, init_tiny_model
 from rollout.sampling import SamplingParams
 from schemas.config import RunConfig, parse_raw
+from services.devices import placement
 from trainer.batch import TrainSample
 from trainer.sft import SFTExample
 from trainer.strategy import TorchStrategy
@@ -182,6 +187,9 @@ async def learn(cfg: RunConfig, work: Path, clip_high: float) -> dict[str, Any]:
     heldout = source.heldout(cfg.data.heldout_size)
 
     model_dir = init_tiny_model(work / "init", cfg.model.init, seed=cfg.run.seed)
+    where = placement(cfg)  # train.device / rollout.device (auto: CUDA when there is one) and their dtypes
+    print(f"trainer on {where['trainer'][0]} ({where['trainer'][1]}), engine on {where['rollout'][0]} "
+          f"({where['rollout'][1]})", flush=True)
     strategy = TorchStrategy(
         model_dir,
         lr=cfg.train.lr,
@@ -194,6 +202,8 @@ async def learn(cfg: RunConfig, work: Path, clip_high: float) -> dict[str, Any]:
         total_steps=cfg.train.steps,
         min_lr_ratio=cfg.train.min_lr_ratio,
         lr_warmup_steps=cfg.train.lr_warmup_steps,
+        device=where["trainer"][0],
+        dtype=where["trainer"][1],
     )
     print(f"model: {count_parameters(strategy.model):,} parameters", flush=True)
     losses = warm_up(strategy, source, cfg, rng)
@@ -201,7 +211,8 @@ async def learn(cfg: RunConfig, work: Path, clip_high: float) -> dict[str, Any]:
     print(f"warm-up: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, {t_sft:.1f}s", flush=True)
 
     weights, _ = strategy.export_weights(work / "weights" / "v0")
-    engine = TorchEngine(weights, max_batch=cfg.rollout.max_batch, seed=cfg.run.seed)
+    engine = TorchEngine(weights, max_batch=cfg.rollout.max_batch, seed=cfg.run.seed, device=where["rollout"][0],
+                         dtype=where["rollout"][1])
     curve = Curve()
     curve.add(
         0, await evaluate(engine, heldout, verifier, cfg.rollout.max_new_tokens), time.perf_counter() - t0

@@ -230,37 +230,36 @@ class _Pending:
 
 
 class _Slots:
-    """The running batch: rows, their KV cache, attention mask and next inputs."""
+    """The running batch: rows, their KV cache, attention mask and next inputs, all on ``device``
+    (the model's: a CPU tensor among CUDA ones fails the first ``torch.cat``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
         self.rows: list[_Row] = []
         self.cache: DynamicCache | None = None
-        self.mask = torch.zeros(0, 0, dtype=torch.long)  # (B, L)
-        self.next_token = torch.zeros(0, dtype=torch.long)  # (B,) sampled, not yet in the cache
-        self.next_pos = torch.zeros(0, dtype=torch.long)  # (B,) position id of next_token
-        self.temperature = torch.zeros(0)  # (B,)
-        self.top_p = torch.zeros(0)  # (B,)
-        self.greedy = torch.zeros(0, dtype=torch.bool)  # (B,)
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # (B, L)
+        self.next_token = torch.zeros(0, dtype=torch.long, device=self.device)  # (B,) sampled, not yet in the cache
+        self.next_pos = torch.zeros(0, dtype=torch.long, device=self.device)  # (B,) position id of next_token
 
     def add(self, rows: list[_Row], cache: DynamicCache, mask: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Append prefilled rows (``cache``/``mask`` left-padded, ``tokens`` their first sample)."""
-        params = [r.request.params for r in rows]
+        """Append prefilled rows (``cache``/``mask`` left-padded, ``tokens`` their first sample).
+        The rows join only once every tensor is built: a failure leaves the batch as it was
+        (except a half-merged cache, which the engine's error path drops with the batch)."""
+        next_token = torch.cat([self.next_token, tokens])
+        next_pos = torch.cat([self.next_pos, mask.sum(dim=1)])
         if self.cache is None or not self.rows:
             self.cache, self.mask = cache, mask
         else:
             length = max(self.mask.shape[1], mask.shape[1])
+            new_mask = torch.cat([_pad_left(self.mask, length, 1), _pad_left(mask, length, 1)], dim=0)
             merge_caches(self.cache, cache, length)
-            self.mask = torch.cat([_pad_left(self.mask, length, 1), _pad_left(mask, length, 1)], dim=0)
+            self.mask = new_mask
+        self.next_token, self.next_pos = next_token, next_pos
         self.rows += rows
-        self.next_token = torch.cat([self.next_token, tokens])
-        self.next_pos = torch.cat([self.next_pos, mask.sum(dim=1)])
-        self.temperature = torch.cat([self.temperature, torch.tensor([p.temperature for p in params])])
-        self.top_p = torch.cat([self.top_p, torch.tensor([p.top_p for p in params])])
-        self.greedy = torch.cat([self.greedy, torch.tensor([p.greedy for p in params])])
 
     def keep(self, keep: list[int]) -> None:
         """Evict every row not in ``keep`` and trim columns that are padding for all kept rows."""
-        idx = torch.tensor(keep, dtype=torch.long)
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.rows = [self.rows[i] for i in keep]
         mask = self.mask[idx]
         first_col = int(mask.shape[1] - mask.sum(dim=1).max()) if keep else mask.shape[1]
@@ -269,9 +268,6 @@ class _Slots:
             select_cache(self.cache, idx, first_col)
         self.next_token = self.next_token[idx]
         self.next_pos = self.next_pos[idx]
-        self.temperature = self.temperature[idx]
-        self.top_p = self.top_p[idx]
-        self.greedy = self.greedy[idx]
 
 
 # --------------------------------------------------------------------------- engine
@@ -315,7 +311,7 @@ class TorchEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.tokens_generated = 0
         self._pending: deque[_Pending] = deque()
-        self._slots = _Slots()
+        self._slots = _Slots(self.device)
         self._admitting: list[_Row] = []  # popped from _pending, not yet in _slots
         self._waited_steps = 0  # decode steps since waiting requests were last admitted
         self._step_lock = threading.Lock()
@@ -460,8 +456,9 @@ class TorchEngine:
             try:
                 return self._step_locked()
             except Exception as e:  # fail the rows of this step, keep the engine usable
-                rows, self._admitting = self._slots.rows + self._admitting, []
-                self._slots = _Slots()
+                admitting = [r for r in self._admitting if all(r is not x for x in self._slots.rows)]
+                rows, self._admitting = self._slots.rows + admitting, []
+                self._slots = _Slots(self.device)
                 return [(r, self._complete(r, "error", f"{type(e).__name__}: {e}")) for r in rows]
 
     @torch.inference_mode()

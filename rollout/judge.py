@@ -322,7 +322,7 @@ class RewardModelJudge:
         last = mask.sum(dim=1) - 1  # (b,)
         with torch.inference_mode():
             hidden = self.base(input_ids=ids, attention_mask=mask).last_hidden_state  # (b, L, H)
-            logits = self.model.score(hidden[torch.arange(len(batch)), last])  # (b, 1)
+            logits = self.model.score(hidden[torch.arange(len(batch), device=last.device), last])  # (b, 1)
         return logits[:, 0].float().tolist()
 
     async def judge(self, prompt: str, response: str) -> Verdict:

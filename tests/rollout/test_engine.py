@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollout import engine as engine_module
 from rollout.engine import Completion, Engine, GenerationRequest, TorchEngine, generate_all
 from rollout.sampling import SamplingParams
 
@@ -161,6 +162,45 @@ async def test_model_failure_completes_requests_with_error(
     monkeypatch.undo()
     ok = await generate_all(engine, requests(engine, GREEDY))  # still usable
     assert {c.finish_reason for c in ok} <= {"stop", "length"}
+
+
+async def test_a_failure_while_joining_the_batch_completes_each_request_once(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the batch bookkeeping fails half-way, after the rows joined: every request still gets exactly
+    # one error completion (before, such rows were also still "admitting" and completed twice, and
+    # generate() handed out one request's completion twice and another's never)
+    engine = TorchEngine(model_dir, max_batch=2)  # fewer slots than requests: several admissions fail
+
+    def half_add(self: object, rows: list[object], *args: object) -> None:
+        self.rows += rows  # type: ignore[attr-defined]
+        raise RuntimeError("Expected all tensors to be on the same device")
+
+    monkeypatch.setattr(engine_module._Slots, "add", half_add)
+    reqs = requests(engine, GREEDY)
+    assert len(reqs) > engine.max_batch
+    done = [c async for c in engine.generate(reqs)]
+    monkeypatch.undo()
+    assert sorted(c.request_id for c in done) == sorted(r.request_id for r in reqs)
+    assert {c.finish_reason for c in done} == {"error"}
+    assert {c.finish_reason for c in await generate_all(engine, requests(engine, GREEDY))} <= {"stop", "length"}
+
+
+def test_the_running_batch_lives_on_the_model_device() -> None:
+    # a CUDA engine failed its first admission: the empty batch's tensors were on the CPU and
+    # torch.cat refuses to mix devices. "meta" stands in for a second device on a CPU-only machine.
+    from transformers import DynamicCache
+
+    slots = engine_module._Slots("meta")
+    for rows, width in ((2, 5), (3, 7)):  # the first rows, then rows joining a running batch
+        cache = DynamicCache()
+        for layer in range(2):
+            cache.update(torch.zeros(rows, 2, width, 4, device="meta"), torch.zeros(rows, 2, width, 4, device="meta"),
+                         layer)
+        slots.add([object()] * rows, cache, torch.ones(rows, width, dtype=torch.long, device="meta"),  # type: ignore[list-item]
+                  torch.zeros(rows, dtype=torch.long, device="meta"))
+    assert len(slots.rows) == 5 and slots.mask.shape == (5, 7)
+    assert {t.device.type for t in (slots.mask, slots.next_token, slots.next_pos)} == {"meta"}
 
 
 async def test_bad_request_in_a_stream_raises_after_earlier_ones(model_dir: Path) -> None:

@@ -1,0 +1,351 @@
+"""The trainer strategies and the generation engine on one CUDA GPU: agreement, step time, memory.
+
+    python bench/gpu.py [--models tiny,smollm2-shape] [--dtypes float32,bfloat16] [--steps 4]
+                        [--batch 32] [--prompt-len 96] [--response-len 64] [--device cuda:0]
+                        [--no-engine] [--out results.json]
+
+Run it on a GPU machine before training there (the project's CI has no GPU). Needs the project's
+Python packages (``megatron-core`` for the megatron rows; without it they are reported as skipped).
+
+**Trainers.** For each model and dtype, ``train.strategy`` ``torch``, ``fsdp2`` (``train.ranks: 1``:
+the multi-rank driver, an NCCL group of one, ``fully_shard``) and ``megatron`` (TP=1; Transformer
+Engine layers when ``transformer_engine`` is importable, the local spec otherwise) each train
+``--steps`` steps on the same fixed batch, each in its own process (one process group per process).
+Reported per row: the median time of steps 2..N (CUDA-synchronised; step 1 warms up kernels), the
+peak allocated GPU memory (model, optimizer state, activations) and, against ``torch``, the largest
+difference of step 1's metrics and of the weights exported after the last step. In float32 the
+three should agree to round-off (``PASS`` at 1e-4); in bfloat16 only approximately.
+
+**Engine.** :class:`rollout.engine.TorchEngine` (continuous batching, bfloat16 and float32) on the
+GPU against ``model.generate()`` on the same model: generated tokens/s, and the largest difference
+between the engine's behaviour logprobs and a teacher-forced forward pass over the same tokens
+(what the trainer recomputes).
+
+**Server.** ``rollstream serve`` (in this process, on the GPU) with the rollout client
+(``rollout.engine: server``): greedy completions against the in-process engine's.
+
+**Models.** ``tiny``: the main example's model (``rollout.model_init.init_tiny_model``).
+``smollm2-shape``: SmolLM2-135M's architecture (Llama, 30 layers, hidden 576, 9 heads / 3 KV heads,
+MLP 1536, vocabulary 49152, tied embeddings) with random weights: the published weights cannot be
+downloaded on an offline GPU machine, and step time and memory do not depend on the weights' values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+STRATEGIES = ("torch", "fsdp2", "megatron")
+TOL_FP32 = 1e-4
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048, rope_theta=100000.0,
+                     rms_norm_eps=1e-5, tie_word_embeddings=True)
+
+
+def make_models(root: Path, names: list[str]) -> dict[str, Path]:
+    """Create the benchmark's model directories under ``root``."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from rollout.model_init import init_tiny_model
+    from schemas.config import TinyModelSpec
+
+    spec = TinyModelSpec(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=384,
+                         max_position_embeddings=256)  # examples/main.yaml's shape, longer positions
+    tiny = init_tiny_model(root / "tiny", spec)
+    out = {"tiny": tiny}
+    if "smollm2-shape" in names:
+        d = root / "smollm2-shape"
+        shutil.copytree(tiny, d, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+        cfg = LlamaConfig(**SMOLLM2_SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=0)  # type: ignore[arg-type]
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+        out["smollm2-shape"] = d
+    return {k: v for k, v in out.items() if k in names}
+
+
+def batch(n: int, prompt_len: int, response_len: int, vocab: int) -> list[Any]:
+    """A fixed training batch: ``n`` samples in groups of 8, random tokens, rewards ±1."""
+    from trainer.batch import TrainSample
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        p = [1, *torch.randint(4, vocab, (prompt_len - 1,), generator=g).tolist()]
+        r = torch.randint(4, vocab, (response_len,), generator=g).tolist()
+        lp = (-3 * torch.rand(response_len, generator=g)).tolist()
+        out.append(TrainSample(p, r, lp, [1] * response_len, float(i % 3 == 0), f"s{i}", group_id=f"g{i // 8}"))
+    return out
+
+
+# --------------------------------------------------------------------------- one strategy (a child process)
+
+
+def one_strategy(a: argparse.Namespace) -> dict[str, Any]:
+    from schemas.config import parse_config
+    from trainer.factory import make_strategy
+    from trainer.strategy import read_weights
+
+    sets = [f"train.strategy={a.one}", f"model.dtype={a.dtype}", "train.lr=1e-5", "train.micro_batch_size=16",
+            "algorithm.entropy_loss_coef=0.01", f"rollout.max_new_tokens={a.response_len}", "train.dist_timeout_s=300"]
+    if a.one != "torch":
+        sets += ["train.ranks=1"] + (["train.tensor_parallel=1"] if a.one == "megatron" else [])
+    cfg = parse_config("", sets)
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    s = make_strategy(cfg, a.model_dir, device=a.device)
+    model_mib = torch.cuda.memory_allocated(dev) / 2**20 if cuda else 0.0
+    vocab = json.loads((Path(a.model_dir) / "config.json").read_text())["vocab_size"]
+    data = batch(a.batch, a.prompt_len, a.response_len, vocab)
+    metrics, times = [], []
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        metrics.append(s.train_step(data))
+        if cuda:
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    peak_mib = torch.cuda.max_memory_allocated(dev) / 2**20 if cuda else 0.0
+    path, sha = s.export_weights(Path(a.export))
+    close = getattr(s, "close", None)
+    if close:
+        close()
+    weights = {k: v.float() for k, v in read_weights(path).items()}
+    torch.save(weights, Path(a.export) / "weights.pt")
+    return {"metrics": metrics, "times_s": times, "model_mib": model_mib, "peak_mib": peak_mib, "sha": sha}
+
+
+def run_child(a: argparse.Namespace, model: str, model_dir: Path, dtype: str, strategy: str,
+              work: Path) -> dict[str, Any]:
+    """Run :func:`one_strategy` in a subprocess; its result (or its error)."""
+    export = work / f"{model}-{dtype}-{strategy}"
+    export.mkdir(parents=True, exist_ok=True)
+    out = export / "result.json"
+    cmd = [sys.executable, __file__, "--one", strategy, "--model-dir", str(model_dir), "--dtype", dtype,
+           "--export", str(export), "--result", str(out), "--device", a.device, "--steps", str(a.steps),
+           "--batch", str(a.batch), "--prompt-len", str(a.prompt_len), "--response-len", str(a.response_len)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.child_timeout_s)
+    took = time.perf_counter() - t0
+    if proc.returncode != 0 or not out.exists():
+        lines = [ln for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()]
+        return {"error": lines[-1] if lines else f"exit code {proc.returncode}", "log": proc.stderr[-4000:],
+                "wall_s": took}
+    res: dict[str, Any] = json.loads(out.read_text())
+    res["wall_s"] = took
+    res["weights"] = str(export / "weights.pt")
+    return res
+
+
+def max_metric_diff(got: dict[str, float], want: dict[str, float]) -> tuple[float, str]:
+    keys = [k for k in want if k in got and "time" not in k and not k.startswith("perf/")]
+    worst = max(keys, key=lambda k: abs(got[k] - want[k]))
+    return abs(got[worst] - want[worst]), worst
+
+
+def max_weight_diff(got_file: str, want_file: str) -> float:
+    got, want = torch.load(got_file), torch.load(want_file)
+    assert sorted(got) == sorted(want), "exported tensor names differ"
+    return max((got[k] - want[k]).abs().max().item() for k in want)
+
+
+def trainers(a: argparse.Namespace, models: dict[str, Path], work: Path) -> list[dict[str, Any]]:
+    rows = []
+    for model, model_dir in models.items():
+        for dtype in a.dtypes.split(","):
+            results = {s: run_child(a, model, model_dir, dtype, s, work) for s in STRATEGIES}
+            ref = results["torch"]
+            for s, r in results.items():
+                row: dict[str, Any] = {"model": model, "dtype": dtype, "strategy": s, "wall_s": round(r["wall_s"], 1)}
+                if "error" in r:
+                    row["error"] = r["error"]
+                    print(f"--- {model} {dtype} {s} failed:\n{r['log']}", file=sys.stderr)
+                else:
+                    row |= {"step_s": statistics.median(r["times_s"][1:] or r["times_s"]),
+                            "first_step_s": r["times_s"][0], "model_mib": r["model_mib"], "peak_mib": r["peak_mib"],
+                            "loss_step1": r["metrics"][0].get("loss/policy"),
+                            "grad_norm_step1": r["metrics"][0].get("actor/grad_norm")}
+                    if s != "torch" and "error" not in ref:
+                        d, key = max_metric_diff(r["metrics"][0], ref["metrics"][0])
+                        w = max_weight_diff(r["weights"], ref["weights"])
+                        row |= {"metric_diff": d, "metric_diff_key": key, "weight_diff": w}
+                        if dtype == "float32":
+                            row["agree"] = "PASS" if max(d, w) <= TOL_FP32 else "FAIL"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+def token_range(model_dir: Path) -> int:
+    """Prompt token ids are drawn below this: ids the model and its tokenizer both know."""
+    from rollout.model_init import load_tokenizer
+
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    return min(int(vocab), len(load_tokenizer(model_dir)))
+
+
+def hf_tokens(model: Any, prompts: list[list[int]], a: argparse.Namespace, eos: set[int]) -> int:
+    """One pass of ``model.generate()`` over ``prompts`` (left-padded chunks of ``--max-batch``, sampled
+    at temperature 1); generated tokens, each row up to and including its first EOS."""
+    pad, n = 0, 0
+    with torch.inference_mode():
+        for i in range(0, len(prompts), a.max_batch):
+            chunk = prompts[i : i + a.max_batch]
+            w = max(len(p) for p in chunk)
+            ids = torch.tensor([[pad] * (w - len(p)) + p for p in chunk], device=a.device)  # (b, P)
+            mask = torch.tensor([[0] * (w - len(p)) + [1] * len(p) for p in chunk], device=a.device)  # (b, P)
+            seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=a.max_new_tokens, do_sample=True,
+                                  temperature=1.0, top_p=1.0, top_k=0, pad_token_id=pad, eos_token_id=sorted(eos))
+            for row in seqs[:, w:].tolist():
+                n += next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+    return n
+
+
+def engine_rows(a: argparse.Namespace, models: dict[str, Path]) -> list[dict[str, Any]]:
+    from rollout.engine import GenerationRequest, TorchEngine, generate_all
+    from rollout.sampling import SamplingParams
+
+    rows = []
+    for model, model_dir in models.items():
+        vocab = token_range(model_dir)
+        g = torch.Generator().manual_seed(1)
+        prompts = [[1, *torch.randint(4, vocab, (int(torch.randint(16, 48, (1,), generator=g)),), generator=g).tolist()] for _ in range(a.prompts)]
+        for dtype in a.dtypes.split(","):
+            eng = TorchEngine(model_dir, max_batch=a.max_batch, device=a.device, dtype=dtype, chat_template=False)
+            params = SamplingParams(max_new_tokens=a.max_new_tokens)
+            reqs = [GenerationRequest(str(i), p, params) for i, p in enumerate(prompts)]
+            asyncio.run(generate_all(eng, reqs))  # warm-up: the whole timed workload once (kernels, allocator)
+            torch.cuda.synchronize() if a.device.startswith("cuda") else None
+            t0 = time.perf_counter()
+            done = asyncio.run(generate_all(eng, reqs))
+            took = time.perf_counter() - t0
+            errors = [c.error for c in done if c.error]
+            if errors:
+                raise RuntimeError(f"engine on {a.device} ({dtype}): {len(errors)} completions failed: {errors[0]}")
+            tokens = sum(len(c.token_ids) for c in done)
+            # the same tokens teacher-forced through the same model: the trainer's recomputed logprobs
+            worst = 0.0
+            with torch.inference_mode():
+                for c, p in zip(done[:32], prompts[:32], strict=True):
+                    ids = torch.tensor([p + list(c.token_ids)], device=a.device)
+                    logits = eng.model(input_ids=ids).logits[0, len(p) - 1 : -1].float()  # (T, V)
+                    lp = torch.log_softmax(logits, -1).gather(-1, ids[0, len(p):, None])[:, 0]
+                    worst = max(worst, (lp.cpu() - torch.tensor(c.logprobs)).abs().max().item())
+            # model.generate() on the same model and prompts, warmed up the same way
+            hf_tokens(eng.model, prompts, a, eng.eos_ids)
+            t1 = time.perf_counter()
+            gen_tokens = hf_tokens(eng.model, prompts, a, eng.eos_ids)
+            gen_s = time.perf_counter() - t1
+            row = {"model": model, "dtype": dtype, "engine_tok_s": tokens / took, "generate_tok_s": gen_tokens / gen_s,
+                   "engine_over_generate": (tokens / took) / (gen_tokens / gen_s), "logprob_max_diff": worst,
+                   "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "max_batch": a.max_batch}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del eng
+            if a.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    return rows
+
+
+async def serve_row(a: argparse.Namespace, model: str, model_dir: Path, dtype: str) -> dict[str, Any]:
+    """``rollstream serve`` (in this process) on the device, and the rollout client against it: greedy
+    completions must equal the in-process engine's, token for token."""
+    from rollout.engine import GenerationRequest, TorchEngine, generate_all
+    from rollout.sampling import SamplingParams
+    from rollout.server_engine import ServerEngine
+    from services.serve import ServeSettings
+    from services.serve import run as serve
+
+    stop, ready = asyncio.Event(), asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve(ServeSettings(model_dir=str(model_dir), port=0, device=a.device, dtype=dtype,
+                                                   max_batch=16), stop, ready))
+    url = await ready
+    client = ServerEngine(model_dir, url, policy_version=0, chat_template=False)
+    local = TorchEngine(model_dir, max_batch=16, device=a.device, dtype=dtype, chat_template=False)
+    vocab = token_range(model_dir)
+    g = torch.Generator().manual_seed(2)
+    prompts = [[1, *torch.randint(4, vocab, (12,), generator=g).tolist()] for _ in range(16)]
+    params = SamplingParams(max_new_tokens=16, greedy=True)
+    try:
+        got = await generate_all(client, [GenerationRequest(str(i), p, params) for i, p in enumerate(prompts)])
+        want = await generate_all(local, [GenerationRequest(str(i), p, params) for i, p in enumerate(prompts)])
+    finally:
+        await client.close()
+        stop.set()
+        await task
+    errors = [c.error for c in got + want if c.error]
+    if errors:
+        raise RuntimeError(f"serve on {a.device} ({dtype}): {len(errors)} completions failed: {errors[0]}")
+    same = sum(x.token_ids == y.token_ids for x, y in zip(got, want, strict=True))
+    lp = max(abs(u - v) for x, y in zip(got, want, strict=True) for u, v in zip(x.logprobs, y.logprobs, strict=False))
+    row = {"model": model, "dtype": dtype, "serve_same_greedy": f"{same}/{len(prompts)}", "serve_logprob_max_diff": lp}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="tiny,smollm2-shape")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=96)
+    ap.add_argument("--response-len", type=int, default=64)
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--no-engine", action="store_true")
+    ap.add_argument("--no-trainers", action="store_true")
+    ap.add_argument("--no-serve", action="store_true")
+    ap.add_argument("--prompts", type=int, default=128, help="engine: prompts per model")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="engine: tokens per completion")
+    ap.add_argument("--max-batch", type=int, default=64, help="engine: slots = generate() chunk")
+    ap.add_argument("--child-timeout-s", type=float, default=300.0)
+    ap.add_argument("--out", default="", help="also write every row as JSON here")
+    # the child side
+    ap.add_argument("--one", choices=STRATEGIES, help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", help=argparse.SUPPRESS)
+    ap.add_argument("--export", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.one:
+        Path(a.result).write_text(json.dumps(one_strategy(a)))
+        return
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("error: --device is CUDA but torch sees no GPU (use --device cpu for a smoke run)")
+    info = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
+            "transformer_engine": __import__("importlib.util").util.find_spec("transformer_engine") is not None}
+    print(json.dumps(info), flush=True)
+    names = a.models.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        models = make_models(Path(tmp), names)
+        rows: dict[str, Any] = {"info": info}
+        if not a.no_trainers:
+            rows["trainers"] = trainers(a, models, Path(tmp))
+        if not a.no_engine:
+            rows["engine"] = engine_rows(a, models)
+        if not a.no_serve:
+            rows["serve"] = [asyncio.run(serve_row(a, m, d, dt)) for m, d in models.items() for dt in a.dtypes.split(",")]
+    if a.out:
+        Path(a.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
