@@ -2,7 +2,7 @@
 
     python bench/gpu.py [--models tiny,smollm2-shape] [--dtypes float32,bfloat16] [--steps 4]
                         [--batch 32] [--prompt-len 96] [--response-len 64] [--device cuda:0]
-                        [--no-engine] [--out results.json]
+                        [--no-engine] [--no-serve] [--features] [--out results.json]
 
 Run it on a GPU machine before training there (the project's CI has no GPU). Needs the project's
 Python packages (``megatron-core`` for the megatron rows; without it they are reported as skipped).
@@ -103,6 +103,7 @@ def one_strategy(a: argparse.Namespace) -> dict[str, Any]:
             "algorithm.entropy_loss_coef=0.01", f"rollout.max_new_tokens={a.response_len}", "train.dist_timeout_s=300"]
     if a.one != "torch":
         sets += ["train.ranks=1"] + (["train.tensor_parallel=1"] if a.one == "megatron" else [])
+    sets += json.loads(a.sets or "[]")
     cfg = parse_config("", sets)
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
@@ -110,6 +111,10 @@ def one_strategy(a: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.set_device(dev)
         torch.cuda.reset_peak_memory_stats(dev)
     s = make_strategy(cfg, a.model_dir, device=a.device)
+    if cfg.algorithm.use_kl_loss:
+        s.init_reference()
+    if cfg.algorithm.adv_estimator == "gae":
+        s.init_critic()
     model_mib = torch.cuda.memory_allocated(dev) / 2**20 if cuda else 0.0
     vocab = json.loads((Path(a.model_dir) / "config.json").read_text())["vocab_size"]
     data = batch(a.batch, a.prompt_len, a.response_len, vocab)
@@ -121,24 +126,38 @@ def one_strategy(a: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
     peak_mib = torch.cuda.max_memory_allocated(dev) / 2**20 if cuda else 0.0
+    resumed: dict[str, float] = {}
+    if a.checkpoint:  # save, one more step; a new strategy resumes from the checkpoint and repeats it
+        ckpt = s.save_checkpoint(Path(a.export) / "ckpt")
+        again = s.train_step(data)
+        getattr(s, "close", lambda: None)()
+        s = make_strategy(cfg, a.model_dir, device=a.device)
+        if cfg.algorithm.use_kl_loss:
+            s.init_reference()
+        if cfg.algorithm.adv_estimator == "gae":
+            s.init_critic()
+        s.load_checkpoint(ckpt)
+        repeat = s.train_step(data)
+        resumed = {"resume_diff": max_metric_diff(repeat, again)[0]}
     path, sha = s.export_weights(Path(a.export))
     close = getattr(s, "close", None)
     if close:
         close()
     weights = {k: v.float() for k, v in read_weights(path).items()}
     torch.save(weights, Path(a.export) / "weights.pt")
-    return {"metrics": metrics, "times_s": times, "model_mib": model_mib, "peak_mib": peak_mib, "sha": sha}
+    return {"metrics": metrics, "times_s": times, "model_mib": model_mib, "peak_mib": peak_mib, "sha": sha} | resumed
 
 
 def run_child(a: argparse.Namespace, model: str, model_dir: Path, dtype: str, strategy: str,
-              work: Path) -> dict[str, Any]:
+              work: Path, sets: list[str] | None = None, checkpoint: bool = False, tag: str = "") -> dict[str, Any]:
     """Run :func:`one_strategy` in a subprocess; its result (or its error)."""
-    export = work / f"{model}-{dtype}-{strategy}"
+    export = work / f"{model}-{dtype}-{strategy}{tag}"
     export.mkdir(parents=True, exist_ok=True)
     out = export / "result.json"
     cmd = [sys.executable, __file__, "--one", strategy, "--model-dir", str(model_dir), "--dtype", dtype,
            "--export", str(export), "--result", str(out), "--device", a.device, "--steps", str(a.steps),
-           "--batch", str(a.batch), "--prompt-len", str(a.prompt_len), "--response-len", str(a.response_len)]
+           "--batch", str(a.batch), "--prompt-len", str(a.prompt_len), "--response-len", str(a.response_len),
+           "--sets", json.dumps(sets or [])] + (["--checkpoint"] if checkpoint else [])
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.child_timeout_s)
     took = time.perf_counter() - t0
@@ -188,6 +207,43 @@ def trainers(a: argparse.Namespace, models: dict[str, Path], work: Path) -> list
                             row["agree"] = "PASS" if max(d, w) <= TOL_FP32 else "FAIL"
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    return rows
+
+
+FEATURES: dict[str, tuple[list[str], tuple[str, ...]]] = {
+    "checkpoint": ([], STRATEGIES),
+    "kl_loss": (["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1", "algorithm.old_logprobs=recompute"],
+                STRATEGIES),
+    "gae_critic": (["algorithm.adv_estimator=gae", "algorithm.critic=separate"], ("torch", "fsdp2")),
+    "lora": (["train.lora_rank=8", "train.lr=1e-3"], ("torch",)),
+}
+"""``--features``: config sets and the strategies that support them (megatron refuses a critic and
+LoRA, fsdp2 LoRA). Every row also saves a checkpoint, steps, resumes a new strategy from it and
+repeats that step."""
+
+
+def features(a: argparse.Namespace, models: dict[str, Path], work: Path) -> list[dict[str, Any]]:
+    """Each feature on the first model, fp32, 2 steps: it runs on the device, ``fsdp2`` / ``megatron``
+    agree with ``torch``, and a resumed strategy repeats the step after the checkpoint."""
+    model, model_dir = next(iter(models.items()))
+    rows = []
+    for name, (sets, strategies) in FEATURES.items():
+        results = {s: run_child(a, model, model_dir, "float32", s, work, sets, True, f"-{name}") for s in strategies}
+        ref = results["torch"]
+        for strat, r in results.items():
+            row: dict[str, Any] = {"feature": name, "model": model, "strategy": strat}
+            if "error" in r:
+                row["error"] = r["error"]
+                print(f"--- {name} {strat} failed:\n{r['log']}", file=sys.stderr)
+            else:
+                row["resume_diff"] = r["resume_diff"]
+                if strat != "torch" and "error" not in ref:
+                    row["metric_diff"], row["metric_diff_key"] = max_metric_diff(r["metrics"][0], ref["metrics"][0])
+                    row["weight_diff"] = max_weight_diff(r["weights"], ref["weights"])
+                worst = max(row["resume_diff"], row.get("metric_diff", 0.0), row.get("weight_diff", 0.0))
+                row["agree"] = "PASS" if worst <= TOL_FP32 else "FAIL"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
 
 
@@ -313,6 +369,8 @@ def main() -> None:
     ap.add_argument("--no-engine", action="store_true")
     ap.add_argument("--no-trainers", action="store_true")
     ap.add_argument("--no-serve", action="store_true")
+    ap.add_argument("--features", action="store_true",
+                    help="also: KL reference, GAE critic, LoRA and checkpoint resume per strategy (first model, fp32)")
     ap.add_argument("--prompts", type=int, default=128, help="engine: prompts per model")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="engine: tokens per completion")
     ap.add_argument("--max-batch", type=int, default=64, help="engine: slots = generate() chunk")
@@ -324,6 +382,8 @@ def main() -> None:
     ap.add_argument("--dtype", help=argparse.SUPPRESS)
     ap.add_argument("--export", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--sets", help=argparse.SUPPRESS)
+    ap.add_argument("--checkpoint", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
         Path(a.result).write_text(json.dumps(one_strategy(a)))
@@ -339,6 +399,8 @@ def main() -> None:
         rows: dict[str, Any] = {"info": info}
         if not a.no_trainers:
             rows["trainers"] = trainers(a, models, Path(tmp))
+        if a.features:
+            rows["features"] = features(a, models, Path(tmp))
         if not a.no_engine:
             rows["engine"] = engine_rows(a, models)
         if not a.no_serve:
