@@ -5,7 +5,8 @@
                         [--no-engine] [--no-serve] [--features] [--out results.json]
 
 Run it on a GPU machine before training there (the project's CI has no GPU). Needs the project's
-Python packages (``megatron-core`` for the megatron rows; without it they are reported as skipped).
+Python packages (``megatron-core`` for the megatron rows; without it each megatron row reports the
+one-line error that names the extra to install).
 
 **Trainers.** For each model and dtype, ``train.strategy`` ``torch``, ``fsdp2`` (``train.ranks: 1``:
 the multi-rank driver, an NCCL group of one, ``fully_shard``) and ``megatron`` (TP=1; Transformer
