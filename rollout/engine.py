@@ -587,6 +587,19 @@ class TorchEngine:
 
 
 async def generate_all(engine: Engine, requests: list[GenerationRequest]) -> list[Completion]:
-    """Run ``requests`` through ``engine``; return completions in request order."""
-    by_id = {c.request_id: c async for c in engine.generate(requests)}
-    return [by_id[r.request_id] for r in requests]
+    """Run ``requests`` through ``engine``; return completions in request order. Request ids must be
+    unique (``ValueError``); an engine that does not return exactly one completion per request is a
+    ``RuntimeError`` naming the first request it got wrong."""
+    ids = [r.request_id for r in requests]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise ValueError(f"generate_all: request id {dup!r} occurs more than once")
+    by_id: dict[str, Completion] = {}
+    async for c in engine.generate(requests):
+        if c.request_id in by_id:
+            raise RuntimeError(f"engine returned two completions for request {c.request_id!r}")
+        by_id[c.request_id] = c
+    missing = [i for i in ids if i not in by_id]
+    if missing:
+        raise RuntimeError(f"engine returned no completion for {len(missing)} request(s), e.g. {missing[0]!r}")
+    return [by_id[i] for i in ids]

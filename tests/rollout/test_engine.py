@@ -186,6 +186,22 @@ async def test_a_failure_while_joining_the_batch_completes_each_request_once(
     assert {c.finish_reason for c in await generate_all(engine, requests(engine, GREEDY))} <= {"stop", "length"}
 
 
+async def test_generate_all_names_duplicate_ids_and_a_wrong_engine(model_dir: Path) -> None:
+    engine = TorchEngine(model_dir, max_batch=2)
+    reqs = requests(engine, GREEDY)
+    with pytest.raises(ValueError, match="'r0' occurs more than once"):
+        await generate_all(engine, [reqs[0], reqs[0]])
+
+    class Twice:  # an engine that completes the first request twice and the second never
+        async def generate(self, rs: list[GenerationRequest]) -> AsyncIterator[Completion]:
+            done = await generate_all(engine, rs[:1])
+            for c in (done[0], done[0]):
+                yield c
+
+    with pytest.raises(RuntimeError, match="two completions for request 'r0'"):
+        await generate_all(Twice(), reqs[:2])  # type: ignore[arg-type]
+
+
 def test_the_running_batch_lives_on_the_model_device() -> None:
     # a CUDA engine failed its first admission: the empty batch's tensors were on the CPU and
     # torch.cat refuses to mix devices. "meta" stands in for a second device on a CPU-only machine.
