@@ -2,7 +2,7 @@
 
     python bench/gpu.py [--models tiny,smollm2-shape] [--dtypes float32,bfloat16] [--steps 4]
                         [--batch 32] [--prompt-len 96] [--response-len 64] [--device cuda:0]
-                        [--no-engine] [--no-serve] [--features] [--out results.json]
+                        [--no-engine] [--no-serve] [--features] [--profile DIR] [--out results.json]
 
 Run it on a GPU machine before training there (the project's CI has no GPU). Needs the project's
 Python packages (``megatron-core`` for the megatron rows; without it each megatron row reports the
@@ -259,6 +259,29 @@ def token_range(model_dir: Path) -> int:
     return min(int(vocab), len(load_tokenizer(model_dir)))
 
 
+def profile_pass(a: argparse.Namespace, eng: Any, reqs: list[Any], tag: str) -> None:
+    """One more engine pass under ``torch.profiler``: the ops that take the most host time, and how
+    much of the pass the device was busy (a GPU engine whose device is mostly idle is host-bound)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rollout.engine import generate_all
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device.startswith("cuda") else [])
+    t0 = time.perf_counter()
+    every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)  # the engine steps in its own thread
+    with profile(activities=acts, experimental_config=every_thread) as prof:
+        asyncio.run(generate_all(eng, reqs))
+        if a.device.startswith("cuda"):
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    device_s = sum(getattr(e, "self_device_time_total", 0.0) for e in events) / 1e6
+    table = events.table(sort_by="self_cpu_time_total", row_limit=25)
+    out = Path(a.profile) / f"engine-profile-{tag}.txt"
+    out.write_text(f"{tag}: pass {wall:.3f} s under the profiler, device busy {device_s:.3f} s\n{table}\n")
+    print(f"{tag}: profiled pass {wall:.3f} s, device busy {device_s:.3f} s ({out})", flush=True)
+
+
 def hf_tokens(model: Any, prompts: list[list[int]], a: argparse.Namespace, eos: set[int]) -> int:
     """One pass of ``model.generate()`` over ``prompts`` (left-padded chunks of ``--max-batch``, sampled
     at temperature 1); generated tokens, each row up to and including its first EOS."""
@@ -298,6 +321,8 @@ def engine_rows(a: argparse.Namespace, models: dict[str, Path]) -> list[dict[str
             if errors:
                 raise RuntimeError(f"engine on {a.device} ({dtype}): {len(errors)} completions failed: {errors[0]}")
             tokens = sum(len(c.token_ids) for c in done)
+            if a.profile:
+                profile_pass(a, eng, reqs, f"{model}-{dtype}")
             # the same tokens teacher-forced through the same model: the trainer's recomputed logprobs
             worst = 0.0
             with torch.inference_mode():
@@ -370,6 +395,8 @@ def main() -> None:
     ap.add_argument("--no-engine", action="store_true")
     ap.add_argument("--no-trainers", action="store_true")
     ap.add_argument("--no-serve", action="store_true")
+    ap.add_argument("--profile", default="", metavar="DIR",
+                    help="engine: profile one more pass per row with torch.profiler, tables into DIR")
     ap.add_argument("--features", action="store_true",
                     help="also: KL reference, GAE critic, LoRA and checkpoint resume per strategy (first model, fp32)")
     ap.add_argument("--prompts", type=int, default=128, help="engine: prompts per model")
