@@ -2,7 +2,7 @@
 
     .venv/bin/pip install -e '.[bench]'      # TRL, pinned (adds trl, datasets; changes no pinned package)
     .venv/bin/python bench/peer_trl.py [--steps 120] [--target 0.5] [--eval-every 10] [--batch 256]
-                                       [--impls rollstream,trl] [--warm DIR] [--no-stop-at-target]
+                                       [--impls rollstream,trl] [--warm DIR] [--no-stop-at-target] [--seed N]
 
 Both train the same model from the same weights: the main example's tiny model (0.87M parameters,
 character tokenizer) after its supervised warm-up (``bench/learn_offline.py``'s 300 steps, made
@@ -16,7 +16,7 @@ it; TRL gets it as its reward function), same held-out set and evaluation, same 
   warm-up), AdamW, grad clip 1.0, no KL (TRL ``beta=0``), PPO clip ε 0.2, token-mean loss over the
   whole step (TRL ``loss_type="dapo"``), advantages normalised by the group's std
   (``scale_rewards="group"``); sampling at temperature 1.0, top-p 1.0, 24 new tokens at most;
-  seed 0.
+  seed 0 (``--seed``).
 * held-out accuracy: greedy decoding (``TorchEngine``, the trainer service's engine) of the 256
   held-out problems, scored with ``.correct`` of the same verifier, every ``--eval-every`` steps.
   rollstream's trainer service runs it (``train.eval_every``); for TRL a callback saves the
@@ -307,6 +307,8 @@ def main() -> None:
     ap.add_argument("--warm", type=Path, default=None,
                     help=f"warmed-up model directory (created when missing; default {common.DEFAULT_WARM})")
     ap.add_argument("--no-stop-at-target", action="store_true", help="TRL trains all --steps even after the target")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of both sides' sampling, task order and TRL's data order (the warm start is shared)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads of TRL and of every rollstream service (OMP_NUM_THREADS; "
                          "default: torch's default, one per core)")
@@ -331,7 +333,7 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     setup = Setup(steps=a.steps, batch=a.batch, group=a.group, micro=micro, eval_every=a.eval_every, target=a.target,
-                  threads=a.threads)
+                  threads=a.threads, seed=a.seed)
     model = common.warm_model_at(a.warm)
     work = Path(tempfile.mkdtemp(prefix="peer_trl-"))
     try:
