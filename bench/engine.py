@@ -165,8 +165,8 @@ def hf_generate(model: Any, prompts: list[list[int]], batch: int, max_new_tokens
     for start in range(0, len(prompts), batch):
         chunk = prompts[start : start + batch]
         width = max(len(p) for p in chunk)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])  # (b, P)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])  # (b, P)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk], device=model.device)  # (b, P)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)  # (b, P)
         seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                               pad_token_id=pad_id, eos_token_id=sorted(eos), **sampling)  # (b, P + T)
         out += [cut_at_eos(row, eos) for row in seqs[:, width:].tolist()]

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/engine.py
 
 import torch
 
@@ -111,11 +113,16 @@ def one_strategy(a: argparse.Namespace) -> dict[str, Any]:
     if cuda:
         torch.cuda.set_device(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-    s = make_strategy(cfg, a.model_dir, device=a.device)
-    if cfg.algorithm.use_kl_loss:
-        s.init_reference()
-    if cfg.algorithm.adv_estimator == "gae":
-        s.init_critic()
+    def build() -> Any:
+        """The strategy, with the reference model and the critic its algorithm needs."""
+        new = make_strategy(cfg, a.model_dir, device=a.device)
+        if cfg.algorithm.use_kl_loss:
+            new.init_reference()
+        if cfg.algorithm.adv_estimator == "gae":
+            new.init_critic()
+        return new
+
+    s = build()
     model_mib = torch.cuda.memory_allocated(dev) / 2**20 if cuda else 0.0
     vocab = json.loads((Path(a.model_dir) / "config.json").read_text())["vocab_size"]
     data = batch(a.batch, a.prompt_len, a.response_len, vocab)
@@ -132,11 +139,7 @@ def one_strategy(a: argparse.Namespace) -> dict[str, Any]:
         ckpt = s.save_checkpoint(Path(a.export) / "ckpt")
         again = s.train_step(data)
         getattr(s, "close", lambda: None)()
-        s = make_strategy(cfg, a.model_dir, device=a.device)
-        if cfg.algorithm.use_kl_loss:
-            s.init_reference()
-        if cfg.algorithm.adv_estimator == "gae":
-            s.init_critic()
+        s = build()
         s.load_checkpoint(ckpt)
         repeat = s.train_step(data)
         resumed = {"resume_diff": max_metric_diff(repeat, again)[0]}
@@ -282,24 +285,9 @@ def profile_pass(a: argparse.Namespace, eng: Any, reqs: list[Any], tag: str) -> 
     print(f"{tag}: profiled pass {wall:.3f} s, device busy {device_s:.3f} s ({out})", flush=True)
 
 
-def hf_tokens(model: Any, prompts: list[list[int]], a: argparse.Namespace, eos: set[int]) -> int:
-    """One pass of ``model.generate()`` over ``prompts`` (left-padded chunks of ``--max-batch``, sampled
-    at temperature 1); generated tokens, each row up to and including its first EOS."""
-    pad, n = 0, 0
-    with torch.inference_mode():
-        for i in range(0, len(prompts), a.max_batch):
-            chunk = prompts[i : i + a.max_batch]
-            w = max(len(p) for p in chunk)
-            ids = torch.tensor([[pad] * (w - len(p)) + p for p in chunk], device=a.device)  # (b, P)
-            mask = torch.tensor([[0] * (w - len(p)) + [1] * len(p) for p in chunk], device=a.device)  # (b, P)
-            seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=a.max_new_tokens, do_sample=True,
-                                  temperature=1.0, top_p=1.0, top_k=0, pad_token_id=pad, eos_token_id=sorted(eos))
-            for row in seqs[:, w:].tolist():
-                n += next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
-    return n
-
-
 def engine_rows(a: argparse.Namespace, models: dict[str, Path]) -> list[dict[str, Any]]:
+    from engine import hf_generate  # bench/engine.py: model.generate() in left-padded chunks
+
     from rollout.engine import GenerationRequest, TorchEngine, generate_all
     from rollout.sampling import SamplingParams
 
@@ -332,9 +320,11 @@ def engine_rows(a: argparse.Namespace, models: dict[str, Path]) -> list[dict[str
                     lp = torch.log_softmax(logits, -1).gather(-1, ids[0, len(p):, None])[:, 0]
                     worst = max(worst, (lp.cpu() - torch.tensor(c.logprobs)).abs().max().item())
             # model.generate() on the same model and prompts, warmed up the same way
-            hf_tokens(eng.model, prompts, a, eng.eos_ids)
+            # (sampled; each row's tokens up to and including its first EOS; pad id 0)
+            hf_args = (eng.model, prompts, a.max_batch, a.max_new_tokens, False, 0, eng.eos_ids)
+            hf_generate(*hf_args)
             t1 = time.perf_counter()
-            gen_tokens = hf_tokens(eng.model, prompts, a, eng.eos_ids)
+            gen_tokens = sum(len(r) for r in hf_generate(*hf_args))
             gen_s = time.perf_counter() - t1
             row = {"model": model, "dtype": dtype, "engine_tok_s": tokens / took, "generate_tok_s": gen_tokens / gen_s,
                    "engine_over_generate": (tokens / took) / (gen_tokens / gen_s), "logprob_max_diff": worst,
@@ -419,7 +409,7 @@ def main() -> None:
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("error: --device is CUDA but torch sees no GPU (use --device cpu for a smoke run)")
     info = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
-            "transformer_engine": __import__("importlib.util").util.find_spec("transformer_engine") is not None}
+            "transformer_engine": importlib.util.find_spec("transformer_engine") is not None}
     print(json.dumps(info), flush=True)
     names = a.models.split(",")
     with tempfile.TemporaryDirectory() as tmp:
