@@ -64,6 +64,8 @@ from rollout.sampling import SamplingParams, sample_next
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 _FEED_DONE = object()  # end-of-stream marker on a generate() call's queue
+ENCODE_CACHE = 1024
+"""How many recent prompts :meth:`TorchEngine.encode` keeps tokenized."""
 
 
 @dataclass(frozen=True)
@@ -303,6 +305,9 @@ class TorchEngine:
         self.chat = use_chat_template(self.tokenizer, chat_template)
         """Whether prompts go through the tokenizer's chat template (``model.chat_template``)."""
         self.system_prompt = system_prompt
+        self._encoded: dict[tuple[str, str], tuple[int, ...]] = {}
+        """The last :data:`ENCODE_CACHE` prompts :meth:`encode` tokenized (a group's samples share
+        one prompt: it is tokenized once, not ``group_size`` times, on the caller's event loop)."""
         self.device = torch.device(device)
         self.max_batch = max_batch
         self.policy_version = policy_version
@@ -340,7 +345,14 @@ class TorchEngine:
         when :attr:`chat` (system turn ``system_prompt``, None = the engine's default), else the
         bare text with the tokenizer's BOS."""
         system = self.system_prompt if system_prompt is None else system_prompt
-        return encode_prompt(self.tokenizer, prompt, chat=self.chat, system_prompt=system)
+        key = (prompt, system)
+        ids = self._encoded.pop(key, None)  # re-inserted last: the dict's order is recency
+        if ids is None:
+            ids = tuple(encode_prompt(self.tokenizer, prompt, chat=self.chat, system_prompt=system))
+        self._encoded[key] = ids
+        if len(self._encoded) > ENCODE_CACHE:
+            del self._encoded[next(iter(self._encoded))]  # the least recently used
+        return list(ids)
 
     async def generate(
         self, requests: Iterable[GenerationRequest] | AsyncIterable[GenerationRequest]

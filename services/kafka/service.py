@@ -150,8 +150,13 @@ class ServiceSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The broker answers a fetch once this many bytes are ready (or ``fetch_max_wait_ms`` passed):
     1 = at once. Larger: fewer, fuller fetches for a service that need not see each record at
     once (the recorder)."""
-    fetch_max_wait_ms: int = 500
-    """Longest the broker holds a fetch waiting for ``fetch_min_bytes``, milliseconds."""
+    fetch_max_wait_ms: int = 100
+    """Longest the broker holds a fetch waiting for ``fetch_min_bytes``, milliseconds. It also
+    bounds how late a record can reach a busy consumer: aiokafka fetches nothing for a partition
+    whose fetched records the service has not taken yet, and after 0.1 s sends one fetch for the
+    other partitions; the broker holds that fetch up to this long when they are quiet, and the
+    drained partition is fetched only after it returns. Kafka's own default, 500 ms, made the
+    trainer wait up to half a second per step for samples that were already committed."""
     session_timeout_s: float = 10.0
     """Group session timeout: a silent instance is evicted after this long, seconds."""
     max_poll_interval_s: float = 300.0

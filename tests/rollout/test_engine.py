@@ -231,3 +231,22 @@ async def test_bad_request_in_a_stream_raises_after_earlier_ones(model_dir: Path
         async for c in engine.generate(feed()):
             got.append(c.request_id)
     assert got == ["ok"]
+
+
+def test_encode_tokenizes_a_prompt_once_and_forgets_the_oldest(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import rollout.engine as eng
+
+    engine = TorchEngine(model_dir)
+    calls: list[str] = []
+    real = eng.encode_prompt
+    monkeypatch.setattr(eng, "encode_prompt", lambda tok, p, **kw: calls.append(p) or real(tok, p, **kw))
+    monkeypatch.setattr(eng, "ENCODE_CACHE", 2)
+    first = engine.encode("1+2=")
+    first.append(-1)  # callers own the list they get
+    assert engine.encode("1+2=") == real(engine.tokenizer, "1+2=", chat=engine.chat, system_prompt="")
+    assert engine.encode("1+2=", system_prompt="be brief") is not None  # another system prompt: another entry
+    assert calls == ["1+2=", "1+2="]
+    engine.encode("3+4=")  # evicts the least recently used ("1+2=" with no system prompt)
+    engine.encode("1+2=", system_prompt="be brief")
+    engine.encode("1+2=")
+    assert calls == ["1+2=", "1+2=", "3+4=", "1+2="]

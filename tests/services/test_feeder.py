@@ -40,6 +40,21 @@ def test_inflight_bound_is_batch_times_one_plus_async_ratio() -> None:
     assert f.outstanding == 15 and not f.can_issue()
 
 
+def test_outstanding_counts_each_sample_once_whatever_the_order_of_events() -> None:
+    # a restarted feeder reads tasks and metrics back in any interleaving; duplicates happen too
+    f = feeder(1.0)
+    tasks = [t for k in range(2) for t in f.group_tasks(k)]
+    outcome = ev.SampleOutcome(run_id="r", sample_id=tasks[0].sample_id, group_id=tasks[0].group_id, status="trained")
+    letter = ev.DeadLetter(run_id="r", source_topic="x", partition=0, offset=0, key=None, value=None, error="e",
+                           sample_id=tasks[1].sample_id)
+    for e in [outcome, outcome, *tasks, tasks[0], letter, letter, outcome]:
+        f.observe(e)
+    assert f.outstanding == len(tasks) - 2 == len(f.issued) - len(f.done & set(f.issued))
+    f.observe(ev.DeadLetter(run_id="r", source_topic="x", partition=0, offset=0, key=None, value=None, error="e",
+                            sample_id="g999999/0"))  # names a sample never issued: nothing changes
+    assert f.outstanding == len(tasks) - 2
+
+
 def test_new_groups_wait_for_the_weights_of_seen_steps() -> None:
     f = feeder(0.0)
     batch = issue_all(f)

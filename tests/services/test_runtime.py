@@ -202,7 +202,7 @@ async def test_fetch_settings_reach_the_consumer() -> None:
 
     default = Runner(FunctionService("f", lambda rec, ctx: asyncio.sleep(0)),
                      ServiceSettings(group_id="g", topic_pattern="^rs\\..*"))
-    assert (default.consumer._kwargs["fetch_min_bytes"], default.consumer._kwargs["fetch_max_wait_ms"]) == (1, 500)
+    assert (default.consumer._kwargs["fetch_min_bytes"], default.consumer._kwargs["fetch_max_wait_ms"]) == (1, 100)
     recorder = Recorder(RecorderSettings(dsn="chdb:///nowhere"))
     runner = Runner(recorder, recorder.service_settings())
     assert runner.consumer._kwargs["fetch_min_bytes"] == FETCH_MIN_BYTES > 1
