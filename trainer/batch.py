@@ -99,6 +99,17 @@ class TokenBatch:
         """A copy with some fields replaced."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
+    def by_length(self) -> TokenBatch:
+        """The same rows, shortest sequence first (stable): consecutive micro-batches of
+        :meth:`rows` then hold similar lengths and each is trimmed to less padding. Row order
+        changes nothing else: every loss is a sum over rows weighted by share."""
+        order = torch.argsort(self.attention_mask.sum(dim=1), stable=True)  # (B,)
+        return TokenBatch(
+            input_ids=self.input_ids[order], attention_mask=self.attention_mask[order],
+            loss_mask=self.loss_mask[order], old_logprobs=self.old_logprobs[order],
+            advantages=self.advantages[order], extras={k: v[order] for k, v in self.extras.items()},
+        )
+
     def rows(self, start: int, stop: int) -> TokenBatch:
         """Rows ``start:stop`` (a micro-batch), trimmed to their longest sequence."""
         width = int(self.attention_mask[start:stop].sum(dim=1).max())

@@ -269,6 +269,7 @@ class FSDP2Strategy(TorchStrategy):
         """One optimizer step over ``samples``, this rank training its share of the micro-batches
         (see the module doc); the metrics are those of the whole batch."""
         batch, sums = self.prepare(samples)
+        batch = batch.by_length()  # micro-batches of similar lengths pad less
         by_tokens = self.algo.loss_agg_mode == "token-mean"
         total = max(batch.num_tokens if by_tokens else batch.num_seqs, 1)
         micros: list[tuple[TokenBatch, float]] = []

@@ -11,7 +11,8 @@ gae``). One optimizer step (:meth:`TorchStrategy.train_step`) over a batch of
    (``old_logprobs: recompute``), the reference logprobs, the critic's values;
 3. :meth:`TorchStrategy.prepare`: rewards → advantages, masks and weights
    (:mod:`trainer.algorithm`, in the order its module doc gives);
-4. per micro-batch of ``micro_batch_size`` samples: forward, the configured policy loss (+ KL
+4. per micro-batch of ``micro_batch_size`` samples (rows ordered by length first, so each
+   micro-batch is trimmed to less padding; nothing else depends on the order): forward, the configured policy loss (+ KL
    loss, entropy bonus, value loss), scaled by the micro-batch's share of the batch's tokens
    (``token-mean``) or sequences (``seq-mean-*``) so the accumulated gradient is the full-batch
    loss's; ``backward()``;
@@ -721,6 +722,7 @@ class TorchStrategy:
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
         """One optimizer step over ``samples``; metrics are share-weighted over micro-batches."""
         batch, sums = self.prepare(samples)
+        batch = batch.by_length()  # micro-batches of similar lengths pad less
         by_tokens = self.algo.loss_agg_mode == "token-mean"
         total = max(batch.num_tokens if by_tokens else batch.num_seqs, 1)
         acc: dict[str, float] = {}

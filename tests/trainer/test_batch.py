@@ -7,6 +7,7 @@ from collections import OrderedDict
 
 import msgspec
 import pytest
+import torch
 
 from schemas.config import AlgorithmConfig
 from schemas.events import Generation, RolloutTask, ScoredSample
@@ -190,3 +191,17 @@ def test_split_rows_cuts_episodes_into_their_segments_and_merge_rows_puts_them_b
     assert segment_layout([b]) is None
     with pytest.raises(ValueError, match="segment_starts"):
         segment_layout([TrainSample([1], [6, 7], [0.0, 0.0], [0, 1], 0.0, "c", segment_starts=(2,))])
+
+
+def test_by_length_orders_rows_shortest_first_and_keeps_each_row_whole() -> None:
+    samples = [TrainSample([1] * p, [5] * r, [-float(i)] * r, [1] * r, float(i), f"s{i}", group_id="g")
+               for i, (p, r) in enumerate([(3, 4), (2, 1), (3, 4), (1, 2)])]
+    batch = collate(samples, pad_id=0)
+    batch = batch.replace(advantages=torch.arange(4.0), extras={**batch.extras, "tag": torch.arange(4.0) * 10})
+    out = batch.by_length()
+    assert out.attention_mask.sum(1).tolist() == [3, 3, 7, 7]
+    order = [1, 3, 0, 2]  # stable: rows 0 and 2 (both 7 long) keep their order
+    assert out.advantages.tolist() == [float(i) for i in order]
+    assert out.extras["tag"].tolist() == [10.0 * i for i in order]
+    assert torch.equal(out.input_ids, batch.input_ids[order]) and torch.equal(out.old_logprobs, batch.old_logprobs[order])
+    assert out.rows(0, 2).input_ids.shape == (2, 3)  # the short micro-batch is trimmed to 3 columns

@@ -71,7 +71,9 @@ def test_micro_batching_gives_the_same_step(model_dir: Path) -> None:
     assert ma["actor/grad_norm"] == pytest.approx(mb["actor/grad_norm"], rel=1e-4)
     assert ma["loss/policy"] == pytest.approx(mb["loss/policy"], rel=1e-4, abs=1e-6)
     pa, pb = params(a), params(b)
-    assert all(torch.allclose(pa[k], pb[k], atol=1e-6) for k in pa)
+    # rounding differs with the grouping (up to 1.3e-6 here): Adam's first step is about lr·sign(g),
+    # so elements whose gradient is ~0 move by up to lr·(their relative rounding noise)
+    assert all(torch.allclose(pa[k], pb[k], atol=1e-5) for k in pa)
     assert a.step == b.step == 1
 
 

@@ -369,6 +369,7 @@ class MegatronStrategy(TorchStrategy):
         replica's micro-batches, metrics merged over the DP group as the torch strategy merges
         its micro-batches (share-weighted sums, min / max for the ratio extremes)."""
         batch, sums = self.prepare(samples)
+        batch = batch.by_length()  # micro-batches of similar lengths pad less
         by_tokens = self.algo.loss_agg_mode == "token-mean"
         total = max(batch.num_tokens if by_tokens else batch.num_seqs, 1)
         acc: dict[str, float] = {}
