@@ -7,8 +7,10 @@ the runtime commits nothing; the trainer commits the positions saved in each che
 Start (``on_start``, fresh run): greedy eval of the initial model (split ``init``), supervised
 warm-up (``train.warmup_sft_steps``, ``Strategy.warmup``), the reference model (only when a KL
 term is on) and the critic (only for ``gae``), a checkpoint of step 0, export weights as version
-0, publish ``WeightsPublished(0)``, greedy eval (the RL start); an evaluation already on the
-record (an earlier instance died before its checkpoint of step 0) is not published again.
+0, publish ``WeightsPublished(0)``, greedy eval (the RL start, split ``heldout``); an evaluation
+already on the record (an earlier instance died before its checkpoint of step 0) is not published
+again. Without a warm-up both are the same weights: one evaluation, after the weights are
+published (so rollout starts at once), is published under both splits.
 
 Resume (a checkpoint exists): the latest checkpoint restores the model, optimizer, RNG, step,
 buffer, decided and dead-lettered ids and positions, and ``on_assigned`` seeks every partition to
@@ -129,16 +131,22 @@ class Trainer(TrainerCore, BatchService):
             if not self.replay and (weights := await self.weights_if_behind()) is not None:
                 await runner.send("weights", weights, key="latest")
             return
-        if ("init", 0) not in self.history.evals:
+        due = [split for split in ("init", "heldout") if (split, 0) not in self.history.evals]
+        warm = self.cfg.train.warmup_sft_steps > 0
+        if warm and "init" in due:  # the model before the warm-up changes it
             await runner.send("metrics", await self.eval_event("init"), key="0")
+            due.remove("init")
         losses = await asyncio.to_thread(self.warm_up)
         if losses:
             log.info("warm-up: %d steps, loss %.3f -> %.3f", len(losses), losses[0], losses[-1])
         await asyncio.to_thread(self.setup_algorithm_models, True)
         await asyncio.to_thread(self.save_checkpoint)  # step 0: what replay starts from
-        await runner.send("weights", await self.weights_event(), key="latest")
-        if ("heldout", 0) not in self.history.evals:
-            await runner.send("metrics", await self.eval_event("heldout"), key="0")
+        await runner.send("weights", await self.weights_event(), key="latest")  # rollout starts now
+        if due:  # without a warm-up "init" and "heldout" are the same weights: evaluated once
+            first = await self.eval_event(due[0])
+            await runner.send("metrics", first, *[
+                ev.EvalResult(run_id=first.run_id, step=0, policy_version=first.policy_version, split=split,
+                              metrics=first.metrics) for split in due[1:]], key="0")
         self._evaluated.add(0)
 
     def resume_from(self, history: History) -> None:

@@ -315,3 +315,54 @@ async def test_a_user_drain_ends_training_after_the_step_under_way(trainer: Any)
     ctx2 = FakeContext(late)
     await trainer.handle_batch(late, ctx2)
     assert [type(e).__name__ for _, e in ctx2.sent] == ["SampleOutcome"] * 4
+
+
+# --------------------------------------------------------------------------- start
+
+
+class FakeRunner:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, ev.Event]] = []
+
+    async def send(self, topic: str, *events: ev.Event, key: Any = None) -> list[Any]:
+        self.sent += [(topic, e) for e in events]
+        return []
+
+
+@pytest.mark.parametrize("warmup", [0, 3])
+async def test_start_evaluates_the_same_weights_once(tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     warmup: int) -> None:
+    """Without a warm-up, ``init`` and ``heldout`` at step 0 are one evaluation published after
+    the weights (rollout need not wait for it); with one, ``init`` comes first, before the weights."""
+    import services.trainer_service as ts
+    from schemas.config import parse_config
+    from services.trainer_history import History
+
+    async def no_history(*_: Any) -> History:
+        return History()
+
+    monkeypatch.setattr(ts, "read_history", no_history)
+    cfg = parse_config("rollout: {group_size: 4}\ntrain: {batch_size: 8, micro_batch_size: 8, eval_every: 0, "
+                       f"checkpoint_every: 0, steps: 5, warmup_sft_steps: {warmup}, warmup_batch_size: 4}}\n"
+                       "data: {heldout_size: 2}")
+    trainer = ts.Trainer(ts.TrainerSettings(run_id="r", config=cfg, model_dir=str(model_dir), run_dir=str(tmp_path)))
+    evaluated: list[str] = []
+    real = trainer.evaluate
+
+    async def counted(split: str) -> dict[str, float]:
+        evaluated.append(split)
+        return await real(split)
+
+    monkeypatch.setattr(trainer, "evaluate", counted)
+    runner = FakeRunner()
+    await trainer.on_start(runner)  # type: ignore[arg-type]
+    order = [(t, getattr(e, "split", "")) for t, e in runner.sent]
+    evals = [e for _, e in runner.sent if isinstance(e, ev.EvalResult)]
+    if warmup:
+        assert evaluated == ["init", "heldout"]
+        assert order == [("metrics", "init"), ("weights", ""), ("metrics", "heldout")]
+    else:
+        assert evaluated == ["init"]
+        assert order == [("weights", ""), ("metrics", "init"), ("metrics", "heldout")]
+        assert evals[0].metrics == evals[1].metrics and evals[0].event_id != evals[1].event_id
+    assert all(e.step == 0 and e.policy_version == 0 for e in evals)
