@@ -26,8 +26,11 @@ rollstream is ``rollstream run examples/main.yaml`` as shipped (Kafka, one proce
 ``async_ratio`` 1) with ``model.path`` = the warm model and no warm-up; its clock runs from the
 first task the feeder issued to the evaluation that first reaches ``--target`` (timestamps from
 the run's record). TRL runs in this process (``--threads``: the same torch threads per process as every service); its clock runs from
-``on_train_begin``. With ``--no-stop-at-target`` TRL trains all ``--steps`` (rollstream always
-does). Generated tokens/s = all generated tokens (EOS included) over the run's RL wall time.
+``on_train_begin``, when its model is loaded and nothing is generated yet. rollstream's clock
+also covers its services' start (the trainer's imports and model load while the feeder already
+issues tasks), so a second ratio counts rollstream from the comparable point: the trainer's
+weights version 0 on Kafka (the rollout worker may still be loading then: that stays counted).
+With ``--no-stop-at-target`` TRL trains all ``--steps`` (rollstream always does). Generated tokens/s = all generated tokens (EOS included) over the run's RL wall time.
 
 Prints: per implementation, whether it reached the target and when (seconds, step), final
 accuracy, generated tokens/s and seconds per step; then the ratios (TRL ÷ rollstream time to the
@@ -94,6 +97,14 @@ class Outcome:
     wall_s: float = 0.0
     steps: int = 0
     note: str = ""
+    ready_s: float = 0.0
+    """Seconds from the clock's start to the point TRL's clock starts at (its model loaded, about
+    to generate): for rollstream, the trainer's weights version 0 on Kafka; 0 for TRL."""
+
+    def reached_from_ready(self, target: float) -> float | None:
+        """Seconds to ``target`` counted from ``ready_s``."""
+        r = self.reached(target)
+        return None if r is None else r[1] - self.ready_s
 
     def reached(self, target: float) -> tuple[int, float] | None:
         """(step, seconds) of the first evaluation at or above ``target``."""
@@ -180,11 +191,14 @@ def run_rollstream(model: Path, setup: Setup, runs: Path) -> Outcome:
               f"WHERE run_id = '{run_id}'")
     evals = q("SELECT step, metrics['eval/accuracy'] AS acc, toUnixTimestamp64Micro(ts) / 1e6 AS t FROM evals FINAL "
               f"WHERE run_id = '{run_id}' AND mapContains(metrics, 'eval/accuracy') ORDER BY step")
+    ready = q(f"SELECT toUnixTimestamp64Micro(min(ts)) / 1e6 AS t FROM weights FINAL WHERE run_id = '{run_id}' "
+              "AND policy_version = 0")
     t0 = float(start[0]["t"])
     out = Outcome("rollstream", tokens=int(gen[0]["n"]), steps=int(steps[0]["n"]),
                   wall_s=max(float(steps[0]["t"]), float(gen[0]["t"])) - t0)
     out.curve = [(int(r["step"]), float(r["acc"]), float(r["t"]) - t0) for r in evals if int(r["step"]) > 0]
-    out.note = f"run {run_id}, async_ratio 1"
+    out.ready_s = float(ready[0]["t"]) - t0
+    out.note = f"run {run_id}, async_ratio 1; weights version 0 published {out.ready_s:.1f} s after the first task"
     return out
 
 
@@ -294,6 +308,9 @@ def report(setup: Setup, start_acc: float, outcomes: list[Outcome]) -> None:
         print(f"\nratios: time to {setup.target:.0%} held-out, TRL ÷ rollstream = {speedup(t_ours, t_peer)} "
               f"(goal >= {GOAL_SPEEDUP}x); generated tokens/s, rollstream ÷ TRL = {tps:.2f}x; "
               f"seconds per step, TRL ÷ rollstream = {per_step:.2f}x")
+        print(f"  from the same point, TRL's on_train_begin and rollstream's weights version 0 (each model loaded, "
+              f"nothing generated yet): TRL ÷ rollstream = "
+              f"{speedup(ours.reached_from_ready(setup.target), peer.reached_from_ready(setup.target))}")
 
 
 def main() -> None:
