@@ -145,6 +145,11 @@ class Feeder(BatchService):
 
     # -- events out
 
+    @property
+    def group_width(self) -> int:
+        """Tasks per group: ``group_size`` plus the redundant ones."""
+        return self.cfg.rollout.group_size + self.cfg.rollout.group_size_redundancy
+
     def next_group(self) -> list[ev.RolloutTask]:
         """The tasks of the next group (deterministic in the group's index)."""
         return self.group_tasks(self.next_index)
@@ -169,20 +174,21 @@ class Feeder(BatchService):
 
     def short_groups(self) -> list[ev.RolloutTask]:
         """The tasks missing from groups only partly on ``tasks`` (a feeder killed mid-send)."""
-        n = self.cfg.rollout.group_size + self.cfg.rollout.group_size_redundancy
+        n = self.group_width
         out: list[ev.RolloutTask] = []
         for gid, have in sorted(self.members.items()):
             if len(have) < n and gid[:1] == "g" and gid[1:].isdigit():
                 out += [t for t in self.group_tasks(int(gid[1:])) if t.index not in have]
         return out
 
-    def can_issue(self) -> bool:
+    def can_issue(self, pending: int = 0) -> bool:
+        """Whether one more group may go out, with ``pending`` tasks about to be sent already."""
         return (
             not self.draining
             and not self.finished
             and self.version >= self.steps_seen
             and self.steps_seen < self.cfg.train.steps  # the last step's samples are out already
-            and self.outstanding + self.cfg.rollout.group_size + self.cfg.rollout.group_size_redundancy
+            and self.outstanding + pending + self.group_width
             <= self.cfg.max_inflight
         )
 
@@ -223,14 +229,15 @@ class Feeder(BatchService):
                 for t in missing:
                     self.observe(t)
                 self.issued_now += len(missing)
+        # every group the bounds allow, then one send (one wait for acks); the state takes them in
+        # only once Kafka has them: a send that fails (an outage: on_tick runs again) leaves none
         batch: list[ev.RolloutTask] = []
-        while self.can_issue():  # every group the bounds allow, then one send (one wait for acks)
-            group = self.next_group()
-            for t in group:
-                self.observe(t)
-            batch += group
+        while self.can_issue(pending=len(batch)):
+            batch += self.group_tasks(self.next_index + len(batch) // self.group_width)
         if batch:
             await runner.send("tasks", *batch)
+            for t in batch:
+                self.observe(t)
             self.issued_now += len(batch)
         if self.draining and not self.finished:
             await self._maybe_finish(runner)

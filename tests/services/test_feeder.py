@@ -55,6 +55,33 @@ def test_outstanding_counts_each_sample_once_whatever_the_order_of_events() -> N
     assert f.outstanding == len(tasks) - 2
 
 
+async def test_a_failed_send_issues_nothing_and_the_next_tick_sends_the_same_groups() -> None:
+    from aiokafka.errors import KafkaConnectionError
+
+    class FlakyRunner:
+        def __init__(self) -> None:
+            self.calls: list[list[str]] = []
+            self.stop = None
+
+        async def send(self, topic: str, *events: ev.Event, key: object = None) -> list[object]:
+            self.calls.append([e.sample_id for e in events if isinstance(e, ev.RolloutTask)])
+            if len(self.calls) == 1:
+                raise KafkaConnectionError("broker away")
+            return []
+
+    f = feeder(1.0)
+    f._caught_up = True
+    runner = FlakyRunner()
+    try:
+        await f.on_tick(runner)  # type: ignore[arg-type]
+    except KafkaConnectionError:
+        pass
+    assert f.outstanding == 0 and f.issued_now == 0 and f.next_index == 0  # nothing counts as issued
+    await f.on_tick(runner)  # type: ignore[arg-type]
+    assert len(runner.calls) == 2 and runner.calls[0] == runner.calls[1]  # one send per tick, the same tasks
+    assert len(runner.calls[1]) == 16 == f.outstanding == f.issued_now and f.next_index == 4
+
+
 def test_new_groups_wait_for_the_weights_of_seen_steps() -> None:
     f = feeder(0.0)
     batch = issue_all(f)
