@@ -523,6 +523,7 @@ class TorchStrategy:
         return model(
             input_ids=batch.input_ids.to(self.device), attention_mask=batch.attention_mask.to(self.device),
             output_hidden_states=hidden, logits_to_keep=batch.input_ids.shape[1] - keep_from,
+            use_cache=False,  # a whole sequence at once: no KV cache to build (HF builds one by default)
         )
 
     def _forward_logits(self, batch: TokenBatch) -> torch.Tensor:
