@@ -106,10 +106,10 @@ async def test_swap_mid_generation_records_both_versions(model_dir: Path, other_
     req = GenerationRequest("x", engine.encode("1+1="), SamplingParams(max_new_tokens=40, greedy=True))
     stream = engine.generate([req])
     task = asyncio.ensure_future(anext(stream))
-    for _ in range(10_000):  # until the request holds a slot
-        if engine.running:
+    for _ in range(30_000):  # at least 30 s until the request holds a slot (a loaded machine admits late)
+        if engine.running or task.done():
             break
-        await asyncio.sleep(0)
+        await asyncio.sleep(0.001)
     assert engine.running == 1
     await engine.load_weights(other_model_dir, version=1)
     c = await task
