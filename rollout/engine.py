@@ -2,11 +2,16 @@
 
 ``TorchEngine`` is a compact continuous-batching loop over a transformers causal LM:
 
+* **Two decoders.** For Llama-family models (``llama``, ``qwen2``:
+  :func:`rollout.slot_decoder.slot_support`) the batch runs through :class:`SlotDecoder`, the
+  engine's own forward over a preallocated per-slot KV cache (see :mod:`rollout.slot_decoder`;
+  1.3-2x the throughput of the other path on 2 CPU cores, bench/README.md). Any other causal LM runs
+  through :class:`HFDecoder`, transformers' own forward, described next. ``decoder="hf"`` forces it.
 * **Slots.** At most ``max_batch`` sequences run together in one padded batch with one KV cache
-  (a transformers ``DynamicCache`` whose per-layer ``(B, heads, L, head_dim)`` tensors we edit).
-  Rows are right-aligned: each row's tokens occupy the last columns of the cache, left padding is
-  masked out by the 2-D attention mask, and every row gets explicit ``position_ids`` (its own
-  token count), so a row computes exactly what it would compute alone.
+  (for :class:`HFDecoder`, a transformers ``DynamicCache`` whose per-layer ``(B, heads, L, head_dim)``
+  tensors we edit). Rows are right-aligned: each row's tokens occupy the last columns of the cache,
+  left padding is masked out by the 2-D attention mask, and every row gets explicit
+  ``position_ids`` (its own token count), so a row computes exactly what it would compute alone.
 * **No batch barrier.** One engine step = admit waiting requests into free slots (one batched,
   left-padded prefill; the prefill's KV rows are left-padded to the running cache's length and
   concatenated in) + one decode step for every row. A row that finished (EOS or
@@ -61,6 +66,7 @@ from transformers.cache_utils import DynamicLayer
 
 from rollout.model_init import encode_prompt, eos_token_ids, load_model, load_tokenizer, use_chat_template
 from rollout.sampling import SamplingParams, sample_next
+from rollout.slot_decoder import SlotDecoder, slot_support
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 _FEED_DONE = object()  # end-of-stream marker on a generate() call's queue
@@ -231,23 +237,47 @@ class _Pending:
     submitted: float
 
 
-class _Slots:
-    """The running batch: rows, their KV cache, attention mask and next inputs, all on ``device``
-    (the model's: a CPU tensor among CUDA ones fails the first ``torch.cat``)."""
+class HFDecoder:
+    """The running batch through transformers' own forward (any causal LM): one ``DynamicCache``
+    with rows right-aligned (left padding masked by the 2-D attention mask, explicit position ids),
+    all on ``device`` (the model's: a CPU tensor among CUDA ones fails the first ``torch.cat``).
+    :class:`rollout.slot_decoder.SlotDecoder` has the same four members."""
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, model: Any, device: torch.device | str = "cpu", prefill_kwargs: dict[str, Any] | None = None
+                 ) -> None:
+        self.model = model
         self.device = torch.device(device)
-        self.rows: list[_Row] = []
+        self.prefill_kwargs = prefill_kwargs or {}
         self.cache: DynamicCache | None = None
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # (B, L)
-        self.next_token = torch.zeros(0, dtype=torch.long, device=self.device)  # (B,) sampled, not yet in the cache
-        self.next_pos = torch.zeros(0, dtype=torch.long, device=self.device)  # (B,) position id of next_token
+        self.next_pos = torch.zeros(0, dtype=torch.long, device=self.device)  # (B,) position id of the next token
 
-    def add(self, rows: list[_Row], cache: DynamicCache, mask: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Append prefilled rows (``cache``/``mask`` left-padded, ``tokens`` their first sample).
-        The rows join only once every tensor is built: a failure leaves the batch as it was
-        (except a half-merged cache, which the engine's error path drops with the batch)."""
-        next_token = torch.cat([self.next_token, tokens])
+    @property
+    def rows(self) -> int:
+        return int(self.mask.shape[0])
+
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Append rows for ``prompts`` (one left-padded forward); the logits (b, V) after each prompt."""
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=self.device)  # (b, P)
+        mask = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device
+        )  # (b, P)
+        pos = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (b, P)
+        cache = DynamicCache(config=self.model.config)
+        # only the last position's logits (prefill_kwargs): the LM head over every prompt position is
+        # (b, P, V) of work for nothing (about a third of a SmolLM2 prefill's time, its 49k vocabulary)
+        logits = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+            **self.prefill_kwargs,
+        ).logits[:, -1]  # (b, V)
+        self.append(cache, mask)
+        return logits
+
+    def append(self, cache: DynamicCache, mask: torch.Tensor) -> None:
+        """Append prefilled rows (``cache``/``mask`` left-padded). The rows join only once every
+        tensor is built: a failure leaves the batch as it was (except a half-merged cache, which the
+        engine's error path drops with the batch)."""
         next_pos = torch.cat([self.next_pos, mask.sum(dim=1)])
         if self.cache is None or not self.rows:
             self.cache, self.mask = cache, mask
@@ -256,20 +286,57 @@ class _Slots:
             new_mask = torch.cat([_pad_left(self.mask, length, 1), _pad_left(mask, length, 1)], dim=0)
             merge_caches(self.cache, cache, length)
             self.mask = new_mask
-        self.next_token, self.next_pos = next_token, next_pos
-        self.rows += rows
+        self.next_pos = next_pos
 
-    def keep(self, keep: list[int]) -> None:
-        """Evict every row not in ``keep`` and trim columns that are padding for all kept rows."""
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row (B,); the next logits (B, V)."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.rows, 1)], dim=1)  # (B, L + 1)
+        logits = self.model(
+            input_ids=tokens.unsqueeze(1),
+            attention_mask=self.mask,
+            position_ids=self.next_pos.unsqueeze(1),
+            past_key_values=self.cache,
+            use_cache=True,
+        ).logits[:, -1]  # (B, V)
+        self.next_pos = self.next_pos + 1
+        return logits
+
+    def keep(self, keep: list[int]) -> list[int]:
+        """Evict every row not in ``keep`` and trim columns that are padding for all kept rows;
+        the kept rows stay in their order (returned, as :class:`SlotDecoder` does)."""
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self.rows = [self.rows[i] for i in keep]
         mask = self.mask[idx]
         first_col = int(mask.shape[1] - mask.sum(dim=1).max()) if keep else mask.shape[1]
         self.mask = mask[:, first_col:]
         if self.cache is not None:
             select_cache(self.cache, idx, first_col)
-        self.next_token = self.next_token[idx]
         self.next_pos = self.next_pos[idx]
+        return keep
+
+
+Decoder = HFDecoder | SlotDecoder
+
+
+class _Slots:
+    """The running batch: its rows, each row's sampled next token (not yet in the cache), and the
+    decoder that holds their KV cache, in the same row order."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.decoder = decoder
+        self.device = decoder.device
+        self.rows: list[_Row] = []
+        self.next_token = torch.zeros(0, dtype=torch.long, device=self.device)  # (B,)
+
+    def add(self, rows: list[_Row], tokens: torch.Tensor) -> None:
+        """Rows the decoder just prefilled, with their first sampled tokens."""
+        self.next_token = torch.cat([self.next_token, tokens])
+        self.rows += rows
+
+    def keep(self, keep: list[int]) -> None:
+        """Evict every row not in ``keep``."""
+        order = self.decoder.keep(keep)
+        self.rows = [self.rows[i] for i in order]
+        self.next_token = self.next_token[torch.tensor(order, dtype=torch.long, device=self.device)]
 
 
 # --------------------------------------------------------------------------- engine
@@ -292,7 +359,10 @@ class TorchEngine:
         policy_version: int = 0,
         chat_template: bool | str = "auto",
         system_prompt: str = "",
+        decoder: Literal["auto", "slots", "hf"] = "auto",
     ) -> None:
+        if decoder not in ("auto", "slots", "hf"):
+            raise ValueError(f"decoder must be 'auto', 'slots' or 'hf', got {decoder!r}")
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         """The one thread that runs all of this engine's torch work (load, steps, weight swaps)."""
         self.model = self._thread.submit(load_model, model_dir, dtype=dtype, device=device).result()
@@ -316,11 +386,22 @@ class TorchEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.tokens_generated = 0
         self._pending: deque[_Pending] = deque()
-        self._slots = _Slots(self.device)
+        why_not = slot_support(self.model)
+        if decoder == "slots" and why_not:
+            raise ValueError(f"decoder='slots' cannot run this model: {why_not}")
+        self.decoder: Literal["slots", "hf"] = "hf" if decoder == "hf" or why_not else "slots"
+        """Which forward runs the batch: ``slots`` (:class:`rollout.slot_decoder.SlotDecoder`, the
+        Llama-family fast path) or ``hf`` (transformers' forward, any causal LM)."""
+        self._slots = _Slots(self._new_decoder())
         self._admitting: list[_Row] = []  # popped from _pending, not yet in _slots
         self._waited_steps = 0  # decode steps since waiting requests were last admitted
         self._step_lock = threading.Lock()
         self._driver: asyncio.Task[None] | None = None
+
+    def _new_decoder(self) -> Decoder:
+        if self.decoder == "slots":
+            return SlotDecoder(self.model, self.max_batch)
+        return HFDecoder(self.model, self.device, self._last_logits_only)
 
     def _eos_ids(self) -> set[int]:
         ids = eos_token_ids(self.model, self.tokenizer)
@@ -470,7 +551,7 @@ class TorchEngine:
             except Exception as e:  # fail the rows of this step, keep the engine usable
                 admitting = [r for r in self._admitting if all(r is not x for x in self._slots.rows)]
                 rows, self._admitting = self._slots.rows + admitting, []
-                self._slots = _Slots(self.device)
+                self._slots = _Slots(self._new_decoder())
                 return [(r, self._complete(r, "error", f"{type(e).__name__}: {e}")) for r in rows]
 
     @torch.inference_mode()
@@ -494,22 +575,9 @@ class TorchEngine:
         now = time.perf_counter()
         rows = [_Row(p.request, p.out, p.submitted, now, self.policy_version) for p in batch]
         self._admitting = rows
-        prompts = [r.request.prompt_ids for r in rows]
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=self.device)  # (b, P)
-        mask = torch.tensor(
-            [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device
-        )  # (b, P)
-        pos = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (b, P)
-        cache = DynamicCache(config=self.model.config)
-        # only the last position's logits: the LM head over every prompt position is (b, P, V) of
-        # work for nothing (about a third of a SmolLM2 prefill's time, with its 49k vocabulary)
-        logits = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-            **self._last_logits_only,
-        ).logits[:, -1]  # (b, V)
+        logits = self._slots.decoder.prefill([r.request.prompt_ids for r in rows])  # (b, V)
         tokens = self._sample(logits, rows)
-        self._slots.add(rows, cache, mask, tokens)
+        self._slots.add(rows, tokens)
         self._admitting = []
 
     def _admit_now(self, free: int) -> bool:
@@ -526,15 +594,7 @@ class TorchEngine:
 
     def _decode(self) -> None:
         s = self._slots
-        s.mask = torch.cat([s.mask, s.mask.new_ones(len(s.rows), 1)], dim=1)  # (B, L + 1)
-        logits = self.model(
-            input_ids=s.next_token.unsqueeze(1),
-            attention_mask=s.mask,
-            position_ids=s.next_pos.unsqueeze(1),
-            past_key_values=s.cache,
-            use_cache=True,
-        ).logits[:, -1]  # (B, V)
-        s.next_pos = s.next_pos + 1
+        logits = s.decoder.decode(s.next_token)  # (B, V)
         s.next_token = self._sample(logits, s.rows)
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:

@@ -15,6 +15,12 @@ PROMPTS = ["12+34=", "7-3=", "99+1=", "5*6=", "123-45=", "8+8="]
 GREEDY = SamplingParams(max_new_tokens=12, greedy=True)
 
 
+@pytest.fixture(params=["slots", "hf"])
+def decoder(request: pytest.FixtureRequest) -> str:
+    """The engine's two forward paths (rollout.slot_decoder and transformers' own)."""
+    return str(request.param)
+
+
 def requests(
     engine: TorchEngine, params: SamplingParams, prompts: list[str] = PROMPTS
 ) -> list[GenerationRequest]:
@@ -33,8 +39,8 @@ async def test_is_an_engine(model_dir: Path) -> None:
     assert isinstance(TorchEngine(model_dir), Engine)
 
 
-async def test_greedy_is_deterministic_and_batch_independent(model_dir: Path) -> None:
-    engine = TorchEngine(model_dir, max_batch=8)
+async def test_greedy_is_deterministic_and_batch_independent(model_dir: Path, decoder: str) -> None:
+    engine = TorchEngine(model_dir, max_batch=8, decoder=decoder)
     first = await generate_all(engine, requests(engine, GREEDY))
     second = await generate_all(engine, requests(engine, GREEDY))
     assert [c.token_ids for c in first] == [c.token_ids for c in second]
@@ -44,11 +50,12 @@ async def test_greedy_is_deterministic_and_batch_independent(model_dir: Path) ->
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-async def test_logprobs_match_teacher_forced_forward(model_dir: Path, temperature: float) -> None:
-    engine = TorchEngine(model_dir, max_batch=4, seed=3)  # 6 requests, 4 slots: rows join mid-flight
+async def test_logprobs_match_teacher_forced_forward(model_dir: Path, temperature: float, decoder: str) -> None:
+    engine = TorchEngine(model_dir, max_batch=4, seed=3, decoder=decoder)  # 6 requests, 4 slots: rows join
     # the prefill computes the LM head at the last prompt position only; the first token's
     # logprob below checks that this is the right position
     assert engine._last_logits_only == {"logits_to_keep": 1}
+    assert engine.decoder == decoder
     params = SamplingParams(max_new_tokens=16, temperature=temperature)
     done = await generate_all(engine, requests(engine, params))
     for c in done:
@@ -56,8 +63,8 @@ async def test_logprobs_match_teacher_forced_forward(model_dir: Path, temperatur
         assert torch.allclose(torch.tensor(c.logprobs), expected, atol=1e-4), c.request_id
 
 
-async def test_finished_slots_are_refilled_while_others_run(model_dir: Path) -> None:
-    engine = TorchEngine(model_dir, max_batch=2)
+async def test_finished_slots_are_refilled_while_others_run(model_dir: Path, decoder: str) -> None:
+    engine = TorchEngine(model_dir, max_batch=2, decoder=decoder)
     engine.eos_ids = set()  # never stop early: lengths are exactly max_new_tokens
     long = GenerationRequest("long", engine.encode("1+1="), SamplingParams(max_new_tokens=30, greedy=True))
     shorts = [
@@ -75,8 +82,8 @@ async def test_finished_slots_are_refilled_while_others_run(model_dir: Path) -> 
         assert (await generate_all(engine, [r]))[0].token_ids == together[r.request_id]
 
 
-async def test_stop_at_eos_and_length(model_dir: Path) -> None:
-    engine = TorchEngine(model_dir, max_batch=8)
+async def test_stop_at_eos_and_length(model_dir: Path, decoder: str) -> None:
+    engine = TorchEngine(model_dir, max_batch=8, decoder=decoder)
     done = await generate_all(engine, requests(engine, SamplingParams(max_new_tokens=5)))
     for c in done:
         if c.finish_reason == "stop":
@@ -86,13 +93,17 @@ async def test_stop_at_eos_and_length(model_dir: Path) -> None:
             assert not set(c.token_ids) & engine.eos_ids
 
 
-async def test_hot_swap_changes_outputs_and_records_version(model_dir: Path, other_model_dir: Path) -> None:
-    engine = TorchEngine(model_dir, max_batch=8)
+async def test_hot_swap_changes_outputs_and_records_version(
+    model_dir: Path, other_model_dir: Path, decoder: str
+) -> None:
+    engine = TorchEngine(model_dir, max_batch=8, decoder=decoder)
     before = await generate_all(engine, requests(engine, GREEDY))
     await engine.load_weights(other_model_dir, version=7)
     assert engine.policy_version == 7
     after = await generate_all(engine, requests(engine, GREEDY))
     assert [c.token_ids for c in after] != [c.token_ids for c in before]
+    fresh = TorchEngine(other_model_dir, max_batch=8, decoder=decoder)  # the swapped-in weights, loaded
+    assert [c.token_ids for c in after] == [c.token_ids for c in await generate_all(fresh, requests(fresh, GREEDY))]
     assert {(c.policy_version, c.policy_version_end) for c in after} == {(7, 7)}
     await engine.load_weights(model_dir)  # version defaults to +1
     assert engine.policy_version == 8
@@ -100,8 +111,10 @@ async def test_hot_swap_changes_outputs_and_records_version(model_dir: Path, oth
     assert [c.token_ids for c in again] == [c.token_ids for c in before]
 
 
-async def test_swap_mid_generation_records_both_versions(model_dir: Path, other_model_dir: Path) -> None:
-    engine = TorchEngine(model_dir, max_batch=2)
+async def test_swap_mid_generation_records_both_versions(
+    model_dir: Path, other_model_dir: Path, decoder: str
+) -> None:
+    engine = TorchEngine(model_dir, max_batch=2, decoder=decoder)
     engine.eos_ids = set()
     req = GenerationRequest("x", engine.encode("1+1="), SamplingParams(max_new_tokens=40, greedy=True))
     stream = engine.generate([req])
@@ -149,14 +162,14 @@ async def test_weights_that_do_not_fit_are_an_error(model_dir: Path, tmp_path: P
 
 
 async def test_model_failure_completes_requests_with_error(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, decoder: str
 ) -> None:
-    engine = TorchEngine(model_dir, max_batch=4)
+    engine = TorchEngine(model_dir, max_batch=4, decoder=decoder)
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine.model, "forward", broken)
+    monkeypatch.setattr(engine.model.model.embed_tokens, "forward", broken)  # the first module both paths call
     done = await generate_all(engine, requests(engine, GREEDY))
     assert {(c.finish_reason, c.error) for c in done} == {("error", "RuntimeError: device lost")}
     monkeypatch.undo()
@@ -165,14 +178,14 @@ async def test_model_failure_completes_requests_with_error(
 
 
 async def test_a_failure_while_joining_the_batch_completes_each_request_once(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, decoder: str
 ) -> None:
     # the batch bookkeeping fails half-way, after the rows joined: every request still gets exactly
     # one error completion (before, such rows were also still "admitting" and completed twice, and
     # generate() handed out one request's completion twice and another's never)
-    engine = TorchEngine(model_dir, max_batch=2)  # fewer slots than requests: several admissions fail
+    engine = TorchEngine(model_dir, max_batch=2, decoder=decoder)  # fewer slots than requests: several admissions fail
 
-    def half_add(self: object, rows: list[object], *args: object) -> None:
+    def half_add(self: object, rows: list[object], tokens: object) -> None:
         self.rows += rows  # type: ignore[attr-defined]
         raise RuntimeError("Expected all tensors to be on the same device")
 
@@ -202,21 +215,30 @@ async def test_generate_all_names_duplicate_ids_and_a_wrong_engine(model_dir: Pa
         await generate_all(Twice(), reqs[:2])  # type: ignore[arg-type]
 
 
-def test_the_running_batch_lives_on_the_model_device() -> None:
+def test_the_running_batch_lives_on_the_model_device(model_dir: Path) -> None:
     # a CUDA engine failed its first admission: the empty batch's tensors were on the CPU and
     # torch.cat refuses to mix devices. "meta" stands in for a second device on a CPU-only machine.
     from transformers import DynamicCache
 
-    slots = engine_module._Slots("meta")
+    from rollout.model_init import load_model
+    from rollout.slot_decoder import SlotDecoder
+
+    hf = engine_module.HFDecoder(object(), "meta")
+    slots = engine_module._Slots(hf)
     for rows, width in ((2, 5), (3, 7)):  # the first rows, then rows joining a running batch
         cache = DynamicCache()
         for layer in range(2):
             cache.update(torch.zeros(rows, 2, width, 4, device="meta"), torch.zeros(rows, 2, width, 4, device="meta"),
                          layer)
-        slots.add([object()] * rows, cache, torch.ones(rows, width, dtype=torch.long, device="meta"),  # type: ignore[list-item]
-                  torch.zeros(rows, dtype=torch.long, device="meta"))
-    assert len(slots.rows) == 5 and slots.mask.shape == (5, 7)
-    assert {t.device.type for t in (slots.mask, slots.next_token, slots.next_pos)} == {"meta"}
+        hf.append(cache, torch.ones(rows, width, dtype=torch.long, device="meta"))
+        slots.add([object()] * rows, torch.zeros(rows, dtype=torch.long, device="meta"))  # type: ignore[list-item]
+    assert len(slots.rows) == hf.rows == 5 and hf.mask.shape == (5, 7)
+    assert {t.device.type for t in (hf.mask, slots.next_token, hf.next_pos)} == {"meta"}
+
+    fast = SlotDecoder(load_model(model_dir, dtype="float32", device="cpu").to("meta"), slots=4)
+    logits = fast.prefill([[1, 5, 6], [1, 7]])
+    assert logits.device.type == fast.lens.device.type == "meta" and fast.rows == 2
+    assert fast.keys is not None and fast.keys.device.type == "meta"
 
 
 async def test_bad_request_in_a_stream_raises_after_earlier_ones(model_dir: Path) -> None:

@@ -1,0 +1,291 @@
+"""The engine's fast path: a Llama-family forward pass of our own over a preallocated slot KV cache.
+
+:class:`rollout.engine.TorchEngine` runs a model either through transformers' own forward with a
+``DynamicCache`` (:class:`rollout.engine.HFDecoder`, any causal LM) or, for the decoder-only
+Llama-family architectures that :func:`slot_support` accepts, through :class:`SlotDecoder`:
+
+* **The cache is allocated once.** Keys and values of every layer live in two tensors of shape
+  ``(layers, slots, kv_heads, capacity, head_dim)``. Row ``i`` of the running batch is slot
+  ``i``; its tokens fill columns ``0 .. len_i - 1`` (left-aligned, each row at its own length).
+  A decode step writes each row's new key/value in place at column ``len_i``. transformers'
+  ``DynamicCache`` instead concatenates a new ``(B, heads, L + 1, head_dim)`` tensor per layer
+  per step, and the engine's admission and eviction copied the whole cache again (on the tiny
+  model: 36% of the engine thread's time, ``bench/README.md``).
+* **Eviction moves only the rows that fill holes.** The live rows stay in slots ``0 .. B - 1``:
+  when rows finish, the last live rows move into the freed slots (one indexed copy over all
+  layers), so the attention reads ``cache[:B, :, :L]`` without gathering. :meth:`keep` returns
+  the new order so that the engine reorders its bookkeeping the same way.
+* **Admission writes the prefill in place.** New prompts are right-padded into one batch; their
+  keys/values go straight into their slots' first columns. Pad positions compute garbage that no
+  query ever attends to (causal mask + each row's length).
+* **The forward is the model's own math, called directly**: embedding, per layer RMSNorm →
+  q/k/v projections → rotary embedding (the model's ``rotary_emb`` module, so RoPE scaling
+  variants come for free) → SDPA over the row's valid columns (grouped-query attention without
+  repeating keys) → output projection → residual → RMSNorm → SiLU-gated MLP → residual, final
+  norm, LM head on the last position only. The weights are read from the live modules on every
+  call, so a weight swap (:meth:`TorchEngine.load_weights`) takes effect at the next step. It
+  skips transformers' per-step mask building, module hooks and cache bookkeeping; the results
+  equal transformers' forward up to float round-off (``tests/rollout/test_slot_decoder.py``).
+
+Capacity starts at what the first prompts need (at least 64 columns) and grows by half (in
+multiples of 64 columns, one copy), up to the model's ``max_position_embeddings``, when a row needs
+more. Memory is
+``2 × layers × slots × kv_heads × capacity × head_dim`` elements of the model's dtype.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SLOT_MODEL_TYPES = ("llama", "qwen2")
+"""``config.model_type`` values whose decoder layers :class:`SlotDecoder` computes."""
+MIN_CAPACITY = 64
+
+
+def slot_support(model: Any) -> str:
+    """Why :class:`SlotDecoder` cannot run ``model`` ("" when it can)."""
+    cfg = getattr(model, "config", None)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in SLOT_MODEL_TYPES:
+        return f"model_type {kind!r} is not one of {SLOT_MODEL_TYPES}"
+    assert cfg is not None
+    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+        return "pretraining_tp > 1"
+    if getattr(cfg, "use_sliding_window", False):
+        return "sliding-window attention"
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        return "layers other than full attention"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r}"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return "not a transformers Llama-style causal LM (model.model.layers, model.model.rotary_emb)"
+    if not hasattr(model, "lm_head"):
+        return "no lm_head"
+    for layer in inner.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None or any(
+            not isinstance(getattr(attn, n, None), torch.nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+        ) or any(not isinstance(getattr(mlp, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+            return "decoder layers that are not plain Linear q/k/v/o and gate/up/down projections"
+        if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+            return "query/key norms"
+    return ""
+
+
+def fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for ``linears`` that share an input: their weights concatenated along
+    the output dimension, each layer's parameter re-pointed at its rows of it (``param.data`` becomes
+    a view). One matmul then computes all of them, and an in-place weight copy into the layers
+    (:func:`rollout.engine.copy_weights_`) updates the fused weight too: there is no copy to go stale."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    biases = [lin.bias for lin in linears]
+    bias = torch.cat([b.detach() for b in biases if b is not None]) if all(b is not None for b in biases) else None
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = weight[start : start + rows]
+        if bias is not None and lin.bias is not None:
+            lin.bias.data = bias[start : start + rows]
+        start += rows
+    return weight, bias
+
+
+def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
+    """transformers' Llama RMSNorm, in float32 and back (the same op order)."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * x32.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class SlotDecoder:
+    """The running batch's keys/values and lengths for :class:`rollout.engine.TorchEngine`
+    (see the module doc). Rows are ``0 .. rows - 1`` in the engine's order."""
+
+    def __init__(self, model: Any, slots: int) -> None:
+        cfg = model.config
+        self.model = model
+        self.inner = model.model
+        self.slots = slots
+        self.n_heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
+        self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30))
+        self.n_layers = len(self.inner.layers)
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.keys: torch.Tensor | None = None  # (layers, slots, kv_heads, capacity, head_dim)
+        self.values: torch.Tensor | None = None
+        self.lens = torch.zeros(0, dtype=torch.long, device=self.device)  # (B,) tokens in the cache per row
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin (positions, head_dim)
+        self.qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        """Per layer, the fused q/k/v projection (:func:`fuse_linears`)."""
+        self.gate_up: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        """Per layer, the fused gate/up projection."""
+        with torch.no_grad():
+            for layer in self.inner.layers:
+                a, mlp = layer.self_attn, layer.mlp
+                self.qkv.append(fuse_linears([a.q_proj, a.k_proj, a.v_proj]))
+                self.gate_up.append(fuse_linears([mlp.gate_proj, mlp.up_proj]))
+
+    @property
+    def rows(self) -> int:
+        return int(self.lens.shape[0])
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else int(self.keys.shape[3])
+
+    def _reserve(self, columns: int) -> None:
+        """Make room for ``columns`` cache columns per row (growing by half; never beyond the model's positions)."""
+        if columns <= self.capacity:
+            return
+        if columns > self.max_positions:
+            raise ValueError(f"a row needs {columns} cache columns, the model has {self.max_positions} positions")
+        grown = max(MIN_CAPACITY, self.capacity + self.capacity // 2, columns)
+        cap = min(self.max_positions, -(-grown // MIN_CAPACITY) * MIN_CAPACITY)  # a multiple of MIN_CAPACITY
+        shape = (self.n_layers, self.slots, self.kv_heads, cap, self.head_dim)
+        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.keys is not None and self.values is not None:
+            old = self.capacity
+            keys[:, :, :, :old] = self.keys
+            values[:, :, :, :old] = self.values
+        self.keys, self.values = keys, values
+
+    def _rope(self, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's rotary ``cos, sin`` (b, q, head_dim) at ``pos`` (b, q): looked up in a table the
+        model's ``rotary_emb`` computed once for every position, unless its RoPE type rescales with
+        the sequence length (``dynamic``), which is computed per call as transformers does."""
+        rotary = self.inner.rotary_emb
+        if "dynamic" in str(getattr(rotary, "rope_type", "default")):
+            return typing.cast(tuple[torch.Tensor, torch.Tensor], rotary(h, pos))
+        if self._rope_table is None or self._rope_table[0].dtype != h.dtype:
+            every = torch.arange(self.max_positions, device=self.device)[None]  # (1, P)
+            cos, sin = rotary(h, every)  # (1, P, head_dim)
+            self._rope_table = (cos[0], sin[0])
+        return self._rope_table[0][pos], self._rope_table[1][pos]
+
+    def _attend(self, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                bias: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """Attention of ``qs`` (b, heads, q, head_dim) over ``k``/``v`` (b, kv_heads, L, head_dim).
+        A decode step on the CPU (``bias`` (b, 1, 1, L), 0 or -inf) uses two batched matmuls with the
+        query heads grouped per key head: 1.5–2× faster there than SDPA's kernel at these shapes
+        (bench/README.md); otherwise SDPA with the boolean ``mask`` (b, 1, q, L)."""
+        if bias is None:
+            return F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale,
+                                                  enable_gqa=self.kv_heads != self.n_heads)
+        b, heads, _, d = qs.shape
+        grouped = qs.view(b, self.kv_heads, heads // self.kv_heads, d)  # (b, kv_heads, group, head_dim)
+        scores = torch.matmul(grouped, k.transpose(-1, -2)) * scale  # (b, kv_heads, group, L)
+        probs = torch.softmax(scores + bias, dim=-1)
+        return torch.matmul(probs, v).view(b, heads, 1, d)  # (b, heads, 1, head_dim)
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, write: Any,
+                 read: Any, last: torch.Tensor) -> torch.Tensor:
+        """The model's forward over ``ids`` (b, q) at positions ``pos`` (b, q); ``mask`` (b, 1, q, L) bool
+        says which key columns each query sees; ``write(l, k, v)`` stores a layer's new keys/values
+        and ``read(l, k, v)`` returns what the layer attends to; the logits (b, V) of the query
+        positions ``last`` (b,)."""
+        m = self.inner
+        h = m.embed_tokens(ids)  # (b, q, hidden)
+        cos, sin = self._rope(h, pos)  # (b, q, head_dim) each
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (b, 1, q, head_dim)
+        b, q = ids.shape
+        bias = None
+        if q == 1 and self.device.type == "cpu":
+            bias = torch.zeros(mask.shape, dtype=h.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
+        heads, kv = self.n_heads, self.kv_heads
+        for i, layer in enumerate(m.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            x = _rms_norm(h, layer.input_layernorm)  # (b, q, hidden)
+            qkv = F.linear(x, *self.qkv[i]).view(b, q, heads + 2 * kv, self.head_dim).transpose(1, 2)
+            qk = qkv[:, : heads + kv]  # (b, heads + kv_heads, q, head_dim): the rotary part
+            qk = qk * cos + _rotate_half(qk) * sin
+            qs, ks, vs = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv :]
+            write(i, ks, vs)
+            k_all, v_all = read(i, ks, vs)  # (b, kv_heads, L, head_dim)
+            o = self._attend(qs, k_all, v_all, mask, bias, attn.scaling)  # (b, heads, q, head_dim)
+            o = o.transpose(1, 2).reshape(b, q, -1)
+            h = h + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
+            x = _rms_norm(h, layer.post_attention_layernorm)
+            gate, up = F.linear(x, *self.gate_up[i]).chunk(2, dim=-1)
+            h = h + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+        h_last = h[torch.arange(b, device=h.device), last]  # (b, hidden)
+        return self.model.lm_head(_rms_norm(h_last, m.norm))  # (b, V)
+
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Append rows for ``prompts``; return the logits (b, V) after each prompt's last token.
+        On an error the batch is unchanged except for the new rows' (unused) slots."""
+        b, start = len(prompts), self.rows
+        if start + b > self.slots:
+            raise ValueError(f"{start + b} rows for {self.slots} slots")
+        width = max(len(p) for p in prompts)
+        self._reserve(width)
+        ids = torch.tensor([list(p) + [0] * (width - len(p)) for p in prompts], device=self.device)  # (b, P)
+        lens = torch.tensor([len(p) for p in prompts], device=self.device)  # (b,)
+        cols = torch.arange(width, device=self.device)  # (P,)
+        pos = cols.expand(b, width)  # (b, P)
+        mask = (cols[None, :] <= cols[:, None])[None] & (cols[None, None, :] < lens[:, None, None])  # (b, P, P)
+        assert self.keys is not None and self.values is not None
+        keys, values = self.keys, self.values
+
+        def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            keys[layer, start : start + b, :, :width] = k
+            values[layer, start : start + b, :, :width] = v
+
+        logits = self._forward(ids, pos, mask[:, None], write, lambda _, k, v: (k, v), lens - 1)
+        self.lens = torch.cat([self.lens, lens])
+        return logits
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row (B,); return the next logits (B, V)."""
+        b = self.rows
+        lens = self.lens  # (B,) = the new token's column and position
+        length = int(lens.max()) + 1
+        self._reserve(length)
+        assert self.keys is not None and self.values is not None
+        keys, values = self.keys, self.values
+        rows = torch.arange(b, device=self.device)
+        mask = torch.arange(length, device=self.device)[None, :] <= lens[:, None]  # (B, L)
+
+        def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            keys[layer, rows, :, lens] = k[:, :, 0]  # (B, kv_heads, head_dim) into column lens[i] of row i
+            values[layer, rows, :, lens] = v[:, :, 0]
+
+        def read(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return keys[layer, :b, :, :length], values[layer, :b, :, :length]
+
+        logits = self._forward(tokens[:, None], lens[:, None], mask[:, None, None], write, read,
+                               torch.zeros(b, dtype=torch.long, device=self.device))
+        self.lens = lens + 1
+        return logits
+
+    def keep(self, keep: list[int]) -> list[int]:
+        """Keep the rows ``keep`` (old indices, ascending), evict the others; return the kept rows'
+        old indices in their new order (row ``j`` of the batch is now old row ``order[j]``)."""
+        n = len(keep)
+        kept = set(keep)
+        holes = [i for i in range(n) if i not in kept]  # freed slots that must be filled
+        movers = [i for i in keep if i >= n]  # live rows beyond the new end, as many as holes
+        order = list(range(n))
+        if holes:
+            for h, src in zip(holes, movers, strict=True):
+                order[h] = src
+            if self.keys is not None and self.values is not None:
+                dst = torch.tensor(holes, device=self.device)
+                srcs = torch.tensor(movers, device=self.device)
+                used = int(self.lens[srcs].max())
+                self.keys[:, dst, :, :used] = self.keys[:, srcs, :, :used]
+                self.values[:, dst, :, :used] = self.values[:, srcs, :, :used]
+        self.lens = self.lens[torch.tensor(order, dtype=torch.long, device=self.device)]
+        return order

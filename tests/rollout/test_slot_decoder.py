@@ -1,0 +1,138 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rollout import engine as engine_module
+from rollout import slot_decoder
+from rollout.engine import TorchEngine, copy_weights_
+from rollout.model_init import load_model
+from rollout.slot_decoder import SlotDecoder, fuse_linears, slot_support
+
+VOCAB = 40
+
+
+def llama(kv_heads: int = 4) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def qwen2() -> Any:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = Qwen2ForCausalLM(cfg).eval()
+    assert model.model.layers[0].self_attn.q_proj.bias is not None  # the biased projections are covered
+    return model
+
+
+def reference_logits(model: Any, seq: list[int]) -> torch.Tensor:
+    """transformers' own forward over the whole sequence, unpadded: the last position's logits (V,)."""
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([seq])).logits[0, -1]
+
+
+@pytest.mark.parametrize("make", [llama, lambda: llama(kv_heads=2), qwen2], ids=["llama", "llama-gqa", "qwen2"])
+def test_prefill_decode_and_eviction_equal_the_models_own_forward(make: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(slot_decoder, "MIN_CAPACITY", 4)  # the cache grows (and copies) several times
+    model = make()
+    dec = SlotDecoder(model, slots=4)
+    g = torch.Generator().manual_seed(1)
+    seqs: list[list[int]] = []
+
+    def check(logits: torch.Tensor) -> None:
+        assert logits.shape == (len(seqs), VOCAB)
+        for row, seq in enumerate(seqs):
+            torch.testing.assert_close(logits[row], reference_logits(model, seq), atol=1e-5, rtol=1e-5)
+
+    def admit(lengths: list[int]) -> None:
+        prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lengths]
+        with torch.inference_mode():
+            logits = dec.prefill(prompts)
+        seqs.extend(prompts)
+        for i, seq in enumerate(prompts):  # the new rows' logits after their last prompt token
+            torch.testing.assert_close(logits[i], reference_logits(model, seq), atol=1e-5, rtol=1e-5)
+
+    def step() -> None:
+        tokens = torch.randint(1, VOCAB, (len(seqs),), generator=g)
+        with torch.inference_mode():
+            logits = dec.decode(tokens)
+        for seq, t in zip(seqs, tokens.tolist(), strict=True):
+            seq.append(t)
+        check(logits)
+
+    admit([3, 7, 5])
+    for _ in range(4):
+        step()
+    with torch.inference_mode():
+        order = dec.keep([0, 2])  # row 1 leaves: row 2 moves into its slot
+    assert order == [0, 2]
+    seqs[:] = [seqs[i] for i in order]
+    admit([9, 2])  # joining rows of other lengths, left-aligned in their own slots
+    for _ in range(3):
+        step()
+    with torch.inference_mode():
+        order = dec.keep([2, 3])  # the first two leave: rows 2 and 3 move into slots 0 and 1
+    assert order == [2, 3]
+    seqs[:] = [seqs[i] for i in order]
+    for _ in range(20):
+        step()
+    assert dec.capacity >= max(len(s) for s in seqs)
+    assert dec.rows == 2
+
+
+def test_fused_projections_follow_in_place_weight_copies() -> None:
+    model = llama()
+    attn = model.model.layers[0].self_attn
+    weight, bias = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+    assert bias is None and weight.shape == (32 + 2 * 32, 32)
+    new = {name: torch.randn_like(p) for name, p in model.named_parameters()}
+    copy_weights_(model, new)  # what a weight swap does
+    torch.testing.assert_close(weight[:32], new["model.layers.0.self_attn.q_proj.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(weight[64:], new["model.layers.0.self_attn.v_proj.weight"], rtol=0, atol=0)
+
+
+def test_support_names_what_it_cannot_run() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
+
+    assert slot_support(llama()) == "" and slot_support(qwen2()) == ""
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2))
+    assert "model_type 'gpt2'" in slot_support(gpt2)
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    assert "qwen3" in slot_support(qwen3)
+
+
+def test_engine_falls_back_or_refuses_when_the_model_is_not_supported(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert TorchEngine(model_dir).decoder == "slots"  # the tiny Llama runs on the fast path by default
+    monkeypatch.setattr(engine_module, "slot_support", lambda model: "model_type 'gpt2' is not supported")
+    assert TorchEngine(model_dir).decoder == "hf"
+    with pytest.raises(ValueError, match="decoder='slots' cannot run this model: model_type 'gpt2'"):
+        TorchEngine(model_dir, decoder="slots")
+    with pytest.raises(ValueError, match="decoder must be"):
+        TorchEngine(model_dir, decoder="fast")  # type: ignore[arg-type]
+
+
+def test_a_dynamic_rope_is_computed_per_call(model_dir: Path) -> None:
+    model = load_model(model_dir, dtype="float32", device="cpu")
+    dec = SlotDecoder(model, slots=2)
+    with torch.inference_mode():
+        dec.prefill([[1, 5, 6]])
+    assert dec._rope_table is not None  # the default RoPE: one table for every position
+    model.model.rotary_emb.rope_type = "dynamic"
+    dec = SlotDecoder(model, slots=2)
+    with torch.inference_mode():
+        logits = dec.prefill([[1, 5, 6]])
+    assert dec._rope_table is None
+    torch.testing.assert_close(logits[0], reference_logits(model, [1, 5, 6]), atol=1e-5, rtol=1e-5)
