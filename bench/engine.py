@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import functools
 import os
 import platform
 import random
@@ -69,7 +70,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -103,48 +104,54 @@ class ModelSetup:
     prompts: int
     max_new_tokens: int
     max_batch: int
+    repeats: int
+    """Timed passes per implementation (the median is reported)."""
 
 
 SETUPS = {
-    "tiny": ModelSetup("tiny", "arith", prompts=512, max_new_tokens=24, max_batch=256),
-    "smollm2": ModelSetup("smollm2", "instruct", prompts=128, max_new_tokens=64, max_batch=64),
+    "tiny": ModelSetup("tiny", "arith", prompts=2048, max_new_tokens=24, max_batch=256, repeats=5),
+    "smollm2": ModelSetup("smollm2", "instruct", prompts=128, max_new_tokens=64, max_batch=64, repeats=1),
 }
 
 
 @dataclass
 class Run:
-    """One implementation's timed pass over all prompts."""
+    """One implementation's timed passes over all prompts."""
 
     impl: str
     mode: str
-    outputs: list[list[int]]
-    """Generated token ids per prompt (up to and including the first EOS)."""
-    seconds: float
+    outputs: list[list[int]] = field(default_factory=list)
+    """Generated token ids per prompt (up to and including the first EOS), of the last pass."""
+    passes: list[tuple[int, float]] = field(default_factory=list)
+    """(generated tokens, seconds) of each timed pass."""
 
     @property
     def tokens(self) -> int:
         return sum(len(o) for o in self.outputs)
 
     @property
+    def seconds(self) -> float:
+        return statistics.median(sec for _, sec in self.passes)
+
+    @property
     def tok_s(self) -> float:
-        return self.tokens / self.seconds
+        """The median over the passes of tokens/s."""
+        return statistics.median(n / sec for n, sec in self.passes)
+
+    def add(self, outputs: list[list[int]], seconds: float) -> None:
+        self.outputs = outputs
+        self.passes.append((sum(len(o) for o in outputs), seconds))
 
 
-# --------------------------------------------------------------------------- the two implementations
+# --------------------------------------------------------------------------- the implementations
 
 
-def run_engine(engine: TorchEngine, prompts: list[list[int]], params: SamplingParams, mode: str) -> Run:
-    """Warm up on one full batch, then time ``generate_all`` over every prompt at once."""
-
-    def requests(ps: list[list[int]], p: SamplingParams) -> list[GenerationRequest]:
-        return [GenerationRequest(str(i), x, p) for i, x in enumerate(ps)]
-
-    warm = replace(params, max_new_tokens=min(WARMUP_NEW_TOKENS, params.max_new_tokens))
-    asyncio.run(generate_all(engine, requests(prompts[: engine.max_batch], warm)))
+def engine_pass(engine: TorchEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], float]:
+    """One ``generate_all`` over every prompt at once: (token ids per prompt, seconds)."""
+    reqs = [GenerationRequest(str(i), x, params) for i, x in enumerate(prompts)]
     t0 = time.perf_counter()
-    done: list[Completion] = asyncio.run(generate_all(engine, requests(prompts, params)))
-    took = time.perf_counter() - t0
-    return Run("engine", mode, [c.token_ids for c in done], took)
+    done: list[Completion] = asyncio.run(generate_all(engine, reqs))
+    return [c.token_ids for c in done], time.perf_counter() - t0
 
 
 def cut_at_eos(row: list[int], eos: set[int]) -> list[int]:
@@ -173,20 +180,15 @@ def hf_generate(model: Any, prompts: list[list[int]], batch: int, max_new_tokens
     return out
 
 
-def run_generate(engine: TorchEngine, prompts: list[list[int]], batch: int, max_new_tokens: int,
-                 greedy: bool, mode: str, seed: int) -> Run:
-    """Warm up on one full batch, then time ``model.generate()`` over every prompt (seeded)."""
+def generate_pass(engine: TorchEngine, prompts: list[list[int]], batch: int, max_new_tokens: int,
+                  greedy: bool, seed: int) -> tuple[list[list[int]], float]:
+    """``model.generate()`` over every prompt (seeded): (token ids per prompt, seconds)."""
     pad = engine.tokenizer.pad_token_id
     pad_id = int(pad) if pad is not None else min(engine.eos_ids)
-
-    def go(ps: list[list[int]], new_tokens: int) -> list[list[int]]:
-        return hf_generate(engine.model, ps, batch, new_tokens, greedy, pad_id, engine.eos_ids)
-
-    go(prompts[:batch], min(WARMUP_NEW_TOKENS, max_new_tokens))
     torch.manual_seed(seed)
     t0 = time.perf_counter()
-    outputs = go(prompts, max_new_tokens)
-    return Run("generate()", mode, outputs, time.perf_counter() - t0)
+    outputs = hf_generate(engine.model, prompts, batch, max_new_tokens, greedy, pad_id, engine.eos_ids)
+    return outputs, time.perf_counter() - t0
 
 
 # --------------------------------------------------------------------------- the CPU's bound
@@ -293,7 +295,11 @@ def prompt_texts(source_name: str, n: int, seed: int = 0) -> list[str]:
 
 
 def bench_model(setup: ModelSetup, model_dir: Path, a: argparse.Namespace) -> None:
+    repeats = a.repeats or setup.repeats
     engine = TorchEngine(model_dir, max_batch=setup.max_batch, seed=a.seed)
+    # the same engine, the same weights (loaded from the same directory), with transformers' forward
+    # and DynamicCache instead of the slot decoder
+    hf_engine = TorchEngine(model_dir, max_batch=setup.max_batch, seed=a.seed, decoder="hf")
     prompts = [engine.encode(t) for t in prompt_texts(setup.source, setup.prompts, a.seed)]
     batch = min(setup.max_batch, len(prompts))
     lens = [len(p) for p in prompts]
@@ -307,14 +313,25 @@ def bench_model(setup: ModelSetup, model_dir: Path, a: argparse.Namespace) -> No
           flush=True)
 
     modes = [("sampled", False)] + ([] if a.no_greedy else [("greedy", True)])
-    runs: list[tuple[Run, Run]] = []
+    runs: list[tuple[Run, Run, Run]] = []
     for mode, greedy in modes:
         params = SamplingParams(max_new_tokens=setup.max_new_tokens, temperature=1.0, top_p=1.0, greedy=greedy)
-        eng = run_engine(engine, prompts, params, mode)
-        print(f"  {mode:7} engine      {eng.tokens:6d} tokens in {eng.seconds:7.2f} s", flush=True)
-        hf = run_generate(engine, prompts, batch, setup.max_new_tokens, greedy, mode, a.seed)
-        print(f"  {mode:7} generate()  {hf.tokens:6d} tokens in {hf.seconds:7.2f} s", flush=True)
-        runs.append((eng, hf))
+        warm = replace(params, max_new_tokens=min(WARMUP_NEW_TOKENS, params.max_new_tokens))
+        eng, eng_hf, hf = Run(f"engine/{engine.decoder}", mode), Run("engine/hf", mode), Run("generate()", mode)
+        impls: list[tuple[Run, Callable[[], tuple[list[list[int]], float]]]] = [
+            (eng, functools.partial(engine_pass, engine, prompts, params)),
+            (eng_hf, functools.partial(engine_pass, hf_engine, prompts, params)),
+            (hf, functools.partial(generate_pass, engine, prompts, batch, setup.max_new_tokens, greedy, a.seed)),
+        ]
+        engine_pass(engine, prompts[:batch], warm)  # warm-ups: one full batch, a few tokens
+        engine_pass(hf_engine, prompts[:batch], warm)
+        generate_pass(engine, prompts[:batch], batch, warm.max_new_tokens, greedy, a.seed)
+        for rep in range(repeats):  # the order rotates, so that a slow spell of the machine is shared
+            for run, timed in impls[rep % 3:] + impls[: rep % 3]:
+                run.add(*timed())
+                print(f"  {mode:7} {run.impl:12} pass {rep + 1}: {run.passes[-1][0]:6d} tokens in "
+                      f"{run.passes[-1][1]:7.2f} s", flush=True)
+        runs.append((eng, eng_hf, hf))
 
     gen_mean = statistics.mean(len(o) for o in runs[0][0].outputs)
     cfg = engine.model.config
@@ -329,20 +346,20 @@ def bench_model(setup: ModelSetup, model_dir: Path, a: argparse.Namespace) -> No
     print(f"  with the prefill of the {sum(lens)} prompt tokens at {bound.prefill_flops_token / 1e6:.2f} "
           f"MFLOP each: {bound.with_prefill_tok_s(runs[0][0].tokens, sum(lens)):,.0f} generated tok/s")
 
-    header = (f"{'model':8} {'mode':7} {'impl':10} {'tokens':>7} {'mean len':>8} {'seconds':>8} "
+    header = (f"{'model':8} {'mode':7} {'impl':12} {'tokens':>7} {'mean len':>8} {'seconds':>8} "
               f"{'tok/s':>8} {'engine ÷ gen':>12} {'of decode bound':>15} {'of bound w/ prefill':>19}")
     print(header)
     print("-" * len(header))
-    for eng, hf in runs:
-        for r in (eng, hf):
-            ratio = f"{eng.tok_s / hf.tok_s:11.2f}x" if r is eng else ""
-            print(f"{setup.name:8} {r.mode:7} {r.impl:10} {r.tokens:7d} {r.tokens / len(r.outputs):8.1f} "
+    for eng, eng_hf, hf in runs:
+        for r in (eng, eng_hf, hf):
+            ratio = f"{r.tok_s / hf.tok_s:11.2f}x" if r is not hf else ""
+            print(f"{setup.name:8} {r.mode:7} {r.impl:12} {r.tokens:7d} {r.tokens / len(r.outputs):8.1f} "
                   f"{r.seconds:8.2f} {r.tok_s:8,.0f} {ratio:>12} {r.tok_s / bound.tok_s:15.1%} "
                   f"{r.tok_s / bound.with_prefill_tok_s(r.tokens, sum(lens)):19.1%}")
-    for eng, hf in runs:
+    for eng, eng_hf, hf in runs:
         if eng.mode == "greedy":
-            same = sum(x == y for x, y in zip(eng.outputs, hf.outputs, strict=True))
-            print(f"greedy: identical completions from both for {same}/{len(prompts)} prompts")
+            same = sum(x == y == z for x, y, z in zip(eng.outputs, eng_hf.outputs, hf.outputs, strict=True))
+            print(f"greedy: identical completions from all three for {same}/{len(prompts)} prompts")
 
 
 # --------------------------------------------------------------------------- main
@@ -357,6 +374,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch intra-op threads")
     ap.add_argument("--no-greedy", action="store_true", help="skip the greedy rows")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="timed passes per implementation, the median reported (default: tiny 5, smollm2 1)")
     a = ap.parse_args()
     from transformers.utils import logging as hf_logging
 
@@ -376,7 +395,7 @@ def main() -> None:
         for name in names:
             base = SETUPS[name]
             setup = ModelSetup(name, base.source, a.prompts or base.prompts,
-                               a.max_new_tokens or base.max_new_tokens, a.max_batch or base.max_batch)
+                               a.max_new_tokens or base.max_new_tokens, a.max_batch or base.max_batch, base.repeats)
             if name == "tiny":
                 model_dir = init_tiny_model(Path(tmp) / "tiny", TINY_SPEC, seed=a.seed)
             else:

@@ -2,7 +2,7 @@
 
     python bench/gpu.py [--models tiny,smollm2-shape] [--dtypes float32,bfloat16] [--steps 4]
                         [--batch 32] [--prompt-len 96] [--response-len 64] [--device cuda:0]
-                        [--no-engine] [--no-serve] [--features] [--profile DIR] [--out results.json]
+                        [--no-engine] [--no-serve] [--features] [--profile DIR] [--out results.jsonl]
 
 Run it on a GPU machine before training there (the project's CI has no GPU). Needs the project's
 Python packages (``megatron-core`` for the megatron rows; without it each megatron row reports the
@@ -18,9 +18,11 @@ difference of step 1's metrics and of the weights exported after the last step. 
 three should agree to round-off (``PASS`` at 1e-4); in bfloat16 only approximately.
 
 **Engine.** :class:`rollout.engine.TorchEngine` (continuous batching, bfloat16 and float32) on the
-GPU against ``model.generate()`` on the same model: generated tokens/s, and the largest difference
-between the engine's behaviour logprobs and a teacher-forced forward pass over the same tokens
-(what the trainer recomputes).
+GPU, with each of its two decoders (``slots``: :mod:`rollout.slot_decoder`, the default for Llama-family
+models; ``hf``: transformers' forward and ``DynamicCache``), against ``model.generate()`` on the same
+model: generated tokens/s (the median of ``--repeats`` timed passes, the order rotating, after one
+warm-up pass each), and the largest difference between each decoder's behaviour logprobs and a
+teacher-forced forward pass over the same tokens (what the trainer recomputes).
 
 **Server.** ``rollstream serve`` (in this process, on the GPU) with the rollout client
 (``rollout.engine: server``): greedy completions against the in-process engine's.
@@ -55,6 +57,20 @@ TOL_FP32 = 1e-4
 SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                      num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048, rope_theta=100000.0,
                      rms_norm_eps=1e-5, tie_word_embeddings=True)
+
+
+OUT: list[Path] = []
+"""Where :func:`emit` appends its rows (``--out``), if anywhere."""
+
+
+def emit(row: dict[str, Any]) -> None:
+    """Print one result row, and append it to ``--out`` at once (a run cut short by a time limit
+    keeps every row measured before it)."""
+    line = json.dumps(row)
+    print(line, flush=True)
+    for path in OUT:
+        with path.open("a") as f:
+            f.write(line + "\n")
 
 
 def make_models(root: Path, names: list[str]) -> dict[str, Path]:
@@ -210,7 +226,7 @@ def trainers(a: argparse.Namespace, models: dict[str, Path], work: Path) -> list
                         if dtype == "float32":
                             row["agree"] = "PASS" if max(d, w) <= TOL_FP32 else "FAIL"
                 rows.append(row)
-                print(json.dumps(row), flush=True)
+                emit(row)
     return rows
 
 
@@ -247,7 +263,7 @@ def features(a: argparse.Namespace, models: dict[str, Path], work: Path) -> list
                 worst = max(row["resume_diff"], row.get("metric_diff", 0.0), row.get("weight_diff", 0.0))
                 row["agree"] = "PASS" if worst <= TOL_FP32 else "FAIL"
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            emit(row)
     return rows
 
 
@@ -291,47 +307,73 @@ def engine_rows(a: argparse.Namespace, models: dict[str, Path]) -> list[dict[str
     from rollout.engine import GenerationRequest, TorchEngine, generate_all
     from rollout.sampling import SamplingParams
 
+    def sync() -> None:
+        if a.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
     rows = []
     for model, model_dir in models.items():
         vocab = token_range(model_dir)
         g = torch.Generator().manual_seed(1)
         prompts = [[1, *torch.randint(4, vocab, (int(torch.randint(16, 48, (1,), generator=g)),), generator=g).tolist()] for _ in range(a.prompts)]
         for dtype in a.dtypes.split(","):
-            eng = TorchEngine(model_dir, max_batch=a.max_batch, device=a.device, dtype=dtype, chat_template=False)
+            engines = {kind: TorchEngine(model_dir, max_batch=a.max_batch, device=a.device, dtype=dtype,
+                                         chat_template=False, decoder=kind) for kind in ("slots", "hf")}
             params = SamplingParams(max_new_tokens=a.max_new_tokens)
             reqs = [GenerationRequest(str(i), p, params) for i, p in enumerate(prompts)]
-            asyncio.run(generate_all(eng, reqs))  # warm-up: the whole timed workload once (kernels, allocator)
-            torch.cuda.synchronize() if a.device.startswith("cuda") else None
-            t0 = time.perf_counter()
-            done = asyncio.run(generate_all(eng, reqs))
-            took = time.perf_counter() - t0
-            errors = [c.error for c in done if c.error]
-            if errors:
-                raise RuntimeError(f"engine on {a.device} ({dtype}): {len(errors)} completions failed: {errors[0]}")
-            tokens = sum(len(c.token_ids) for c in done)
+            model_obj = engines["slots"].model
+            # model.generate() on the same model and prompts (sampled; each row's tokens up to and
+            # including its first EOS; pad id 0)
+            hf_args = (model_obj, prompts, a.max_batch, a.max_new_tokens, False, 0, engines["slots"].eos_ids)
+
+            def timed(kind: str, engines: dict[str, Any] = engines, reqs: list[Any] = reqs,
+                      hf_args: tuple[Any, ...] = hf_args, label: str = f"{a.device} ({dtype})") -> tuple[int, float, list[Any]]:
+                sync()
+                t0 = time.perf_counter()
+                if kind == "generate":
+                    out = hf_generate(*hf_args)
+                    sync()
+                    return sum(len(r) for r in out), time.perf_counter() - t0, []
+                done = asyncio.run(generate_all(engines[kind], reqs))
+                sync()
+                took = time.perf_counter() - t0
+                errors = [c.error for c in done if c.error]
+                if errors:
+                    raise RuntimeError(f"engine/{kind} on {label}: {len(errors)} completions failed: {errors[0]}")
+                return sum(len(c.token_ids) for c in done), took, done
+
+            kinds = ["slots", "hf", "generate"]
+            for kind in kinds:
+                timed(kind)  # warm-up: the whole timed workload once (kernels, allocator)
+            tok_s: dict[str, list[float]] = {k: [] for k in kinds}
+            last: dict[str, list[Any]] = {}
+            for rep in range(a.repeats):  # the order rotates
+                for kind in kinds[rep % 3:] + kinds[: rep % 3]:
+                    n, sec, done = timed(kind)
+                    tok_s[kind].append(n / sec)
+                    last[kind] = done
             if a.profile:
-                profile_pass(a, eng, reqs, f"{model}-{dtype}")
+                profile_pass(a, engines["slots"], reqs, f"{model}-{dtype}")
             # the same tokens teacher-forced through the same model: the trainer's recomputed logprobs
-            worst = 0.0
-            with torch.inference_mode():
-                for c, p in zip(done[:32], prompts[:32], strict=True):
-                    ids = torch.tensor([p + list(c.token_ids)], device=a.device)
-                    logits = eng.model(input_ids=ids).logits[0, len(p) - 1 : -1].float()  # (T, V)
-                    lp = torch.log_softmax(logits, -1).gather(-1, ids[0, len(p):, None])[:, 0]
-                    worst = max(worst, (lp.cpu() - torch.tensor(c.logprobs)).abs().max().item())
-            # model.generate() on the same model and prompts, warmed up the same way
-            # (sampled; each row's tokens up to and including its first EOS; pad id 0)
-            hf_args = (eng.model, prompts, a.max_batch, a.max_new_tokens, False, 0, eng.eos_ids)
-            hf_generate(*hf_args)
-            t1 = time.perf_counter()
-            gen_tokens = sum(len(r) for r in hf_generate(*hf_args))
-            gen_s = time.perf_counter() - t1
-            row = {"model": model, "dtype": dtype, "engine_tok_s": tokens / took, "generate_tok_s": gen_tokens / gen_s,
-                   "engine_over_generate": (tokens / took) / (gen_tokens / gen_s), "logprob_max_diff": worst,
-                   "prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "max_batch": a.max_batch}
+            worst = {}
+            for kind in ("slots", "hf"):
+                worst[kind] = 0.0
+                with torch.inference_mode():
+                    for c, p in zip(last[kind][:32], prompts[:32], strict=True):
+                        ids = torch.tensor([p + list(c.token_ids)], device=a.device)
+                        logits = model_obj(input_ids=ids).logits[0, len(p) - 1 : -1].float()  # (T, V)
+                        lp = torch.log_softmax(logits, -1).gather(-1, ids[0, len(p):, None])[:, 0]
+                        worst[kind] = max(worst[kind], (lp.cpu() - torch.tensor(c.logprobs)).abs().max().item())
+            med = {k: statistics.median(v) for k, v in tok_s.items()}
+            row = {"model": model, "dtype": dtype, "engine_tok_s": med["slots"], "engine_hf_tok_s": med["hf"],
+                   "generate_tok_s": med["generate"], "engine_over_generate": med["slots"] / med["generate"],
+                   "engine_hf_over_generate": med["hf"] / med["generate"], "logprob_max_diff": worst["slots"],
+                   "logprob_max_diff_hf": worst["hf"], "passes_tok_s": tok_s, "prompts": len(prompts),
+                   "max_new_tokens": a.max_new_tokens, "max_batch": a.max_batch}
             rows.append(row)
-            print(json.dumps(row), flush=True)
-            del eng
+            emit(row)
+            engines.clear()
+            del model_obj
             if a.device.startswith("cuda"):
                 torch.cuda.empty_cache()
     return rows
@@ -369,7 +411,7 @@ async def serve_row(a: argparse.Namespace, model: str, model_dir: Path, dtype: s
     same = sum(x.token_ids == y.token_ids for x, y in zip(got, want, strict=True))
     lp = max(abs(u - v) for x, y in zip(got, want, strict=True) for u, v in zip(x.logprobs, y.logprobs, strict=False))
     row = {"model": model, "dtype": dtype, "serve_same_greedy": f"{same}/{len(prompts)}", "serve_logprob_max_diff": lp}
-    print(json.dumps(row), flush=True)
+    emit(row)
     return row
 
 
@@ -392,8 +434,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=128, help="engine: prompts per model")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="engine: tokens per completion")
     ap.add_argument("--max-batch", type=int, default=64, help="engine: slots = generate() chunk")
+    ap.add_argument("--repeats", type=int, default=2, help="engine: timed passes per implementation (median)")
     ap.add_argument("--child-timeout-s", type=float, default=300.0)
-    ap.add_argument("--out", default="", help="also write every row as JSON here")
+    ap.add_argument("--out", default="", help="also append every row to this file as it is measured (JSON lines)")
     # the child side
     ap.add_argument("--one", choices=STRATEGIES, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -403,6 +446,8 @@ def main() -> None:
     ap.add_argument("--sets", help=argparse.SUPPRESS)
     ap.add_argument("--checkpoint", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.out and not a.one:
+        OUT.append(Path(a.out))
     if a.one:
         Path(a.result).write_text(json.dumps(one_strategy(a)))
         return
@@ -410,21 +455,20 @@ def main() -> None:
         sys.exit("error: --device is CUDA but torch sees no GPU (use --device cpu for a smoke run)")
     info = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
             "transformer_engine": importlib.util.find_spec("transformer_engine") is not None}
-    print(json.dumps(info), flush=True)
+    emit(info)
     names = a.models.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         models = make_models(Path(tmp), names)
-        rows: dict[str, Any] = {"info": info}
         if not a.no_trainers:
-            rows["trainers"] = trainers(a, models, Path(tmp))
+            trainers(a, models, Path(tmp))
         if a.features:
-            rows["features"] = features(a, models, Path(tmp))
+            features(a, models, Path(tmp))
         if not a.no_engine:
-            rows["engine"] = engine_rows(a, models)
+            engine_rows(a, models)
         if not a.no_serve:
-            rows["serve"] = [asyncio.run(serve_row(a, m, d, dt)) for m, d in models.items() for dt in a.dtypes.split(",")]
-    if a.out:
-        Path(a.out).write_text(json.dumps(rows, indent=1))
+            for m, d in models.items():
+                for dt in a.dtypes.split(","):
+                    asyncio.run(serve_row(a, m, d, dt))
 
 
 if __name__ == "__main__":
