@@ -2,30 +2,34 @@
 in one run, with this CPU's decode bound.
 
     .venv/bin/python bench/engine.py [--models tiny,smollm2] [--prompts N] [--max-new-tokens N]
-                                     [--max-batch N] [--threads N] [--no-greedy]
+                                     [--max-batch N] [--threads N] [--no-greedy] [--repeats N]
 
 For each model, the same prompt token ids and the same sampling settings (temperature 1.0,
 top_p 1.0, no top-k, the same ``max_new_tokens``; the model's EOS tokens stop a row) go through:
 
-* **engine**: :class:`rollout.engine.TorchEngine` (continuous batching, ``max_batch`` slots), all
-  prompts submitted at once with :func:`rollout.engine.generate_all`, exactly as the rollout
-  worker submits them; it also computes each token's behaviour logprob, which ``generate()`` does
-  not;
-* **generate()**: ``model.generate()`` on the *same model object* (same weights, SDPA, threads),
-  the way a user batches it: chunks of ``max_batch`` prompts (the engine's slot count, or every
-  prompt when there are fewer), left-padded with the pad token and an attention mask,
+* **engine/slots** (or **engine/hf** when the model is not Llama-family): :class:`rollout.engine.TorchEngine`
+  as it ships (continuous batching, ``max_batch`` slots), all prompts submitted at once with
+  :func:`rollout.engine.generate_all`, exactly as the rollout worker submits them; it also
+  computes each token's behaviour logprob, which ``generate()`` does not;
+* **engine/hf**: the same engine with ``decoder="hf"`` (transformers' forward and
+  ``DynamicCache`` instead of :mod:`rollout.slot_decoder`), a second engine loaded from the same
+  directory;
+* **generate()**: ``model.generate()`` on the first engine's model object (same weights, SDPA,
+  threads), the way a user batches it: chunks of ``max_batch`` prompts (the engine's slot count, or
+  every prompt when there are fewer), left-padded with the pad token and an attention mask,
   ``do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens, pad_token_id,
   eos_token_id``, seeded with ``torch.manual_seed``.
 
-The engine runs its steps in its worker thread (``asyncio.to_thread``) as it does in the rollout
-service; ``generate()`` runs in the main thread. Each is warmed up first on one full batch of
-prompts (8 new tokens), then timed once over all prompts (wall clock, prefill included).
-**tokens/s** counts generated tokens only, exactly what each produced: the engine's
+The engines run their steps in their worker thread as in the rollout service; ``generate()`` runs
+in the main thread. Each is warmed up first on one full batch of prompts (8 new tokens), then
+timed over all prompts ``--repeats`` times (wall clock, prefill included; default 5 for tiny, 1 for
+smollm2), the three taking turns in an order that rotates every round; the median pass is
+reported. **tokens/s** counts generated tokens only, exactly what each produced: the engine's
 ``Completion.token_ids``; for ``generate()`` each row up to and including its first EOS (the pad
 columns after it are not counted), else ``max_new_tokens``. The EOS token counts as generated.
-**engine ÷ gen** is the ratio of the two. Unless ``--no-greedy``, a greedy row pair
+**engine ÷ gen** is each engine's ratio to ``generate()``. Unless ``--no-greedy``, a greedy round
 (``SamplingParams(greedy=True)`` / ``do_sample=False``) follows and reports how many prompts got
-identical completions from both (a check that both do the same work).
+identical completions from all three (a check that all do the same work).
 
 **The bound** of this CPU for a decode step at batch ``B = max_batch``:
 
@@ -48,12 +52,12 @@ identical completions from both (a check that both do the same work).
 
 Models: ``tiny`` = a fresh tiny Llama of the main example's shape (examples/main.yaml: hidden
 128, 4 layers, 4 heads, MLP 384, 64 positions, char tokenizer), prompts from the ``arith`` task
-source rendered with ``engine.encode``, defaults 512 prompts, 24 new tokens, ``max_batch`` 256
+source rendered with ``engine.encode``, defaults 2048 prompts, 24 new tokens, ``max_batch`` 256
 (the main example's rollout settings). ``smollm2`` = SmolLM2-135M-Instruct from
 ``models/smollm2-135m-instruct`` (skipped, with the command to create it, when absent), prompts
 from the ``instruct`` task source through its chat template (with the template's default system
 turn), defaults 128 prompts, 64 new tokens, ``max_batch`` 64 (examples/smollm2_reasoning.yaml's
-slots). Defaults run in about 3 minutes on 2 cores.
+slots). Defaults run in about 6 minutes on 2 cores.
 """
 
 from __future__ import annotations

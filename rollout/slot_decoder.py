@@ -178,7 +178,7 @@ class SlotDecoder:
     def _attend(self, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                 bias: torch.Tensor | None, scale: float) -> torch.Tensor:
         """Attention of ``qs`` (b, heads, q, head_dim) over ``k``/``v`` (b, kv_heads, L, head_dim).
-        A decode step on the CPU (``bias`` (b, 1, 1, L), 0 or -inf) uses two batched matmuls with the
+        A decode step on the CPU (``bias`` (b, 1, 1, L) float32, 0 or -inf) uses two batched matmuls with the
         query heads grouped per key head: 1.5–2× faster there than SDPA's kernel at these shapes
         (bench/README.md); otherwise SDPA with the boolean ``mask`` (b, 1, q, L)."""
         if bias is None:
@@ -186,8 +186,8 @@ class SlotDecoder:
                                                   enable_gqa=self.kv_heads != self.n_heads)
         b, heads, _, d = qs.shape
         grouped = qs.view(b, self.kv_heads, heads // self.kv_heads, d)  # (b, kv_heads, group, head_dim)
-        scores = torch.matmul(grouped, k.transpose(-1, -2)) * scale  # (b, kv_heads, group, L)
-        probs = torch.softmax(scores + bias, dim=-1)
+        scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * scale  # (b, kv_heads, group, L)
+        probs = torch.softmax(scores + bias, dim=-1).to(v.dtype)  # softmax in float32, as SDPA's kernels
         return torch.matmul(probs, v).view(b, heads, 1, d)  # (b, heads, 1, head_dim)
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, write: Any,
@@ -203,7 +203,7 @@ class SlotDecoder:
         b, q = ids.shape
         bias = None
         if q == 1 and self.device.type == "cpu":
-            bias = torch.zeros(mask.shape, dtype=h.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
+            bias = torch.zeros(mask.shape, device=self.device).masked_fill_(~mask, float("-inf"))  # float32
         heads, kv = self.n_heads, self.kv_heads
         for i, layer in enumerate(m.layers):
             attn, mlp = layer.self_attn, layer.mlp
