@@ -72,6 +72,9 @@ def slot_support(model: Any) -> str:
             not isinstance(getattr(attn, n, None), torch.nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj")
         ) or any(not isinstance(getattr(mlp, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
             return "decoder layers that are not plain Linear q/k/v/o and gate/up/down projections"
+        for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+            if len({lin.bias is None for lin in group}) > 1:
+                return "projections fused together of which only some have a bias"
         if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
             return "query/key norms"
     return ""

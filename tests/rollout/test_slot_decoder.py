@@ -110,6 +110,10 @@ def test_support_names_what_it_cannot_run() -> None:
     qwen3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8))
     assert "qwen3" in slot_support(qwen3)
+    odd = llama()
+    attn = odd.model.layers[1].self_attn
+    attn.q_proj.bias = torch.nn.Parameter(torch.zeros(attn.q_proj.out_features))  # k and v have none
+    assert "only some have a bias" in slot_support(odd)
 
 
 def test_engine_falls_back_or_refuses_when_the_model_is_not_supported(
