@@ -173,6 +173,16 @@ def copy_weights_(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> Non
 # --------------------------------------------------------------------------- KV batch
 
 
+def left_padded(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``prompts`` as one left-padded batch: token ids (pad 0), attention mask and position ids
+    (each row counts from 0 at its first real token), each ``(b, P)``."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=device)  # (b, P)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)  # (b, P)
+    pos = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (b, P)
+    return ids, mask, pos
+
+
 def _pad_left(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     """Zero-pad ``x`` on the left along ``dim`` to ``length``."""
     extra = length - x.shape[dim]
@@ -258,12 +268,7 @@ class HFDecoder:
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         """Append rows for ``prompts`` (one left-padded forward); the logits (b, V) after each prompt."""
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=self.device)  # (b, P)
-        mask = torch.tensor(
-            [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device
-        )  # (b, P)
-        pos = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (b, P)
+        ids, mask, pos = left_padded(prompts, self.device)  # (b, P) each
         cache = DynamicCache(config=self.model.config)
         # only the last position's logits (prefill_kwargs): the LM head over every prompt position is
         # (b, P, V) of work for nothing (about a third of a SmolLM2 prefill's time, its 49k vocabulary)
@@ -510,10 +515,7 @@ class TorchEngine:
         float32 on the CPU. A judge reads its score labels' probabilities from it."""
         for i, p in enumerate(prompts):
             self._validate(GenerationRequest(f"logprobs-{i}", p))
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=self.device)  # (b, P)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)  # (b, P)
-        pos = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (b, P)
+        ids, mask, pos = left_padded(prompts, self.device)  # (b, P) each
         with self._step_lock, torch.inference_mode():
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                                 **self._last_logits_only).logits[:, -1]  # (b, V)
