@@ -340,6 +340,16 @@ class TrainConfig(Section):
     """Max global gradient norm (0 = off)."""
     micro_batch_size: int = 16
     """Samples per forward/backward pass (gradient accumulation over the batch)."""
+    skip_zero_advantage: bool = True
+    """Leave out of the forward/backward passes the samples whose advantage is 0 at every trained
+    token (GRPO groups whose samples all got the same reward) when the loss is the policy loss
+    alone (no ``algorithm.use_kl_loss``, ``algorithm.entropy_loss_coef`` 0, no critic): they add
+    exactly 0 to the loss and the gradient, so the update is the same (up to float summation
+    order) for less compute; the loss's normaliser still counts their tokens. With samples left
+    out, ``loss/policy`` and ``loss/total`` are still the whole batch's loss, the other
+    per-token metrics (``loss/clipfrac``, ``actor/ratio_*``, ``actor/approx_kl``,
+    ``actor/entropy``) cover the trained samples only, and ``train/skipped_rows`` counts the
+    samples left out. False: every sample runs (diagnostics over the whole batch)."""
     max_staleness: int = 1
     """Accept a sample only if ``trainer_version − policy_version ≤ max_staleness``."""
     checkpoint_every: int = 10

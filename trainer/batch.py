@@ -103,11 +103,14 @@ class TokenBatch:
         """The same rows, shortest sequence first (stable): consecutive micro-batches of
         :meth:`rows` then hold similar lengths and each is trimmed to less padding. Row order
         changes nothing else: every loss is a sum over rows weighted by share."""
-        order = torch.argsort(self.attention_mask.sum(dim=1), stable=True)  # (B,)
+        return self.take(torch.argsort(self.attention_mask.sum(dim=1), stable=True))
+
+    def take(self, index: torch.Tensor) -> TokenBatch:
+        """The rows ``index`` selects (a (B,) bool mask or row indices, in their order)."""
         return TokenBatch(
-            input_ids=self.input_ids[order], attention_mask=self.attention_mask[order],
-            loss_mask=self.loss_mask[order], old_logprobs=self.old_logprobs[order],
-            advantages=self.advantages[order], extras={k: v[order] for k, v in self.extras.items()},
+            input_ids=self.input_ids[index], attention_mask=self.attention_mask[index],
+            loss_mask=self.loss_mask[index], old_logprobs=self.old_logprobs[index],
+            advantages=self.advantages[index], extras={k: v[index] for k, v in self.extras.items()},
         )
 
     def rows(self, start: int, stop: int) -> TokenBatch:

@@ -15,7 +15,10 @@ gae``). One optimizer step (:meth:`TorchStrategy.train_step`) over a batch of
    micro-batch is trimmed to less padding; nothing else depends on the order): forward, the configured policy loss (+ KL
    loss, entropy bonus, value loss), scaled by the micro-batch's share of the batch's tokens
    (``token-mean``) or sequences (``seq-mean-*``) so the accumulated gradient is the full-batch
-   loss's; ``backward()``;
+   loss's; ``backward()``. Rows whose gradient is exactly zero (advantage 0 at every trained
+   token, and no loss term besides the policy loss) are left out first when
+   ``skip_zero_advantage`` is on (:meth:`TorchStrategy.gradient_rows`); the shares stay shares
+   of the whole batch;
    A batch with windowed episodes (``TrainSample.segment_starts``, ``rollout.history_turns``) is
    collated and its advantages computed one row per episode (turns, step rewards and GiGPO's
    anchors are per episode), but every forward pass sees one row per turn
@@ -288,11 +291,37 @@ def strategy_kwargs(cfg: RunConfig, device: str) -> dict[str, Any]:
         total_steps=cfg.train.steps, min_lr_ratio=cfg.train.min_lr_ratio,
         lr_warmup_steps=cfg.train.lr_warmup_steps, device=device,
         lora_rank=cfg.train.lora_rank, lora_alpha=cfg.train.lora_alpha, lora_dropout=cfg.train.lora_dropout,
-        lora_target_modules=cfg.train.lora_target_modules,
+        lora_target_modules=cfg.train.lora_target_modules, skip_zero_advantage=cfg.train.skip_zero_advantage,
     )
 
 
 # --------------------------------------------------------------------------- strategy
+
+
+LOSS_METRICS = ("loss/policy", "loss/total")
+"""Micro-batch metrics that are the loss itself: share-weighted, they sum to the whole batch's loss."""
+EXTREME_METRICS = ("actor/ratio_min", "actor/ratio_max")
+
+
+def trained_row_metrics(acc: dict[str, float], batch: TokenBatch, trained: TokenBatch,
+                        by_tokens: bool) -> dict[str, float]:
+    """The step's micro-batch metrics ``acc`` (share-weighted sums; shares of ``batch``'s
+    normaliser), given that only the rows ``trained`` ran (:meth:`TorchStrategy.gradient_rows`).
+
+    ``loss/policy`` and ``loss/total`` stay the whole batch's loss (the rows left out add 0).
+    The other means (``loss/clipfrac``, ``actor/ratio_mean``, ``actor/approx_kl``,
+    ``actor/entropy``, ...) are rescaled to means over the trained rows' tokens (sequences in
+    ``seq-mean-*`` modes); ``train/skipped_rows`` counts the rows left out (0 when none was)."""
+    out = dict(acc)
+    skipped = batch.num_rows - trained.num_rows
+    out["train/skipped_rows"] = float(skipped)
+    if skipped:
+        part = (trained.num_tokens / max(batch.num_tokens, 1)) if by_tokens else \
+            (trained.num_seqs / max(batch.num_seqs, 1))
+        for key in acc:
+            if key not in LOSS_METRICS and key not in EXTREME_METRICS and part > 0:
+                out[key] = acc[key] / part
+    return out
 
 
 def first_trained_col(batch: TokenBatch) -> int:
@@ -335,6 +364,8 @@ class TorchStrategy:
 
     ``lora_rank > 0`` trains a LoRA adapter (``peft``) instead of all parameters: ``model`` is then
     the ``PeftModel`` and :attr:`hf_model` the HF model inside it (with the adapter layers injected).
+    ``skip_zero_advantage`` leaves rows with no gradient out of the backward passes
+    (:meth:`gradient_rows`; ``train.skip_zero_advantage``, on in a run's config, off by default here).
     """
 
     def __init__(
@@ -360,6 +391,7 @@ class TorchStrategy:
         lora_alpha: float = 32.0,
         lora_dropout: float = 0.0,
         lora_target_modules: Sequence[str] | None = None,
+        skip_zero_advantage: bool = False,
     ) -> None:
         if lora_rank < 0:
             raise ValueError(f"lora_rank={lora_rank} must be >= 0 (0 = no LoRA)")
@@ -397,6 +429,7 @@ class TorchStrategy:
         self.algo = algo
         self.algo_state = alg.initial_state(algo)
         self.max_len = max_len
+        self.skip_zero_advantage = skip_zero_advantage
         self.ref_model: torch.nn.Module | None = None
         self._ref_path: Path | None = None  # LoRA: the weights the adapters-disabled reference must equal
         self._ref_checked = True
@@ -720,15 +753,38 @@ class TorchStrategy:
         self.step += 1
         return metrics
 
+    def gradient_rows(self, batch: TokenBatch) -> TokenBatch:
+        """The rows of a prepared batch that the backward pass needs (``skip_zero_advantage``).
+
+        When the loss is the policy loss alone (no ``use_kl_loss``, no ``entropy_loss_coef``, no
+        critic), a row whose advantage is 0 at every trained token (``advantages`` already carry
+        the masks) adds exactly 0 to the loss and to every gradient, in each ``pg_variant``
+        (each is ``A`` times a per-token term) and each ``loss_agg_mode`` (sums over rows over a
+        normaliser that :meth:`train_step` takes from the whole batch). Such rows are left out
+        of the forward and backward passes: GRPO's groups whose samples all got the same reward,
+        a third or more of a batch in the main example. If no row is left, the first one is kept:
+        its zero gradient still gives AdamW's step (moments, weight decay) as without skipping.
+        Otherwise, or with ``skip_zero_advantage`` off, the batch is returned as it is."""
+        cfg = self.algo
+        if not self.skip_zero_advantage or self.critic is not None or cfg.use_kl_loss or cfg.entropy_loss_coef:
+            return batch
+        keep = (batch.advantages != 0).any(dim=1)  # (B,); NaN counts as non-zero
+        if bool(keep.all()):
+            return batch
+        if not bool(keep.any()):
+            keep[int((batch.loss_mask > 0).any(dim=1).to(torch.int8).argmax())] = True  # first row with a trained token
+        return batch.take(keep)
+
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
-        """One optimizer step over ``samples``; metrics are share-weighted over micro-batches."""
+        """One optimizer step over ``samples``; metrics are share-weighted over micro-batches
+        (see :func:`trained_row_metrics` for the rows :meth:`gradient_rows` leaves out)."""
         batch, sums = self.prepare(samples)
-        batch = batch.by_length()  # micro-batches of similar lengths pad less
         by_tokens = self.algo.loss_agg_mode == "token-mean"
-        total = max(batch.num_tokens if by_tokens else batch.num_seqs, 1)
+        total = max(batch.num_tokens if by_tokens else batch.num_seqs, 1)  # the whole batch's normaliser
+        trained = self.gradient_rows(batch).by_length()  # micro-batches of similar lengths pad less
         acc: dict[str, float] = {}
-        for start in range(0, batch.num_rows, self.micro_batch_size):
-            micro = batch.rows(start, start + self.micro_batch_size)
+        for start in range(0, trained.num_rows, self.micro_batch_size):
+            micro = trained.rows(start, start + self.micro_batch_size)
             share = (micro.num_tokens if by_tokens else micro.num_seqs) / total
             if share == 0:
                 continue  # nothing trained in these rows (masked out): no loss, no gradient
@@ -739,7 +795,7 @@ class TorchStrategy:
                     acc[key] = max(acc.get(key, value), value)
                 else:
                     acc[key] = acc.get(key, 0.0) + share * value
-        sums.update(acc)
+        sums.update(trained_row_metrics(acc, batch, trained, by_tokens))
         sums.update(self.optimizer_step())
         sums["train/tokens"] = float(batch.num_tokens)
         sums["train/samples"] = float(len(samples))

@@ -252,3 +252,65 @@ def test_windowed_gigpo_advantages_follow_the_episode(model_dir: Path) -> None:
     assert torch.allclose(back, adv, atol=1e-6) and adv.abs().sum() > 0
     per_row = [set(batch.advantages[r][batch.loss_mask[r] > 0].tolist()) for r in range(batch.num_rows)]
     assert all(len(v) == 1 for v in per_row)  # one advantage per turn
+
+
+def tied_groups(n_groups: int = 6, tied: tuple[int, ...] = (0, 2, 3), seed: int = 1) -> list[TrainSample]:
+    """Groups of 2; the groups ``tied`` get one reward for both members (GRPO advantage 0)."""
+    samples = make_samples(2 * n_groups, seed=seed)
+    return [dataclasses.replace(s, reward=0.5) if i // 2 in tied else s for i, s in enumerate(samples)]
+
+
+@pytest.mark.parametrize(("variant", "agg"), [("ppo", "token-mean"), ("ppo", "seq-mean-token-mean"),
+                                              ("gspo", "seq-mean-token-sum-norm"), ("cispo", "token-mean")])
+def test_skipping_zero_advantage_rows_gives_the_same_step(model_dir: Path, variant: str, agg: str) -> None:
+    from schemas.config import AlgorithmConfig
+
+    algo = AlgorithmConfig(pg_variant=variant, loss_agg_mode=agg)  # type: ignore[arg-type]
+    samples = tied_groups()
+    full = TorchStrategy(model_dir, lr=1e-2, micro_batch_size=3, algo=algo, max_len=8)
+    skip = TorchStrategy(model_dir, lr=1e-2, micro_batch_size=3, algo=algo, max_len=8, skip_zero_advantage=True)
+    for step in range(2):  # the second step's ratios are off 1: the clips take part
+        mf, ms = full.train_step(samples), skip.train_step(samples)
+        assert mf["train/skipped_rows"] == 0 and ms["train/skipped_rows"] == 6
+        assert ms["actor/grad_norm"] == pytest.approx(mf["actor/grad_norm"], rel=1e-5)
+        assert ms["loss/policy"] == pytest.approx(mf["loss/policy"], rel=1e-5, abs=1e-7)
+        assert ms["loss/total"] == pytest.approx(mf["loss/total"], rel=1e-5, abs=1e-7)
+        assert ms["train/tokens"] == mf["train/tokens"] and ms["train/samples"] == 12
+        pf, ps = params(full), params(skip)
+        assert all(torch.allclose(pf[k], ps[k], atol=1e-6) for k in pf), f"step {step}"
+
+
+def test_skipped_rows_diagnostics_cover_the_trained_rows(model_dir: Path) -> None:
+    samples = tied_groups()
+    kept = [s for i, s in enumerate(samples) if i // 2 not in (0, 2, 3)]
+    skip = TorchStrategy(model_dir, micro_batch_size=4, skip_zero_advantage=True)
+    alone = TorchStrategy(model_dir, micro_batch_size=4)  # the same weights, given only the rows that train
+    ms, ma = skip.train_step(samples), alone.train_step(kept)
+    for key in ("actor/entropy", "actor/ratio_mean", "actor/approx_kl", "loss/clipfrac", "actor/ratio_min"):
+        assert ms[key] == pytest.approx(ma[key], rel=1e-5, abs=1e-7), key
+
+
+def test_skipping_keeps_adams_step_when_no_row_has_gradient(model_dir: Path) -> None:
+    tied = [dataclasses.replace(s, reward=1.0) for s in make_samples(6)]
+    full = TorchStrategy(model_dir, lr=1e-2, micro_batch_size=2)
+    skip = TorchStrategy(model_dir, lr=1e-2, micro_batch_size=2, skip_zero_advantage=True)
+    for s in (full, skip):
+        s.train_step(make_samples(6))  # Adam's moments are non-zero now
+    before = params(skip)
+    mf, ms = full.train_step(tied), skip.train_step(tied)
+    assert ms["train/skipped_rows"] == 5 and mf["actor/grad_norm"] == ms["actor/grad_norm"] == 0.0
+    pf, ps = params(full), params(skip)
+    assert any(not torch.equal(before[k], ps[k]) for k in ps)  # the moments moved the weights
+    assert all(torch.allclose(pf[k], ps[k], atol=1e-6) for k in pf)
+
+
+@pytest.mark.parametrize("change", [{"entropy_loss_coef": 0.01}, {"use_kl_loss": True}])
+def test_rows_are_not_skipped_when_another_loss_term_needs_them(model_dir: Path, change: dict[str, object]) -> None:
+    from schemas.config import AlgorithmConfig
+
+    strategy = TorchStrategy(model_dir, algo=AlgorithmConfig(**change), skip_zero_advantage=True)  # type: ignore[arg-type]
+    if change.get("use_kl_loss"):
+        strategy.init_reference()
+    batch, _ = strategy.prepare(tied_groups())
+    assert strategy.gradient_rows(batch) is batch
+    assert strategy.train_step(tied_groups())["train/skipped_rows"] == 0

@@ -68,7 +68,7 @@ from trainer.megatron.convert import (
     tp_dim,
 )
 from trainer.sft import SFTExample, sft_batch, sft_loss
-from trainer.strategy import TorchStrategy, _replace_dir, read_weights, weights_sha256
+from trainer.strategy import TorchStrategy, _replace_dir, read_weights, trained_row_metrics, weights_sha256
 
 SEED = 1234
 """Seed of megatron-core's model-parallel RNG tracker (used only by dropout, which is off)."""
@@ -166,6 +166,7 @@ class MegatronStrategy(TorchStrategy):
             micro_batch_size=t.micro_batch_size, temperature=cfg.rollout.temperature, algo=cfg.algorithm,
             max_len=cfg.rollout.max_new_tokens, dtype=resolve_dtype(cfg.model.dtype, device),
             total_steps=t.steps, min_lr_ratio=t.min_lr_ratio, lr_warmup_steps=t.lr_warmup_steps, device="cpu",
+            skip_zero_advantage=t.skip_zero_advantage,
         )
         self.device = torch.device(device)
         hf_model = self.model
@@ -369,14 +370,15 @@ class MegatronStrategy(TorchStrategy):
         replica's micro-batches, metrics merged over the DP group as the torch strategy merges
         its micro-batches (share-weighted sums, min / max for the ratio extremes)."""
         batch, sums = self.prepare(samples)
-        batch = batch.by_length()  # micro-batches of similar lengths pad less
         by_tokens = self.algo.loss_agg_mode == "token-mean"
-        total = max(batch.num_tokens if by_tokens else batch.num_seqs, 1)
+        total = max(batch.num_tokens if by_tokens else batch.num_seqs, 1)  # the whole batch's normaliser
+        # every rank prepares the same batch, so every rank leaves out the same rows
+        trained = self.gradient_rows(batch).by_length()  # micro-batches of similar lengths pad less
         acc: dict[str, float] = {}
-        for index, start in enumerate(range(0, batch.num_rows, self.micro_batch_size)):
+        for index, start in enumerate(range(0, trained.num_rows, self.micro_batch_size)):
             if index % self.dp != self.dp_rank:
                 continue
-            micro = batch.rows(start, start + self.micro_batch_size)
+            micro = trained.rows(start, start + self.micro_batch_size)
             share = (micro.num_tokens if by_tokens else micro.num_seqs) / total
             if share == 0:
                 continue  # nothing trained in these rows (masked out): no loss, no gradient
@@ -387,7 +389,7 @@ class MegatronStrategy(TorchStrategy):
             acc = {}
             for part in parts:
                 _merge(acc, part)
-        sums.update(acc)
+        sums.update(trained_row_metrics(acc, batch, trained, by_tokens))
         sums.update(self.optimizer_step())
         sums["train/tokens"] = float(batch.num_tokens)
         sums["train/samples"] = float(len(samples))
