@@ -204,6 +204,7 @@ async def learn(cfg: RunConfig, work: Path, clip_high: float) -> dict[str, Any]:
         lr_warmup_steps=cfg.train.lr_warmup_steps,
         device=where["trainer"][0],
         dtype=where["trainer"][1],
+        skip_zero_advantage=cfg.train.skip_zero_advantage,
     )
     print(f"model: {count_parameters(strategy.model):,} parameters", flush=True)
     losses = warm_up(strategy, source, cfg, rng)
