@@ -61,14 +61,14 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 from schemas.config import RunConfig
-from trainer.batch import TokenBatch, TrainSample
+from trainer.batch import TrainSample
 from trainer.strategy import (
+    EXTREME_METRICS,
     TorchStrategy,
     ValueModel,
     _replace_dir,
     read_weights,
     strategy_kwargs,
-    trained_row_metrics,
     weights_sha256,
 )
 
@@ -88,7 +88,7 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-EXTREMES = ("actor/ratio_min", "actor/ratio_max")
+EXTREMES = EXTREME_METRICS
 """Metrics combined by minimum / maximum (not share-weighted)."""
 
 
@@ -270,16 +270,7 @@ class FSDP2Strategy(TorchStrategy):
         """One optimizer step over ``samples``, this rank training its share of the micro-batches
         (see the module doc); the metrics are those of the whole batch."""
         batch, sums = self.prepare(samples)
-        by_tokens = self.algo.loss_agg_mode == "token-mean"
-        total = max(batch.num_tokens if by_tokens else batch.num_seqs, 1)  # the whole batch's normaliser
-        # every rank prepares the same batch, so every rank leaves out the same rows
-        trained = self.gradient_rows(batch).by_length()  # micro-batches of similar lengths pad less
-        micros: list[tuple[TokenBatch, float]] = []
-        for start in range(0, trained.num_rows, self.micro_batch_size):
-            micro = trained.rows(start, start + self.micro_batch_size)
-            share = (micro.num_tokens if by_tokens else micro.num_seqs) / total
-            if share > 0:  # rows with nothing trained: no loss, no gradient (as TorchStrategy)
-                micros.append((micro, share))
+        trained, micros = self.micro_batches(batch)
         mine, rounds = deal(len(micros), self.world, self.rank)
         acc: dict[str, float] = {}
         for i in range(rounds):
@@ -292,7 +283,7 @@ class FSDP2Strategy(TorchStrategy):
                 self.backward(micros[0][0], 0.0)
         parts: list[Any] = [None] * self.world
         dist.all_gather_object(parts, acc)
-        sums.update(trained_row_metrics(merge_rank_metrics(parts), batch, trained, by_tokens))
+        sums.update(self.trained_metrics(merge_rank_metrics(parts), batch, trained))
         sums.update(self.optimizer_step())
         sums["train/tokens"] = float(batch.num_tokens)
         sums["train/samples"] = float(len(samples))

@@ -301,27 +301,7 @@ def strategy_kwargs(cfg: RunConfig, device: str) -> dict[str, Any]:
 LOSS_METRICS = ("loss/policy", "loss/total")
 """Micro-batch metrics that are the loss itself: share-weighted, they sum to the whole batch's loss."""
 EXTREME_METRICS = ("actor/ratio_min", "actor/ratio_max")
-
-
-def trained_row_metrics(acc: dict[str, float], batch: TokenBatch, trained: TokenBatch,
-                        by_tokens: bool) -> dict[str, float]:
-    """The step's micro-batch metrics ``acc`` (share-weighted sums; shares of ``batch``'s
-    normaliser), given that only the rows ``trained`` ran (:meth:`TorchStrategy.gradient_rows`).
-
-    ``loss/policy`` and ``loss/total`` stay the whole batch's loss (the rows left out add 0).
-    The other means (``loss/clipfrac``, ``actor/ratio_mean``, ``actor/approx_kl``,
-    ``actor/entropy``, ...) are rescaled to means over the trained rows' tokens (sequences in
-    ``seq-mean-*`` modes); ``train/skipped_rows`` counts the rows left out (0 when none was)."""
-    out = dict(acc)
-    skipped = batch.num_rows - trained.num_rows
-    out["train/skipped_rows"] = float(skipped)
-    if skipped:
-        part = (trained.num_tokens / max(batch.num_tokens, 1)) if by_tokens else \
-            (trained.num_seqs / max(batch.num_seqs, 1))
-        for key in acc:
-            if key not in LOSS_METRICS and key not in EXTREME_METRICS and part > 0:
-                out[key] = acc[key] / part
-    return out
+"""Micro-batch metrics merged by minimum / maximum, not by share-weighted sum."""
 
 
 def first_trained_col(batch: TokenBatch) -> int:
@@ -775,19 +755,50 @@ class TorchStrategy:
             keep[int((batch.loss_mask > 0).any(dim=1).to(torch.int8).argmax())] = True  # first row with a trained token
         return batch.take(keep)
 
-    def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
-        """One optimizer step over ``samples``; metrics are share-weighted over micro-batches
-        (see :func:`trained_row_metrics` for the rows :meth:`gradient_rows` leaves out)."""
-        batch, sums = self.prepare(samples)
+    def micro_batches(self, batch: TokenBatch) -> tuple[TokenBatch, list[tuple[TokenBatch, float]]]:
+        """The rows of a prepared ``batch`` that train (:meth:`gradient_rows`), shortest first (so
+        each micro-batch is trimmed to less padding), and their micro-batches of
+        ``micro_batch_size`` rows with each one's share of the whole batch's normaliser (its
+        tokens for ``token-mean``, else its sequences). Micro-batches with nothing trained (share
+        0: no loss, no gradient) are left out. Every rank of a multi-rank strategy prepares the
+        same batch, so every rank gets the same list."""
         by_tokens = self.algo.loss_agg_mode == "token-mean"
-        total = max(batch.num_tokens if by_tokens else batch.num_seqs, 1)  # the whole batch's normaliser
-        trained = self.gradient_rows(batch).by_length()  # micro-batches of similar lengths pad less
-        acc: dict[str, float] = {}
+        total = max(batch.num_tokens if by_tokens else batch.num_seqs, 1)
+        trained = self.gradient_rows(batch).by_length()
+        micros = []
         for start in range(0, trained.num_rows, self.micro_batch_size):
             micro = trained.rows(start, start + self.micro_batch_size)
             share = (micro.num_tokens if by_tokens else micro.num_seqs) / total
-            if share == 0:
-                continue  # nothing trained in these rows (masked out): no loss, no gradient
+            if share > 0:
+                micros.append((micro, share))
+        return trained, micros
+
+    def trained_metrics(self, acc: dict[str, float], batch: TokenBatch, trained: TokenBatch) -> dict[str, float]:
+        """The step's micro-batch metrics ``acc`` (share-weighted sums, :data:`EXTREME_METRICS`
+        by min / max), given that only the rows ``trained`` of ``batch`` ran (:meth:`micro_batches`).
+
+        ``loss/policy`` and ``loss/total`` stay the whole batch's loss (the rows left out add 0).
+        The other means (``loss/clipfrac``, ``actor/ratio_mean``, ``actor/approx_kl``,
+        ``actor/entropy``, ...) are rescaled to means over the trained rows' tokens (sequences in
+        ``seq-mean-*`` modes); ``train/skipped_rows`` counts the rows left out (0 when none was)."""
+        out = dict(acc)
+        skipped = batch.num_rows - trained.num_rows
+        out["train/skipped_rows"] = float(skipped)
+        part = trained.num_tokens / max(batch.num_tokens, 1) if self.algo.loss_agg_mode == "token-mean" \
+            else trained.num_seqs / max(batch.num_seqs, 1)
+        if skipped and part > 0:
+            for key in acc:
+                if key not in LOSS_METRICS and key not in EXTREME_METRICS:
+                    out[key] = acc[key] / part
+        return out
+
+    def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
+        """One optimizer step over ``samples``; metrics are share-weighted over micro-batches
+        (see :meth:`trained_metrics` for the rows :meth:`gradient_rows` leaves out)."""
+        batch, sums = self.prepare(samples)
+        trained, micros = self.micro_batches(batch)
+        acc: dict[str, float] = {}
+        for micro, share in micros:
             for key, value in self.backward(micro, share).items():
                 if key == "actor/ratio_min":
                     acc[key] = min(acc.get(key, value), value)
@@ -795,7 +806,7 @@ class TorchStrategy:
                     acc[key] = max(acc.get(key, value), value)
                 else:
                     acc[key] = acc.get(key, 0.0) + share * value
-        sums.update(trained_row_metrics(acc, batch, trained, by_tokens))
+        sums.update(self.trained_metrics(acc, batch, trained))
         sums.update(self.optimizer_step())
         sums["train/tokens"] = float(batch.num_tokens)
         sums["train/samples"] = float(len(samples))

@@ -68,7 +68,7 @@ from trainer.megatron.convert import (
     tp_dim,
 )
 from trainer.sft import SFTExample, sft_batch, sft_loss
-from trainer.strategy import TorchStrategy, _replace_dir, read_weights, trained_row_metrics, weights_sha256
+from trainer.strategy import TorchStrategy, _replace_dir, read_weights, weights_sha256
 
 SEED = 1234
 """Seed of megatron-core's model-parallel RNG tracker (used only by dropout, which is off)."""
@@ -370,18 +370,9 @@ class MegatronStrategy(TorchStrategy):
         replica's micro-batches, metrics merged over the DP group as the torch strategy merges
         its micro-batches (share-weighted sums, min / max for the ratio extremes)."""
         batch, sums = self.prepare(samples)
-        by_tokens = self.algo.loss_agg_mode == "token-mean"
-        total = max(batch.num_tokens if by_tokens else batch.num_seqs, 1)  # the whole batch's normaliser
-        # every rank prepares the same batch, so every rank leaves out the same rows
-        trained = self.gradient_rows(batch).by_length()  # micro-batches of similar lengths pad less
+        trained, micros = self.micro_batches(batch)
         acc: dict[str, float] = {}
-        for index, start in enumerate(range(0, trained.num_rows, self.micro_batch_size)):
-            if index % self.dp != self.dp_rank:
-                continue
-            micro = trained.rows(start, start + self.micro_batch_size)
-            share = (micro.num_tokens if by_tokens else micro.num_seqs) / total
-            if share == 0:
-                continue  # nothing trained in these rows (masked out): no loss, no gradient
+        for micro, share in micros[self.dp_rank :: self.dp]:  # this DP replica's micro-batches
             _merge(acc, {k: (v if k in _EXTREMES else share * v) for k, v in self.backward(micro, share).items()})
         if self.dp > 1:
             parts: list[Any] = [None] * self.dp
@@ -389,7 +380,7 @@ class MegatronStrategy(TorchStrategy):
             acc = {}
             for part in parts:
                 _merge(acc, part)
-        sums.update(trained_row_metrics(acc, batch, trained, by_tokens))
+        sums.update(self.trained_metrics(acc, batch, trained))
         sums.update(self.optimizer_step())
         sums["train/tokens"] = float(batch.num_tokens)
         sums["train/samples"] = float(len(samples))
