@@ -617,20 +617,20 @@ class RewardConfig(Section):
     """Simulated latency added to every verifier call, for benchmarks (``bench/async_speedup.py``):
     ``none``, or drawn from this distribution with mean ``latency_mean_s``, seeded by the sample id
     (a sample waits the same in every run). The router waits it out without holding a verifier
-    thread; a sample slower than those after it in its partition holds back their commit."""
+    thread."""
     latency_mean_s: float = 0.0
     """Mean of the simulated reward latency, seconds."""
     latency_sigma: float = 1.0
     """Shape of the simulated reward latency (as ``env.latency_sigma``)."""
     delivery: Literal["exactly_once", "at_least_once"] = "exactly_once"
-    """How the router hands scored samples on. ``exactly_once``: in Kafka transactions together with
-    the offsets they answer, each partition's finished prefix at a time, so a sample scored before a
-    slower one of its partition waits for it (head-of-line blocking under long-tailed latency).
-    ``at_least_once``: each sample is sent the moment it is scored, and offsets are committed per
-    partition up to the first unfinished record; after a crash the records past that point are
-    scored again and sent again under the same event ids, and the trainer keeps the first copy of a
-    sample (its buffer drops a sample id it holds or has decided). Judged domains are judged once per
-    copy."""
+    """How the router hands scored samples on. ``exactly_once``: in Kafka transactions (one every
+    ``txn_interval_s``, 0.1 s) together with the offsets they answer; a sample scored after a slower
+    one of its partition is committed at once, listed in the commit's metadata so that a restarted
+    router skips it (no head-of-line blocking). ``at_least_once``: no transactions; each sample is
+    sent the moment it is scored, and offsets are committed per partition up to the first
+    unfinished record; after a crash the records past that point are scored again and sent again
+    under the same event ids, and the trainer keeps the first copy of a sample (its buffer drops a
+    sample id it holds or has decided). Judged domains are judged once per copy."""
 
 
 class TrackingConfig(Section):

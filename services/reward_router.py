@@ -4,13 +4,12 @@ Each ``Generation`` is routed by its task's domain to the verifier configured fo
 (``data.domains[].verifier``, or the task source's default), run with a time bound
 (:func:`envs.run_verifier`), and turned into a self-contained ``ScoredSample``. The service runs
 in transactional mode: scored outputs and the consumed offsets they answer are committed together
-in Kafka transactions (each partition's finished prefix, every ``txn_interval_s``; no batch
-barrier: a slow verifier holds back only the later records of its partition), so a generation is
-scored exactly once even across
-crashes. With ``reward.delivery: at_least_once`` it runs the runtime's at-least-once loop instead:
-every sample is sent as soon as it is scored (no head-of-line blocking behind a slow one), offsets
-are committed after the outputs were acknowledged, and a crash re-scores what was not committed
-(same event ids; the trainer keeps one copy per sample id).
+in Kafka transactions (every finished record's, every ``txn_interval_s``; no batch barrier, and a
+slow verifier holds back no other record: see :mod:`services.kafka.loops`), so a generation is
+scored exactly once even across crashes. With ``reward.delivery: at_least_once`` it runs the
+runtime's at-least-once loop instead: no transactions, every sample is sent as soon as it is
+scored, offsets are committed after the outputs were acknowledged, and a crash re-scores what was
+not committed (same event ids; the trainer keeps one copy per sample id).
 
 A verifier that crashes or hangs yields reward 0 with the error in ``details`` (the sample is still
 trained on, and the error is visible in the record) — never a lost sample.

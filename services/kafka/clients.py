@@ -224,8 +224,11 @@ class Producer(_Client[AIOKafkaProducer]):
             raise BusError("transaction() needs a producer created with transactional_id")
         return self.raw.transaction()
 
-    async def send_offsets_to_transaction(self, offsets: Mapping[TopicPartition, int], group_id: str) -> None:
-        """Commit ``offsets`` (next offset per partition) of ``group_id`` in the open transaction.
+    async def send_offsets_to_transaction(
+        self, offsets: Mapping[TopicPartition, int | tuple[int, str]], group_id: str
+    ) -> None:
+        """Commit ``offsets`` (next offset per partition, or ``(offset, metadata)``: Kafka keeps the
+        metadata string with the offset) of ``group_id`` in the open transaction.
 
         The transaction's messages are flushed (acknowledged) first. Brokers since Kafka 3.6
         verify with the transaction coordinator that a partition is in the transaction before
@@ -446,3 +449,14 @@ class Consumer(_Client[AIOKafkaConsumer]):
         """The group's committed offset of ``tp`` (``None`` if none)."""
         res: int | None = await self.raw.committed(tp)
         return res
+
+    async def committed_with_metadata(self, tps: set[TopicPartition]) -> dict[TopicPartition, tuple[int, str]]:
+        """The group's committed offset and its metadata string per partition of ``tps`` (partitions
+        without a committed offset are left out). aiokafka's public ``committed`` drops the
+        metadata, so this asks its group coordinator, which retries retriable errors."""
+        if not tps:
+            return {}
+        if self.group_id is None:
+            raise BusError("committed_with_metadata needs a consumer group")
+        found = await self.raw._coordinator.fetch_committed_offsets(sorted(tps))
+        return {tp: (om.offset, om.metadata or "") for tp, om in found.items() if om.offset >= 0}

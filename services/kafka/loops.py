@@ -10,9 +10,13 @@
   with a group) the poll's offsets are committed. Then ``on_tick``.
 * :meth:`Loops._loop_txn` — transactional record handlers, without a batch barrier: up to
   ``max_concurrency`` handler calls at once across polls; at most every ``txn_interval_s`` one
-  Kafka transaction commits the outputs of every partition's longest finished prefix of records
-  together with those offsets. A slow record holds back only the records after it in its own
-  partition (their outputs wait in memory), never the polling or the other partitions.
+  Kafka transaction commits the outputs of every finished record, and per partition the offset
+  one past its longest finished prefix, with the *ahead list* of the records finished after an
+  unfinished one in the offset's metadata (:mod:`services.kafka.offsets`). Whoever reads the
+  partition next (a restart, a rebalance) reads that list first and skips those records (counted
+  in ``duplicates``): no head-of-line blocking, and each record's outputs are committed once. A
+  partition's ahead list is kept under ``AHEAD_MAX_CHARS``; finished records beyond it wait in
+  memory for a later transaction.
 
 A batch in progress when the service stops or loses partitions gets ``shutdown_grace_s`` to
 finish (a transaction being committed always finishes); after that it is cancelled, nothing of
@@ -40,7 +44,7 @@ from services.kafka.bus import (
     TopicPartition,
     next_offsets,
 )
-from services.kafka.offsets import OffsetTracker
+from services.kafka.offsets import AHEAD_MAX_CHARS, OffsetTracker, decode_ahead, encode_ahead
 from services.kafka.outage import Outage, Retry, is_outage
 from services.kafka.service import (
     BatchContext,
@@ -78,6 +82,8 @@ class Loops:
     _txn_committing: bool
     _fatal: BaseException | None
     _txn_done: dict[tuple[TopicPartition, int], tuple[list[Output], Outcome | None, str | None]]
+    _ahead: dict[TopicPartition, set[int]]
+    _ahead_read: set[TopicPartition]
     outage: Outage
     _poll_retry: Retry
     _closing: set[asyncio.Task[Any]]
@@ -386,7 +392,7 @@ class Loops:
 
     # -- exactly-once loop (transactional record handlers)
 
-    async def _commit_txn(self, outputs: list[Output], offsets: dict[TopicPartition, int]) -> None:
+    async def _commit_txn(self, outputs: list[Output], offsets: Mapping[TopicPartition, int | tuple[int, str]]) -> None:
         """Send ``outputs`` and commit ``offsets`` in one transaction. A transaction that fails
         (a broker outage, a coordinator moving) is aborted and done again with a new producer of
         the same transactional id, which fences the old one, until it commits or it has failed
@@ -439,6 +445,9 @@ class Loops:
                     busy = bool(self._tasks or self._txn_done)  # then come back soon to commit
                     recs = await self._poll(min(room, s.batch_max_records), min(s.poll_timeout_s, s.txn_interval_s) if busy else None)
                     last_poll = loop.time()
+                    unread = {r.tp for r in recs} - self._ahead_read
+                    if unread:
+                        await self._read_ahead(unread)
                     for rec in recs:
                         self._admit_txn(rec)
                 else:
@@ -454,9 +463,33 @@ class Loops:
         finally:
             stop_wait.cancel()
 
+    async def _read_ahead(self, tps: set[TopicPartition]) -> None:
+        """Before the first record of each of ``tps`` is admitted: the ahead list committed with
+        the group's offset (:func:`services.kafka.offsets.decode_ahead`), the records that an
+        earlier owner of the partition already committed with their outputs."""
+        found = await self.consumer.committed_with_metadata(tps)
+        for tp in tps:
+            offset, metadata = found.get(tp, (0, ""))
+            try:
+                self._ahead[tp] = decode_ahead(offset, metadata)
+            except ValueError as e:
+                raise BusError(f"{self.service.name}: {tp.topic}[{tp.partition}]: {e}; the group's offsets were "
+                               f"written by another program: reset them (kafka-consumer-groups.sh --reset-offsets)") from None
+            if self._ahead[tp]:
+                log.info("%s: %s[%d]: %d record(s) after the committed offset %d were already committed with "
+                         "their outputs; skipping them", self.service.name, tp.topic, tp.partition,
+                         len(self._ahead[tp]), offset)
+        self._ahead_read |= tps
+
     def _admit_txn(self, rec: Record) -> None:
         self._offsets.add(rec.tp, rec.offset)
         eid = rec.event_id
+        if rec.offset in self._ahead.get(rec.tp, ()):  # committed with its outputs by an earlier owner
+            self.counters.duplicates += 1
+            if self.settings.dedupe and rec.error is None and eid is not None:
+                self.deduper.check_and_add(eid)
+            self._offsets.done(rec.tp, rec.offset)
+            return
         if self.settings.dedupe and rec.error is None and eid is not None and self.deduper.check_and_add(eid):
             self.counters.duplicates += 1
             self._txn_done[(rec.tp, rec.offset)] = ([], None, None)
@@ -466,34 +499,72 @@ class Loops:
         task.add_done_callback(self._task_done)
 
     async def _process_txn(self, rec: Record) -> None:
-        """Handle ``rec``; keep its outputs until its partition's prefix commits."""
+        """Handle ``rec``; keep its outputs until the next transaction commits them."""
         await self._process_with(rec, self._keep_for_txn)
 
     async def _keep_for_txn(self, rec: Record, outputs: list[Output], outcome: Outcome) -> None:
         self._txn_done[(rec.tp, rec.offset)] = (outputs, outcome, rec.event_id)
 
+    def _txn_plan(self, only: set[TopicPartition] | None
+                  ) -> tuple[list[tuple[TopicPartition, int]], dict[TopicPartition, tuple[int, str]], dict[TopicPartition, set[int]]]:
+        """What the next transaction commits: the finished records (keys of ``_txn_done``), per
+        partition the offset (one past its finished prefix) with its ahead list, and the new
+        ahead sets. A partition's finished records after an unfinished one go in while its ahead
+        list stays within :data:`AHEAD_MAX_CHARS` (the rest wait in memory for a later one)."""
+        by_tp: dict[TopicPartition, list[int]] = {}
+        for tp, off in self._txn_done:
+            if only is None or tp in only:
+                by_tp.setdefault(tp, []).append(off)
+        keys: list[tuple[TopicPartition, int]] = []
+        offsets: dict[TopicPartition, tuple[int, str]] = {}
+        ahead: dict[TopicPartition, set[int]] = {}
+        for tp in set(by_tp) | set(self._offsets.ready(only)):
+            pos = self._offsets.position(tp)
+            if pos is None:
+                continue
+            finished = sorted(by_tp.get(tp, []))
+            take = [o for o in finished if o < pos]  # the finished prefix
+            kept = {o for o in self._ahead.get(tp, ()) if o >= pos}  # committed before: always listed
+            for o in (o for o in finished if o >= pos):  # finished after an unfinished record
+                if len(encode_ahead(pos, kept | {o})) > AHEAD_MAX_CHARS:
+                    break
+                kept.add(o)
+                take.append(o)
+            if not take and pos <= self._offsets.committed(tp):
+                continue
+            keys += [(tp, o) for o in take]
+            offsets[tp] = (pos, encode_ahead(pos, kept))
+            ahead[tp] = kept
+        return sorted(keys, key=lambda k: (k[0].topic, k[0].partition, k[1])), offsets, ahead
+
     async def _commit_txn_ready(self, only: set[TopicPartition] | None = None) -> None:
-        """One transaction: the outputs of each partition's finished prefix and its offsets."""
-        ready = self._offsets.ready(only)
-        if not ready:
+        """One transaction: the outputs of every finished record not committed yet, and per
+        partition the offset one past its finished prefix with the ahead list of the finished
+        records after it (:mod:`services.kafka.offsets`)."""
+        keys, offsets, ahead = self._txn_plan(only)
+        if not offsets:
             return
-        keys = sorted((k for k in self._txn_done if k[0] in ready and k[1] < ready[k[0]]), key=lambda k: (k[0].topic, k[0].partition, k[1]))
         entries = [self._txn_done[k] for k in keys]
         self._txn_committing = True
         try:
-            await self._commit_txn([o for outputs, _, _ in entries for o in outputs], ready)
+            await self._commit_txn([o for outputs, _, _ in entries for o in outputs], offsets)
         finally:
             self._txn_committing = False
         for k in keys:
             del self._txn_done[k]
-        self._offsets.mark_committed(ready)
+        self._ahead.update(ahead)
+        self._offsets.mark_committed({tp: pos for tp, (pos, _) in offsets.items()})
         for outputs, outcome, _ in entries:
             if outcome is not None:
                 self._count(outputs, outcome)
 
     def _drop_txn(self, tps: set[TopicPartition] | None = None) -> None:
-        """Forget the uncommitted outputs (of ``tps``; all when None): their records are redelivered."""
+        """Forget the uncommitted outputs (of ``tps``; all when None): their records are
+        redelivered. The ahead lists are read again when the partitions come back."""
         for k in [k for k in self._txn_done if tps is None or k[0] in tps]:
             _, _, eid = self._txn_done.pop(k)
             if eid is not None and self.settings.dedupe:
                 self.deduper.discard(eid)
+        for tp in list(self._ahead) if tps is None else tps:
+            self._ahead.pop(tp, None)
+        self._ahead_read -= set(self._ahead_read) if tps is None else tps

@@ -41,11 +41,12 @@ What :func:`run_service` guarantees:
   start and nothing is committed (the feeder rebuilds its state from the run's topics).
 * **Exactly once with ``transactional=True``.** Records are handled concurrently (up to
   ``max_concurrency``, across polls: no batch barrier); every ``txn_interval_s`` one Kafka
-  transaction commits the outputs of each partition's longest finished prefix of records together
-  with those offsets (consume-transform-produce). A record finished after a slower one of its
-  partition keeps its outputs in memory until that one finishes. Readers with ``read_committed``
-  never see the outputs of an aborted transaction. Work not committed (stop, revocation, failed
-  transaction) is reprocessed from the committed offsets.
+  transaction commits the outputs of every finished record together with the offsets
+  (consume-transform-produce). A record finished after a slower one of its partition is committed
+  at once: the offset stays at the slower one and the commit's metadata lists the records after it
+  that are done (:mod:`services.kafka.offsets`), which the partition's next reader skips. Readers
+  with ``read_committed`` never see the outputs of an aborted transaction. Work not committed
+  (stop, revocation, failed transaction) is reprocessed from the committed offsets.
   Limits: aiokafka's ``send_offsets_to_transaction`` does not carry the group generation
   (KIP-447), so fencing a zombie instance relies on a stable ``transactional_id`` per instance;
   and transactional offsets become visible to a restarting consumer a moment after the commit
@@ -238,6 +239,11 @@ class Runner(Renewal, Loops):
         self._batch: asyncio.Task[None] | None = None
         self._txn_committing = False
         self._txn_done: dict[tuple[TopicPartition, int], tuple[list[Output], Outcome | None, str | None]] = {}
+        self._ahead: dict[TopicPartition, set[int]] = {}
+        """Transactional: per partition, the offsets at or after the committed one whose outputs a
+        committed transaction holds (the ahead list committed with the offset)."""
+        self._ahead_read: set[TopicPartition] = set()
+        """Partitions whose committed ahead list was read since they were assigned."""
         self._fatal: BaseException | None = None
         self._closed = False
         self._closing: set[asyncio.Task[Any]] = set()
@@ -347,7 +353,7 @@ class Runner(Renewal, Loops):
                 await self._drain(list(self._tasks), self.settings.shutdown_grace_s, "shutdown")
             if not self.settings.transactional and self.consumer.started:
                 await self._commit_ready()
-            if self.settings.transactional and self.consumer.started and self._txn_done:
+            if self.settings.transactional and self.consumer.started and (self._txn_done or self._offsets.ready()):
                 try:
                     await self._commit_txn_ready()
                 except (KafkaError, BusError) as e:  # redelivered to the next instance

@@ -96,7 +96,7 @@ class ServiceSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     and how often ``on_tick`` runs when the topics are quiet)."""
     txn_interval_s: float = 0.1
     """Transactional services: how often finished work is committed (one transaction holding the
-    outputs and offsets of every partition's finished prefix), seconds."""
+    outputs of every record finished since the last one, and the offsets), seconds."""
     shutdown_grace_s: float = 10.0
     """On stop or partition revocation, how long in-flight handler calls may still run, seconds."""
     dedupe: bool = True
@@ -127,8 +127,10 @@ class ServiceSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     positions saved in each checkpoint). Ignored without a ``group_id``."""
     transactional: bool = False
     """Commit outputs and consumed offsets together in Kafka transactions (exactly once): every
-    ``txn_interval_s``, those of each partition's finished prefix of records. Record handlers
-    only, with a ``group_id`` and ``commit="after_effect"``."""
+    ``txn_interval_s``, the outputs of every finished record, each partition's offset up to its
+    first unfinished record, and the records finished after that in the offset's metadata (its
+    next reader skips them). Record handlers only, with a ``group_id`` and
+    ``commit="after_effect"``."""
     transactional_id: str = ""
     """Transactional id of this instance (stable across restarts to fence zombies); empty =
     ``<group_id>.<random>``."""
@@ -209,7 +211,8 @@ class Counters:
     dead_lettered: int = 0
     """``DeadLetter`` events acknowledged on a ``dlq`` topic."""
     duplicates: int = 0
-    """Records skipped because their ``event_id`` was already handled by this process."""
+    """Records skipped because their ``event_id`` was already handled by this process, or
+    (transactional) because an earlier owner of the partition committed them with their outputs."""
     emitted: int = 0
     """Output events acknowledged (dead letters not included)."""
     ignored: int = 0

@@ -438,7 +438,7 @@ async def test_transactional_work_cut_off_by_a_stop_is_done_once_by_the_next_ins
     """Stop while one record of a transactional service is still being handled: the records that
     finished are committed with their outputs, the cut-off one produces nothing, and the next
     instance handles exactly what is left: every output exactly once."""
-    await publish(kafka, None, "generations", [generate(task(run_id, i)) for i in range(3)])
+    metas = await publish(kafka, None, "generations", [generate(task(run_id, i)) for i in range(3)])
 
     class SlowScorer(Scorer):
         async def handle(self, rec: Record, ctx: Context) -> None:
@@ -458,15 +458,73 @@ async def test_transactional_work_cut_off_by_a_stop_is_done_once_by_the_next_ins
         await asyncio.sleep(0.02)
     runner.stop.set()
     first = await asyncio.wait_for(job, 10)
-    assert first.processed == first.emitted <= 2  # p2 was cut off; p0, p1 unless behind p2 in its partition
+    assert first.processed == first.emitted == 2  # p2 was cut off; p0, p1 committed, even behind p2
     visible = await read_topic(kafka, topic_name(run_id, "scored"), first.emitted, timeout_s=3.0)
-    assert len(visible) == first.emitted and "p2" not in {r.event.generation.task.prompt_id for r in visible}
+    assert sorted(r.event.generation.task.prompt_id for r in visible) == ["p0", "p1"]
 
-    rest = 3 - first.processed
-    counters = await run_until(Runner(Scorer(), s), lambda c: c.processed >= rest)
-    assert counters == Counters(processed=rest, emitted=rest)
+    # the next instance skips what was committed after p2 in its partition (the ahead list)
+    behind = sum(m.partition == metas[2].partition and m.offset > metas[2].offset for m in metas[:2])
+    again = Scorer()
+    second = Runner(again, s)
+    counters = await run_until(second, lambda c: c.processed >= 1 and c.duplicates >= behind)
+    assert (counters.processed, counters.emitted, counters.failed) == (1, 1, 0)
+    assert behind <= counters.duplicates <= behind * (1 + second.revocations)  # a rebalance re-reads
+    assert again.calls <= 1 + second.revocations
     scored = await read_topic(kafka, topic_name(run_id, "scored"), 3)
     assert sorted(r.event.generation.task.prompt_id for r in scored) == ["p0", "p1", "p2"]
+    await assert_committed_to_end(kafka, s.group_id or "", topic_name(run_id, "generations"), 4)
+
+
+async def test_records_after_a_slow_one_of_their_partition_are_committed_at_once(
+    kafka: KafkaSettings, run_id: str, topics: list[str]
+) -> None:
+    """No head-of-line blocking in a partition: while its first record is slow, the records after
+    it are committed with their outputs (visible to read_committed readers), and the committed
+    offset stays at the slow one, with the others in its ahead list. A crash-like stop cuts the
+    slow one off; the next instance handles only that one and skips the rest: exactly once."""
+    gens = [generate(task(run_id, i)) for i in range(6)]
+    gens_t = topic_name(run_id, "generations")
+    async with Producer(kafka) as p:  # all in partition 1, p0 first
+        metas = [await (await p.send_raw(gens_t, p.encode(g), b"k", partition=1)) for g in gens]
+    base = metas[0].offset
+    gate = asyncio.Event()
+
+    class FirstSlow(Scorer):
+        async def handle(self, rec: Record, ctx: Context) -> None:
+            await super().handle(rec, ctx)
+            if rec.event.task.prompt_id == "p0":
+                await asyncio.wait_for(gate.wait(), 30)
+
+    s = settings(kafka, run_id, topics=["generations"], transactional=True, max_concurrency=8,
+                 shutdown_grace_s=0.3, txn_interval_s=0.05)
+    runner = Runner(FirstSlow(), s)
+    job = asyncio.create_task(runner.run(install_signal_handlers=False))
+    try:
+        early = await read_topic(kafka, topic_name(run_id, "scored"), 5, timeout_s=10.0)
+        assert sorted(r.event.generation.task.prompt_id for r in early) == ["p1", "p2", "p3", "p4", "p5"]
+        assert not job.done() and not gate.is_set()
+        async with Consumer(kafka, group_id=s.group_id, topics=[gens_t]) as c:
+            got = await c.committed_with_metadata({TopicPartition(gens_t, 1)})
+        assert got == {TopicPartition(gens_t, 1): (base, "rs-ahead1:1-5")}
+    finally:
+        runner.stop.set()  # p0 is cut off after shutdown_grace_s: nothing of it is committed
+        first = await asyncio.wait_for(job, 10)
+    assert (first.processed, first.emitted, first.failed) == (5, 5, 0)
+    # a rebalance of the busy broker re-reads the partition: p1..p5 are skipped, not handled again
+    assert first.duplicates <= 5 * runner.revocations
+
+    again = Scorer()
+    second = Runner(again, s)
+    counters = await run_until(second, lambda c: c.processed >= 1 and c.duplicates >= 5)
+    assert (counters.processed, counters.emitted, counters.failed) == (1, 1, 0)
+    assert 5 <= counters.duplicates <= 5 * (1 + second.revocations)
+    assert again.calls <= 1 + second.revocations  # p0 (again only if a rebalance cut it off); never p1..p5
+    scored = await read_topic(kafka, topic_name(run_id, "scored"), 7, timeout_s=3.0)
+    assert sorted(r.event.generation.task.prompt_id for r in scored) == [f"p{i}" for i in range(6)]
+    await assert_committed_to_end(kafka, s.group_id or "", gens_t, 4)
+    async with Consumer(kafka, group_id=s.group_id, topics=[gens_t]) as c:
+        got = await c.committed_with_metadata({TopicPartition(gens_t, 1)})
+    assert got == {TopicPartition(gens_t, 1): (metas[-1].offset + 1, "")}
 
 
 async def test_a_slow_record_does_not_hold_back_the_other_partitions(
