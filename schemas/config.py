@@ -114,8 +114,10 @@ class RunSection(Section):
     torch_threads: int = 0
     """Torch threads (``OMP_NUM_THREADS``) of each process that runs a model: the rollout workers, the
     trainer (shared out among its ``train.ranks``), the judge workers. 0 = auto: with the local
-    launcher this machine's cores divided among those processes (at least 1 each); with ``--launcher
-    ray`` each process's ``placement.<service>.cpus`` (at least 1). The other services get 1. Processes
+    launcher this machine's cores divided among those processes (at least 1 each), except with
+    ``rollout.async_ratio`` 0, where the trainer computes only while the others wait for its weights:
+    then the trainer gets every core and the others divide them; with ``--launcher ray`` each
+    process's ``placement.<service>.cpus`` (at least 1). The other services get 1. Processes
     that each start a thread per core on a shared machine slow each other down badly (on 2 cores the
     main example ran 1.4x faster with 1 thread each). An ``OMP_NUM_THREADS`` in ``rollstream run``'s
     environment wins over this key."""

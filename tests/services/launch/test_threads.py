@@ -21,6 +21,17 @@ def test_auto_divides_the_cores_among_the_model_processes() -> None:
     assert torch_threads(cfg, ["rollout", "trainer"], cores=1) == {"rollout": 1, "trainer": 1}  # at least one
 
 
+def test_on_policy_gives_the_trainer_every_core() -> None:
+    """With async_ratio 0 the trainer and the generating processes take turns."""
+    cfg = parse_config("{rollout: {async_ratio: 0}}")
+    assert torch_threads(cfg, ["feeder", "rollout", "trainer"], cores=2) == {"feeder": 1, "rollout": 2, "trainer": 2}
+    got = torch_threads(cfg, LABELS, cores=16)
+    assert got == {"recorder": 1, "feeder": 1, "reward": 1, "judge0": 4, "judge1": 4, "rollout0": 4,
+                   "rollout1": 4, "trainer": 16}
+    fixed = parse_config("{rollout: {async_ratio: 0}, run: {torch_threads: 1}}")
+    assert torch_threads(fixed, LABELS, cores=16)["trainer"] == 1  # a set value wins
+
+
 def test_a_set_value_and_ray_placement() -> None:
     fixed = parse_config("{run: {torch_threads: 4}}")
     assert torch_threads(fixed, LABELS, cores=2)["rollout1"] == 4 and torch_threads(fixed, LABELS)["reward"] == 1
