@@ -222,10 +222,10 @@ CATEGORIES = ("serialisation", "produce", "consume", "commit", "transactions", "
 """Where a profile sample of a service counts as Kafka overhead (see :func:`classify`)."""
 _TXN = re.compile(r"transaction|Txn|_commit_txn|send_offsets")
 _SERIAL = re.compile(r"(^|\.)(encode|decode|decoder_for|key_for|encode_key|check_size|make_output)$")
-_KAFKA_FUNCS = {"make_output", "send_outputs", "Loops._commit_txn", "Loops._commit_txn_ready", "Loops._commit_ready",
-                "Loops._poll", "Runner.commit", "Runner.send"}
+_KAFKA_FUNCS = {"make_output", "send_outputs", "TxnLoop._commit_txn", "TxnLoop._commit_txn_ready", "TxnLoop._txn_plan",
+                "Loops._commit_ready", "Loops._poll", "Runner.commit", "Runner.send"}
 _OURS = ("services/kafka/clients.py", "services/kafka/records.py")
-_RUNTIME = ("services/kafka/loops.py", "services/kafka/runtime.py", "services/kafka/service.py",
+_RUNTIME = ("services/kafka/loops.py", "services/kafka/txn_loop.py", "services/kafka/runtime.py", "services/kafka/service.py",
             "services/kafka/offsets.py", "services/kafka/bus.py", "services/kafka/records.py")
 
 

@@ -5,7 +5,7 @@ Each ``Generation`` is routed by its task's domain to the verifier configured fo
 (:func:`envs.run_verifier`), and turned into a self-contained ``ScoredSample``. The service runs
 in transactional mode: scored outputs and the consumed offsets they answer are committed together
 in Kafka transactions (every finished record's, every ``txn_interval_s``; no batch barrier, and a
-slow verifier holds back no other record: see :mod:`services.kafka.loops`), so a generation is
+slow verifier holds back no other record: see :mod:`services.kafka.txn_loop`), so a generation is
 scored exactly once even across crashes. With ``reward.delivery: at_least_once`` it runs the
 runtime's at-least-once loop instead: no transactions, every sample is sent as soon as it is
 scored, offsets are committed after the outputs were acknowledged, and a crash re-scores what was

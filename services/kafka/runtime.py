@@ -83,7 +83,8 @@ What :func:`run_service` guarantees:
   from the dedupe set so a later redelivery is handled); a batch in progress is finished first.
 
 Settings, counters and contexts: :mod:`services.kafka.service`; offsets of concurrent handlers:
-:mod:`services.kafka.offsets`; the batch and transactional loops: :mod:`services.kafka.loops`.
+:mod:`services.kafka.offsets`; the record and batch loops: :mod:`services.kafka.loops`; the
+transactional loop: :mod:`services.kafka.txn_loop`.
 """
 
 from __future__ import annotations
@@ -115,7 +116,6 @@ from services.kafka.bus import (
     new_group_suffix,
 )
 from services.kafka.deadletter import dead_letter_for
-from services.kafka.loops import Loops
 from services.kafka.offsets import OffsetTracker
 from services.kafka.outage import Outage, Renewal, is_outage
 from services.kafka.service import (
@@ -130,6 +130,7 @@ from services.kafka.service import (
     resolve_topic,
     send_outputs,
 )
+from services.kafka.txn_loop import TxnLoop
 
 log = logging.getLogger("rollstream.runtime")
 
@@ -211,7 +212,7 @@ class FunctionService(Service):
 # --------------------------------------------------------------------------- the runner
 
 
-class Runner(Renewal, Loops):
+class Runner(Renewal, TxnLoop):
     """One running service instance (what :func:`run_service` drives). Hooks get it to reach
     ``producer``, ``consumer``, ``settings``, ``counters``, the ``stop`` event, :meth:`send`
     and :meth:`commit`."""

@@ -1,0 +1,217 @@
+"""The runtime's exactly-once loop (mixed into :class:`services.kafka.runtime.Runner`).
+
+:meth:`TxnLoop._loop_txn` runs transactional record handlers without a batch barrier: up to
+``max_concurrency`` handler calls at once across polls; at most every ``txn_interval_s`` one Kafka
+transaction commits the outputs of every finished record, and per partition the offset one past its
+longest finished prefix, with the *ahead list* of the records finished after an unfinished one in
+the offset's metadata (:mod:`services.kafka.offsets`). Whoever reads the partition next (a
+restart, a rebalance) reads that list first and skips those records (counted in ``duplicates``):
+no head-of-line blocking, and each record's outputs are committed once. A partition's ahead list is
+kept under ``AHEAD_MAX_CHARS``; finished records beyond it wait in memory for a later transaction.
+
+Handlers still running when the service stops or loses partitions are cancelled after
+``shutdown_grace_s``; what finished is committed first, the rest is redelivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+
+from aiokafka.errors import KafkaError, ProducerFenced
+
+from services.errors import one_line
+from services.kafka.bus import BusError, Record, RecordMetadata, TopicPartition
+from services.kafka.loops import Loops
+from services.kafka.offsets import AHEAD_MAX_CHARS, decode_ahead, encode_ahead
+from services.kafka.outage import is_outage
+from services.kafka.service import Outcome, Output
+
+log = logging.getLogger("rollstream.runtime")
+
+__all__ = ["TxnLoop"]
+
+
+class TxnLoop(Loops):
+    """The exactly-once loop; the state it uses is the Runner's."""
+
+    _ahead: dict[TopicPartition, set[int]]
+    _ahead_read: set[TopicPartition]
+
+    async def _commit_txn(self, outputs: list[Output], offsets: Mapping[TopicPartition, int | tuple[int, str]]) -> None:
+        """Send ``outputs`` and commit ``offsets`` in one transaction. A transaction that fails
+        (a broker outage, a coordinator moving) is aborted and done again with a new producer of
+        the same transactional id, which fences the old one, until it commits or it has failed
+        for ``kafka.outage_timeout_s``; then :class:`BusError` (the batch is reprocessed after a
+        restart). A fenced producer (another instance took over) fails at once."""
+        retry = self.outage.retry(f"transaction of {len(outputs)} output(s)")
+        # one attempt waits at most this long (an abort waits for the coordinator otherwise)
+        attempt_s = self.settings.kafka.request_timeout_s + 10
+
+        async def attempt() -> None:
+            futs: list[asyncio.Future[RecordMetadata]] = []
+            async with self.producer.transaction():
+                for o in outputs:
+                    futs.append(await self.producer.send_raw(o.topic, o.value, o.key))
+                await self.producer.send_offsets_to_transaction(offsets, str(self.settings.group_id))
+            await asyncio.gather(*futs)
+
+        while True:
+            try:
+                task = asyncio.ensure_future(attempt())
+                await asyncio.wait({task}, timeout=attempt_s)
+                if not task.done():  # its abort would wait for the coordinator: leave it to the old producer
+                    task.cancel()
+                    self._closing.add(task)
+                    task.add_done_callback(self._closing.discard)
+                    raise TimeoutError(f"no answer within {attempt_s:g} s")
+                task.result()
+            except (KafkaError, BusError, TimeoutError) as e:
+                if isinstance(e, ProducerFenced) or (isinstance(e, BusError) and not is_outage(e)):
+                    raise BusError(f"{self.service.name}: transaction failed and was aborted (its records "
+                                   f"will be reprocessed after a restart): {one_line(e)}") from None
+                # any other error of a transaction is treated as transient: a new producer (same
+                # transactional id) fences this one and aborts what is left of its transaction
+                await retry.failed(e, transient=True)
+                await self._renew_producer(retry)
+                continue
+            retry.done()
+            return
+
+    async def _loop_txn(self) -> None:
+        s = self.settings
+        cap = max(s.batch_max_records, s.max_concurrency)
+        loop = asyncio.get_running_loop()
+        last_poll = last_commit = loop.time()
+        stop_wait = asyncio.ensure_future(self.stop.wait())
+        try:
+            while not self.stop.is_set():
+                room = cap - len(self._tasks)
+                if room > 0:
+                    busy = bool(self._tasks or self._txn_done)  # then come back soon to commit
+                    recs = await self._poll(min(room, s.batch_max_records), min(s.poll_timeout_s, s.txn_interval_s) if busy else None)
+                    last_poll = loop.time()
+                    unread = {r.tp for r in recs} - self._ahead_read
+                    if unread:
+                        await self._read_ahead(unread)
+                    for rec in recs:
+                        self._admit_txn(rec)
+                else:
+                    await asyncio.wait({*self._tasks, stop_wait}, timeout=s.txn_interval_s, return_when="FIRST_COMPLETED")
+                    if loop.time() - last_poll > s.max_poll_interval_s / 2:
+                        await self.consumer.keepalive()
+                        last_poll = loop.time()
+                if loop.time() - last_commit >= s.txn_interval_s:
+                    await self._commit_txn_ready()
+                    last_commit = loop.time()
+                if not self.stop.is_set():
+                    await self._tick()
+        finally:
+            stop_wait.cancel()
+
+    async def _read_ahead(self, tps: set[TopicPartition]) -> None:
+        """Before the first record of each of ``tps`` is admitted: the ahead list committed with
+        the group's offset (:func:`services.kafka.offsets.decode_ahead`), the records that an
+        earlier owner of the partition already committed with their outputs."""
+        found = await self.consumer.committed_with_metadata(tps)
+        for tp in tps:
+            offset, metadata = found.get(tp, (0, ""))
+            try:
+                self._ahead[tp] = decode_ahead(offset, metadata)
+            except ValueError as e:
+                raise BusError(f"{self.service.name}: {tp.topic}[{tp.partition}]: {e}; the group's offsets were "
+                               f"written by another program: reset them (kafka-consumer-groups.sh --reset-offsets)") from None
+            if self._ahead[tp]:
+                log.info("%s: %s[%d]: %d record(s) after the committed offset %d were already committed with "
+                         "their outputs; skipping them", self.service.name, tp.topic, tp.partition,
+                         len(self._ahead[tp]), offset)
+        self._ahead_read |= tps
+
+    def _admit_txn(self, rec: Record) -> None:
+        self._offsets.add(rec.tp, rec.offset)
+        eid = rec.event_id
+        if rec.offset in self._ahead.get(rec.tp, ()):  # committed with its outputs by an earlier owner
+            self.counters.duplicates += 1
+            if self.settings.dedupe and rec.error is None and eid is not None:
+                self.deduper.check_and_add(eid)
+            self._offsets.done(rec.tp, rec.offset)
+            return
+        if self.settings.dedupe and rec.error is None and eid is not None and self.deduper.check_and_add(eid):
+            self.counters.duplicates += 1
+            self._txn_done[(rec.tp, rec.offset)] = ([], None, None)
+            self._offsets.done(rec.tp, rec.offset)
+            return
+        self._tasks[task := asyncio.create_task(self._process_txn(rec), name=f"{rec.topic}@{rec.offset}")] = rec
+        task.add_done_callback(self._task_done)
+
+    async def _process_txn(self, rec: Record) -> None:
+        """Handle ``rec``; keep its outputs until the next transaction commits them."""
+        await self._process_with(rec, self._keep_for_txn)
+
+    async def _keep_for_txn(self, rec: Record, outputs: list[Output], outcome: Outcome) -> None:
+        self._txn_done[(rec.tp, rec.offset)] = (outputs, outcome, rec.event_id)
+
+    def _txn_plan(self, only: set[TopicPartition] | None
+                  ) -> tuple[list[tuple[TopicPartition, int]], dict[TopicPartition, tuple[int, str]], dict[TopicPartition, set[int]]]:
+        """What the next transaction commits: the finished records (keys of ``_txn_done``), per
+        partition the offset (one past its finished prefix) with its ahead list, and the new
+        ahead sets. A partition's finished records after an unfinished one go in while its ahead
+        list stays within :data:`AHEAD_MAX_CHARS` (the rest wait in memory for a later one)."""
+        by_tp: dict[TopicPartition, list[int]] = {}
+        for tp, off in self._txn_done:
+            if only is None or tp in only:
+                by_tp.setdefault(tp, []).append(off)
+        keys: list[tuple[TopicPartition, int]] = []
+        offsets: dict[TopicPartition, tuple[int, str]] = {}
+        ahead: dict[TopicPartition, set[int]] = {}
+        for tp in set(by_tp) | set(self._offsets.ready(only)):
+            pos = self._offsets.position(tp)
+            if pos is None:
+                continue
+            finished = sorted(by_tp.get(tp, []))
+            take = [o for o in finished if o < pos]  # the finished prefix
+            kept = {o for o in self._ahead.get(tp, ()) if o >= pos}  # committed before: always listed
+            for o in (o for o in finished if o >= pos):  # finished after an unfinished record
+                if len(encode_ahead(pos, kept | {o})) > AHEAD_MAX_CHARS:
+                    break
+                kept.add(o)
+                take.append(o)
+            if not take and pos <= self._offsets.committed(tp):
+                continue
+            keys += [(tp, o) for o in take]
+            offsets[tp] = (pos, encode_ahead(pos, kept))
+            ahead[tp] = kept
+        return sorted(keys, key=lambda k: (k[0].topic, k[0].partition, k[1])), offsets, ahead
+
+    async def _commit_txn_ready(self, only: set[TopicPartition] | None = None) -> None:
+        """One transaction: the outputs of every finished record not committed yet, and per
+        partition the offset one past its finished prefix with the ahead list of the finished
+        records after it (:mod:`services.kafka.offsets`)."""
+        keys, offsets, ahead = self._txn_plan(only)
+        if not offsets:
+            return
+        entries = [self._txn_done[k] for k in keys]
+        self._txn_committing = True
+        try:
+            await self._commit_txn([o for outputs, _, _ in entries for o in outputs], offsets)
+        finally:
+            self._txn_committing = False
+        for k in keys:
+            del self._txn_done[k]
+        self._ahead.update(ahead)
+        self._offsets.mark_committed({tp: pos for tp, (pos, _) in offsets.items()})
+        for outputs, outcome, _ in entries:
+            if outcome is not None:
+                self._count(outputs, outcome)
+
+    def _drop_txn(self, tps: set[TopicPartition] | None = None) -> None:
+        """Forget the uncommitted outputs (of ``tps``; all when None): their records are
+        redelivered. The ahead lists are read again when the partitions come back."""
+        for k in [k for k in self._txn_done if tps is None or k[0] in tps]:
+            _, _, eid = self._txn_done.pop(k)
+            if eid is not None and self.settings.dedupe:
+                self.deduper.discard(eid)
+        for tp in list(self._ahead) if tps is None else tps:
+            self._ahead.pop(tp, None)
+        self._ahead_read -= set(self._ahead_read) if tps is None else tps
