@@ -1,7 +1,7 @@
 """Generation engine throughput: ``TorchEngine`` against transformers' ``generate()``, side by side
 in one run, with this CPU's decode bound.
 
-    .venv/bin/python bench/engine.py [--models tiny,smollm2] [--prompts N] [--max-new-tokens N]
+    .venv/bin/python bench/engine.py [--models tiny,smollm2] [--groups 1,8] [--prompts N] [--max-new-tokens N]
                                      [--max-batch N] [--threads N] [--no-greedy] [--repeats N]
 
 For each model, the same prompt token ids and the same sampling settings (temperature 1.0,
@@ -13,7 +13,7 @@ top_p 1.0, no top-k, the same ``max_new_tokens``; the model's EOS tokens stop a 
   computes each token's behaviour logprob, which ``generate()`` does not;
 * **engine/hf**: the same engine with ``decoder="hf"`` (transformers' forward and
   ``DynamicCache`` instead of :mod:`rollout.slot_decoder`), a second engine loaded from the same
-  directory;
+  directory (distinct prompts only);
 * **generate()**: ``model.generate()`` on the first engine's model object (same weights, SDPA,
   threads), the way a user batches it: chunks of ``max_batch`` prompts (the engine's slot count, or
   every prompt when there are fewer), left-padded with the pad token and an attention mask,
@@ -29,7 +29,16 @@ reported. **tokens/s** counts generated tokens only, exactly what each produced:
 columns after it are not counted), else ``max_new_tokens``. The EOS token counts as generated.
 **engine ÷ gen** is each engine's ratio to ``generate()``. Unless ``--no-greedy``, a greedy round
 (``SamplingParams(greedy=True)`` / ``do_sample=False``) follows and reports how many prompts got
-identical completions from all three (a check that all do the same work).
+identical completions from all of them (a check that all do the same work).
+
+**Groups** (``--groups``, default ``1,8``): each model runs once per group size ``g``. With ``g = 1``
+the prompts are distinct; with ``g = 8`` the run takes ``prompts / 8`` distinct prompts and repeats
+each 8 times in a row, as the feeder issues a GRPO group's tasks (both examples use ``group_size``
+8), so that the run still has ``prompts`` rows. ``generate()`` gets the same list (transformers'
+``num_return_sequences`` also expands the prompts before its prefill). The slot decoder prefills
+identical prompts of one admission once, and a prefix common to them (a chat template's system
+turn) once (:mod:`rollout.slot_decoder`); the line "of its admitted prompt tokens were not
+prefilled" gives the share it saved (``TorchEngine.prompt_tokens_reused``, warm-ups included).
 
 **The bound** of this CPU for a decode step at batch ``B = max_batch``:
 
@@ -44,11 +53,13 @@ identical completions from all three (a check that all do the same work).
   cache read (``B × layers × 2 × kv_heads × head_dim × L × 4``);
 * decode bound, tokens/s ``= B / max(FLOPs / FLOP/s, bytes / bandwidth)``; whichever term is
   larger is what limits (compute or memory). **of decode bound** is each row's tokens/s over it.
-  It leaves out the prompts' prefill, which both implementations must do too, so
+  It leaves out the prompts' prefill, so
 * **of bound w/ prefill** charges the run's prompt tokens as well: ``2 × P`` (+ attention) FLOPs
   each at the matmul FLOP/s of the prefill shape (``B × prompt length`` rows, at most 4096), plus
   the generated tokens at the decode bound. Sampling, cache editing and Python overhead are in
-  neither bound, so both are upper bounds that no implementation reaches.
+  neither bound. It charges every prompt token, which ``generate()`` and ``engine/hf`` compute but
+  the slot decoder does not when prompts share work (above), so for the slot decoder it is not an
+  upper bound there.
 
 Models: ``tiny`` = a fresh tiny Llama of the main example's shape (examples/main.yaml: hidden
 128, 4 layers, 4 heads, MLP 384, 64 positions, char tokenizer), prompts from the ``arith`` task
@@ -57,7 +68,7 @@ source rendered with ``engine.encode``, defaults 2048 prompts, 24 new tokens, ``
 ``models/smollm2-135m-instruct`` (skipped, with the command to create it, when absent), prompts
 from the ``instruct`` task source through its chat template (with the template's default system
 turn), defaults 128 prompts, 64 new tokens, ``max_batch`` 64 (examples/smollm2_reasoning.yaml's
-slots). Defaults run in about 6 minutes on 2 cores.
+slots). Defaults (both models, groups 1 and 8) run in about 15 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -298,44 +309,57 @@ def prompt_texts(source_name: str, n: int, seed: int = 0) -> list[str]:
     return [src.sample(rng).prompt for _ in range(n)]
 
 
-def bench_model(setup: ModelSetup, model_dir: Path, a: argparse.Namespace) -> None:
+def grouped(prompts: list[list[int]], group: int) -> list[list[int]]:
+    """The first ``len(prompts) // group`` prompts, each ``group`` times in a row (as the feeder issues
+    a GRPO group's tasks), so that the run keeps ``len(prompts)`` rows."""
+    return [p for p in prompts[: len(prompts) // group] for _ in range(group)]
+
+
+def bench_model(setup: ModelSetup, model_dir: Path, a: argparse.Namespace, group: int) -> None:
     repeats = a.repeats or setup.repeats
     engine = TorchEngine(model_dir, max_batch=setup.max_batch, seed=a.seed)
     # the same engine, the same weights (loaded from the same directory), with transformers' forward
-    # and DynamicCache instead of the slot decoder
-    hf_engine = TorchEngine(model_dir, max_batch=setup.max_batch, seed=a.seed, decoder="hf")
-    prompts = [engine.encode(t) for t in prompt_texts(setup.source, setup.prompts, a.seed)]
+    # and DynamicCache instead of the slot decoder; with distinct prompts only (it shares no prompt
+    # work, so the groups' rows would add minutes and nothing new)
+    hf_engine = TorchEngine(model_dir, max_batch=setup.max_batch, seed=a.seed, decoder="hf") if group == 1 else None
+    prompts = grouped([engine.encode(t) for t in prompt_texts(setup.source, setup.prompts, a.seed)], group)
+    if not prompts:
+        raise SystemExit(f"--groups: a group of {group} is more than the {setup.prompts} prompts of {setup.name}")
     batch = min(setup.max_batch, len(prompts))
     lens = [len(p) for p in prompts]
     if max(lens) + setup.max_new_tokens > engine.max_positions:
         raise SystemExit(f"{setup.name}: prompts of up to {max(lens)} tokens + {setup.max_new_tokens} new tokens "
                          f"exceed the model's {engine.max_positions} positions; lower --max-new-tokens")
-    print(f"\n== {setup.name}: {model_dir} ({count_parameters(engine.model) / 1e6:.2f}M parameters, "
+    kind = "distinct prompts" if group == 1 else f"{len(prompts) // group} prompts x {group} (GRPO groups)"
+    print(f"\n== {setup.name}, {kind}: {model_dir} ({count_parameters(engine.model) / 1e6:.2f}M parameters, "
           f"chat template {'yes' if engine.chat else 'no'}); {len(prompts)} '{setup.source}' prompts "
           f"of {min(lens)}-{max(lens)} tokens (mean {statistics.mean(lens):.1f}); "
           f"max_new_tokens {setup.max_new_tokens}; batch {batch} (engine max_batch = generate() chunk)",
           flush=True)
 
     modes = [("sampled", False)] + ([] if a.no_greedy else [("greedy", True)])
-    runs: list[tuple[Run, Run, Run]] = []
+    runs: list[list[Run]] = []  # per mode: the engine, engine/hf when it runs, generate() last
     for mode, greedy in modes:
         params = SamplingParams(max_new_tokens=setup.max_new_tokens, temperature=1.0, top_p=1.0, greedy=greedy)
         warm = replace(params, max_new_tokens=min(WARMUP_NEW_TOKENS, params.max_new_tokens))
-        eng, eng_hf, hf = Run(f"engine/{engine.decoder}", mode), Run("engine/hf", mode), Run("generate()", mode)
         impls: list[tuple[Run, Callable[[], tuple[list[list[int]], float]]]] = [
-            (eng, functools.partial(engine_pass, engine, prompts, params)),
-            (eng_hf, functools.partial(engine_pass, hf_engine, prompts, params)),
-            (hf, functools.partial(generate_pass, engine, prompts, batch, setup.max_new_tokens, greedy, a.seed)),
-        ]
+            (Run(f"engine/{engine.decoder}", mode), functools.partial(engine_pass, engine, prompts, params))]
+        if hf_engine is not None:
+            impls.append((Run("engine/hf", mode), functools.partial(engine_pass, hf_engine, prompts, params)))
+            engine_pass(hf_engine, prompts[:batch], warm)
+        impls.append((Run("generate()", mode), functools.partial(
+            generate_pass, engine, prompts, batch, setup.max_new_tokens, greedy, a.seed)))
         engine_pass(engine, prompts[:batch], warm)  # warm-ups: one full batch, a few tokens
-        engine_pass(hf_engine, prompts[:batch], warm)
         generate_pass(engine, prompts[:batch], batch, warm.max_new_tokens, greedy, a.seed)
         for rep in range(repeats):  # the order rotates, so that a slow spell of the machine is shared
-            for run, timed in impls[rep % 3:] + impls[: rep % 3]:
+            turn = rep % len(impls)
+            for run, timed in impls[turn:] + impls[:turn]:
                 run.add(*timed())
                 print(f"  {mode:7} {run.impl:12} pass {rep + 1}: {run.passes[-1][0]:6d} tokens in "
                       f"{run.passes[-1][1]:7.2f} s", flush=True)
-        runs.append((eng, eng_hf, hf))
+        runs.append([run for run, _ in impls])
+    print(f"engine/{engine.decoder}: {engine.prompt_tokens_reused / max(1, engine.prompt_tokens):.1%} of its admitted "
+          f"prompt tokens were not prefilled (shared with an identical prompt or a common prefix of their admission)")
 
     gen_mean = statistics.mean(len(o) for o in runs[0][0].outputs)
     cfg = engine.model.config
@@ -350,20 +374,21 @@ def bench_model(setup: ModelSetup, model_dir: Path, a: argparse.Namespace) -> No
     print(f"  with the prefill of the {sum(lens)} prompt tokens at {bound.prefill_flops_token / 1e6:.2f} "
           f"MFLOP each: {bound.with_prefill_tok_s(runs[0][0].tokens, sum(lens)):,.0f} generated tok/s")
 
-    header = (f"{'model':8} {'mode':7} {'impl':12} {'tokens':>7} {'mean len':>8} {'seconds':>8} "
+    header = (f"{'model':8} {'group':>5} {'mode':7} {'impl':12} {'tokens':>7} {'mean len':>8} {'seconds':>8} "
               f"{'tok/s':>8} {'engine ÷ gen':>12} {'of decode bound':>15} {'of bound w/ prefill':>19}")
     print(header)
     print("-" * len(header))
-    for eng, eng_hf, hf in runs:
-        for r in (eng, eng_hf, hf):
+    for mode_runs in runs:
+        hf = mode_runs[-1]
+        for r in mode_runs:
             ratio = f"{r.tok_s / hf.tok_s:11.2f}x" if r is not hf else ""
-            print(f"{setup.name:8} {r.mode:7} {r.impl:12} {r.tokens:7d} {r.tokens / len(r.outputs):8.1f} "
+            print(f"{setup.name:8} {group:5d} {r.mode:7} {r.impl:12} {r.tokens:7d} {r.tokens / len(r.outputs):8.1f} "
                   f"{r.seconds:8.2f} {r.tok_s:8,.0f} {ratio:>12} {r.tok_s / bound.tok_s:15.1%} "
                   f"{r.tok_s / bound.with_prefill_tok_s(r.tokens, sum(lens)):19.1%}")
-    for eng, eng_hf, hf in runs:
-        if eng.mode == "greedy":
-            same = sum(x == y == z for x, y, z in zip(eng.outputs, eng_hf.outputs, hf.outputs, strict=True))
-            print(f"greedy: identical completions from all three for {same}/{len(prompts)} prompts")
+    for mode_runs in runs:
+        if mode_runs[0].mode == "greedy":
+            same = sum(len(set(map(tuple, outs))) == 1 for outs in zip(*(r.outputs for r in mode_runs), strict=True))
+            print(f"greedy: identical completions from all {len(mode_runs)} for {same}/{len(prompts)} prompts")
 
 
 # --------------------------------------------------------------------------- main
@@ -377,6 +402,9 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=None, help="engine slots = generate() chunk (default: per model)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch intra-op threads")
     ap.add_argument("--no-greedy", action="store_true", help="skip the greedy rows")
+    ap.add_argument("--groups", default="1,8",
+                    help="comma-separated group sizes: each run repeats every prompt this many times in a row "
+                         "(1 = distinct prompts; 8 = the examples' GRPO group_size)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=None,
                     help="timed passes per implementation, the median reported (default: tiny 5, smollm2 1)")
@@ -389,6 +417,12 @@ def main() -> None:
     import transformers
 
     names = [m.strip() for m in a.models.split(",") if m.strip()]
+    try:
+        groups = [int(g) for g in a.groups.split(",") if g.strip()]
+    except ValueError:
+        raise SystemExit(f"--groups {a.groups!r}: give comma-separated whole numbers, e.g. 1,8") from None
+    if not groups or min(groups) < 1:
+        raise SystemExit(f"--groups {a.groups!r}: give group sizes of at least 1, e.g. 1,8")
     unknown = set(names) - set(SETUPS)
     if unknown:
         raise SystemExit(f"unknown models {sorted(unknown)}; choose from {sorted(SETUPS)}")
@@ -408,7 +442,8 @@ def main() -> None:
                     print(f"\n== smollm2: skipped, {model_dir} is not a model directory; create it with "
                           f"`rollstream init-model {model_dir} --from smollm2-135m-instruct`")
                     continue
-            bench_model(setup, model_dir, a)
+            for group in groups:
+                bench_model(setup, model_dir, a, group)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,11 @@
   ``max_new_tokens``) is evicted right after the step that finished it. Admission is batched:
   while rows run, waiting requests are prefilled once they fill a quarter of ``max_batch`` free
   slots (or every free slot), or after :attr:`TorchEngine.ADMIT_WAIT_STEPS` decode steps, because
-  many one-row prefills cost far more than one prefill of many rows. Columns that are padding
-  for every row are trimmed after eviction, so the cache length stays at the longest live row.
+  many one-row prefills cost far more than one prefill of many rows (and, on the slot decoder,
+  identical prompts and a common prefix of one admission are prefilled once: a GRPO group's
+  samples, a chat template's system turn; :attr:`TorchEngine.prompt_tokens_reused` counts what
+  that saved). Columns that are padding for every row are trimmed after eviction, so the cache
+  length stays at the longest live row.
 * **Logprobs.** Per generated token, ``log_softmax(logits / T)[token]`` of the request's
   temperature ``T``, untruncated by ``top_p`` (see :mod:`rollout.sampling`); this equals the
   trainer's teacher-forced logprob of the same weights at the same temperature up to float
@@ -251,7 +254,7 @@ class HFDecoder:
     """The running batch through transformers' own forward (any causal LM): one ``DynamicCache``
     with rows right-aligned (left padding masked by the 2-D attention mask, explicit position ids),
     all on ``device`` (the model's: a CPU tensor among CUDA ones fails the first ``torch.cat``).
-    :class:`rollout.slot_decoder.SlotDecoder` has the same four members."""
+    :class:`rollout.slot_decoder.SlotDecoder` has the same members."""
 
     def __init__(self, model: Any, device: torch.device | str = "cpu", prefill_kwargs: dict[str, Any] | None = None
                  ) -> None:
@@ -261,6 +264,8 @@ class HFDecoder:
         self.cache: DynamicCache | None = None
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # (B, L)
         self.next_pos = torch.zeros(0, dtype=torch.long, device=self.device)  # (B,) position id of the next token
+        self.reused_tokens = 0
+        """Always 0: this path prefills every prompt token of every row (no shared-prompt reuse)."""
 
     @property
     def rows(self) -> int:
@@ -390,6 +395,11 @@ class TorchEngine:
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.tokens_generated = 0
+        self.prompt_tokens = 0
+        """Prompt tokens of the requests admitted so far."""
+        self.prompt_tokens_reused = 0
+        """Of those, the ones the slot decoder did not compute because another prompt of the same
+        admission had them too (an identical prompt, or the prefix common to the admission's prompts)."""
         self._pending: deque[_Pending] = deque()
         why_not = slot_support(self.model)
         if decoder == "slots" and why_not:
@@ -577,7 +587,11 @@ class TorchEngine:
         now = time.perf_counter()
         rows = [_Row(p.request, p.out, p.submitted, now, self.policy_version) for p in batch]
         self._admitting = rows
-        logits = self._slots.decoder.prefill([r.request.prompt_ids for r in rows])  # (b, V)
+        decoder = self._slots.decoder
+        reused = decoder.reused_tokens
+        logits = decoder.prefill([r.request.prompt_ids for r in rows])  # (b, V)
+        self.prompt_tokens += sum(len(r.request.prompt_ids) for r in rows)
+        self.prompt_tokens_reused += decoder.reused_tokens - reused
         tokens = self._sample(logits, rows)
         self._slots.add(rows, tokens)
         self._admitting = []

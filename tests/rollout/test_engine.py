@@ -272,3 +272,19 @@ def test_encode_tokenizes_a_prompt_once_and_forgets_the_oldest(model_dir: Path, 
     engine.encode("1+2=", system_prompt="be brief")
     engine.encode("1+2=")
     assert calls == ["1+2=", "1+2=", "3+4=", "1+2="]
+
+
+async def test_a_groups_copies_are_prefilled_once_and_sampled_apart(model_dir: Path, decoder: str) -> None:
+    engine = TorchEngine(model_dir, max_batch=8, seed=5, decoder=decoder)
+    params = SamplingParams(max_new_tokens=16, temperature=1.0)
+    group = ["12+34=", "7-3="] * 4  # two GRPO groups of four, admitted together
+    done = await generate_all(engine, requests(engine, params, group))
+    lens = [len(engine.encode(p)) for p in group]
+    assert engine.prompt_tokens == sum(lens)
+    # the slot decoder computes each distinct prompt once; transformers' path computes every row
+    assert engine.prompt_tokens_reused == (3 * lens[0] + 3 * lens[1] if decoder == "slots" else 0)
+    for c in done:  # each copy's logprobs are its own tokens' under the model
+        torch.testing.assert_close(torch.tensor(c.logprobs), teacher_forced_logprobs(engine.model, c, 1.0),
+                                   atol=1e-4, rtol=0)
+    copies = [tuple(c.token_ids) for c in done[0::2]]
+    assert len(set(copies)) > 1  # the copies sampled apart, not one sample copied four times

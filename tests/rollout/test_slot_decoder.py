@@ -140,3 +140,61 @@ def test_a_dynamic_rope_is_computed_per_call(model_dir: Path) -> None:
         logits = dec.prefill([[1, 5, 6]])
     assert dec._rope_table is None
     torch.testing.assert_close(logits[0], reference_logits(model, [1, 5, 6]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("make", [llama, lambda: llama(kv_heads=2), qwen2], ids=["llama", "llama-gqa", "qwen2"])
+def test_shared_prompt_work_is_computed_once_and_equals_the_models_own_forward(
+        make: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(slot_decoder, "MIN_SHARED_PREFIX", 3)
+    model = make()
+    dec = SlotDecoder(model, slots=12)
+    g = torch.Generator().manual_seed(2)
+    system = torch.randint(1, VOCAB, (6,), generator=g).tolist()  # a prefix every prompt of a batch shares
+    a, b = [*system, 5, 9, 11], [*system, 7]
+    batches = [
+        [a, b, a, a, b],  # duplicates (a GRPO group) after a shared prefix; b's remainder is one token
+        [[*system, 3], [*system, 4]],  # every remainder one token: the query block is a single column
+        [[8, 8, 2, 6], [8, 8, 2, 6], [8, 8, 2, 6]],  # one distinct prompt, three copies
+        [[1, 2, 3, 4, 5], [9, 2, 3]],  # nothing shared
+    ]
+    seqs: list[list[int]] = []
+    calls: list[tuple[int, int]] = []
+    layers = dec._layers
+
+    def counting(ids: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(tuple(ids.shape))  # type: ignore[arg-type]
+        return layers(ids, *args)
+
+    monkeypatch.setattr(dec, "_layers", counting)
+    for prompts in batches:
+        calls.clear()
+        with torch.inference_mode():
+            logits = dec.prefill(prompts)
+        for i, seq in enumerate(prompts):
+            torch.testing.assert_close(logits[i], reference_logits(model, seq), atol=1e-5, rtol=1e-5)
+        seqs.extend(list(p) for p in prompts)
+        if prompts[0] is a:
+            assert calls == [(1, 6), (2, 3)]  # the prefix once, then a's and b's remainders (b's padded)
+        if prompts[0] == [8, 8, 2, 6]:
+            assert calls == [(1, 4)]
+        if prompts[0] == [1, 2, 3, 4, 5]:
+            assert calls == [(2, 5)]
+    assert dec.shared_prefix_tokens == 6 * (2 - 1) + 6 * (2 - 1)  # batches 1 and 2: the second distinct prompt's
+    assert dec.duplicate_tokens == 9 * 2 + 7 * 1 + 4 * 2  # every copy's tokens
+    with torch.inference_mode():  # the copied keys/values carry the decode steps on, row by row
+        for _ in range(3):
+            tokens = torch.randint(1, VOCAB, (len(seqs),), generator=g)
+            logits = dec.decode(tokens)
+            for seq, t in zip(seqs, tokens.tolist(), strict=True):
+                seq.append(t)
+            for row, seq in enumerate(seqs):
+                torch.testing.assert_close(logits[row], reference_logits(model, seq), atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prefix_leaves_each_prompt_its_last_token_and_skips_short_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(slot_decoder, "MIN_SHARED_PREFIX", 3)
+    assert slot_decoder.shared_prefix([[1, 2, 3, 4, 5]]) == 0  # one prompt: nothing to share
+    assert slot_decoder.shared_prefix([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6]]) == 4
+    assert slot_decoder.shared_prefix([[1, 2, 3, 4], [1, 2, 3, 4, 6]]) == 3  # the shorter keeps its last token
+    assert slot_decoder.shared_prefix([[1, 2, 9], [1, 2, 8]]) == 0  # 2 shared tokens: under the minimum
+    assert slot_decoder.shared_prefix([[7, 1, 2, 3], [1, 2, 3, 4]]) == 0
