@@ -68,7 +68,7 @@ source rendered with ``engine.encode``, defaults 2048 prompts, 24 new tokens, ``
 ``models/smollm2-135m-instruct`` (skipped, with the command to create it, when absent), prompts
 from the ``instruct`` task source through its chat template (with the template's default system
 turn), defaults 128 prompts, 64 new tokens, ``max_batch`` 64 (examples/smollm2_reasoning.yaml's
-slots). Defaults (both models, groups 1 and 8) run in about 15 minutes on 2 cores.
+slots). Defaults (both models, groups 1 and 8) took 9 minutes on 2 cores (bench/README.md).
 """
 
 from __future__ import annotations
