@@ -89,8 +89,12 @@ class TxnLoop(Loops):
             while not self.stop.is_set():
                 room = cap - len(self._tasks)
                 if room > 0:
-                    busy = bool(self._tasks or self._txn_done)  # then come back soon to commit
-                    recs = await self._poll(min(room, s.batch_max_records), min(s.poll_timeout_s, s.txn_interval_s) if busy else None)
+                    wait_s: float | None = None  # idle: the plain poll timeout
+                    if self._txn_done:  # finished records wait for a transaction: poll until it is due, no longer
+                        wait_s = max(0.0, min(s.poll_timeout_s, last_commit + s.txn_interval_s - loop.time()))
+                    elif self._tasks:  # come back soon to commit what finishes meanwhile
+                        wait_s = min(s.poll_timeout_s, s.txn_interval_s)
+                    recs = await self._poll(min(room, s.batch_max_records), wait_s)
                     last_poll = loop.time()
                     unread = {r.tp for r in recs} - self._ahead_read
                     if unread:
