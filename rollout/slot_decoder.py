@@ -282,8 +282,6 @@ class SlotDecoder:
         u, lens_u = len(uniq), [len(p) for p in uniq]
         shared = shared_prefix(uniq)
         self._reserve(max(lens_u))
-        self.duplicate_tokens += sum(map(len, prompts)) - sum(lens_u)
-        self.shared_prefix_tokens += shared * (u - 1)
         assert self.keys is not None and self.values is not None
         keys, values = self.keys, self.values
         slots = slice(start, start + b)
@@ -323,6 +321,8 @@ class SlotDecoder:
 
         logits = self._forward(ids, shared + cols.expand(u, width), mask[:, None], write, read, rest - 1)  # (u, V)
         self.lens = torch.cat([self.lens, torch.tensor([len(p) for p in prompts], device=self.device)])
+        self.duplicate_tokens += sum(map(len, prompts)) - sum(lens_u)
+        self.shared_prefix_tokens += shared * (u - 1)
         return spread(logits)
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
