@@ -51,7 +51,7 @@ from aiokafka.errors import KafkaError
 import envs
 from envs.base import episode_ref
 from rollout.agent import AgentLimits, SwapLock, Trajectory, run_episode
-from rollout.engine import GenerationRequest
+from rollout.engine import GenerationRequest, TorchEngine
 from rollout.factory import make_engine
 from rollout.sampling import SamplingParams
 from schemas import events as ev
@@ -145,6 +145,12 @@ class RolloutWorker(Service):
         close = getattr(self.engine, "close", None)  # a server engine's HTTP session
         if close is not None:
             await close()
+        if isinstance(self.engine, TorchEngine) and self.engine.prompt_tokens:
+            e = self.engine
+            log.info("rollout %s: generated %d tokens; of %d prompt tokens admitted, %d (%.0f%%) were not prefilled "
+                     "(shared with an identical prompt or a common prefix of the same admission)", self.worker_id,
+                     e.tokens_generated, e.prompt_tokens, e.prompt_tokens_reused,
+                     100 * e.prompt_tokens_reused / e.prompt_tokens)
 
     async def _watch_weights(self) -> None:
         consumer = Consumer(self.s.config.kafka, group_id=None, topics=[topic_name(self.s.run_id, "weights")],
