@@ -176,11 +176,16 @@ class TxnLoop(Loops):
             finished = sorted(by_tp.get(tp, []))
             take = [o for o in finished if o < pos]  # the finished prefix
             kept = {o for o in self._ahead.get(tp, ()) if o >= pos}  # committed before: always listed
-            for o in (o for o in finished if o >= pos):  # finished after an unfinished record
-                if len(encode_ahead(pos, kept | {o})) > AHEAD_MAX_CHARS:
-                    break
-                kept.add(o)
-                take.append(o)
+            later = [o for o in finished if o >= pos]  # finished after an unfinished record
+            if len(encode_ahead(pos, kept | set(later))) <= AHEAD_MAX_CHARS:  # the usual case: all fit
+                kept.update(later)
+                take += later
+            else:  # the first ones, while the list fits
+                for o in later:
+                    if len(encode_ahead(pos, kept | {o})) > AHEAD_MAX_CHARS:
+                        break
+                    kept.add(o)
+                    take.append(o)
             if not take and pos <= self._offsets.committed(tp):
                 continue
             keys += [(tp, o) for o in take]
