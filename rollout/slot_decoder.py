@@ -25,9 +25,10 @@ Llama-family architectures that :func:`slot_support` accepts, through :class:`Sl
   with a common prefix of at least :data:`MIN_SHARED_PREFIX` tokens (:func:`shared_prefix`), that
   prefix runs once at batch 1, is written into every new slot, and the remainders attend to it.
   Only prompts admitted together share: nothing is kept between admissions (no prefix cache).
-  On SmolLM2 with its chat template's system turn (28 of 43 prompt tokens) this prefills 54% fewer
-  prompt tokens (``bench/README.md``, engine.py). The logits equal a full prefill up to float
-  round-off (``tests/rollout/test_slot_decoder.py``).
+  On SmolLM2, whose chat template's system turn is 28 of 43 prompt tokens, it leaves more than half
+  of the prompt tokens out and prefills 64 prompts in about half the time (``bench/README.md``,
+  engine.py). The logits equal a full prefill up to float round-off
+  (``tests/rollout/test_slot_decoder.py``).
 * **The forward is the model's own math, called directly**: embedding, per layer RMSNorm →
   q/k/v projections → rotary embedding (the model's ``rotary_emb`` module, so RoPE scaling
   variants come for free) → SDPA over the row's valid columns (grouped-query attention without
@@ -268,7 +269,7 @@ class SlotDecoder:
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         """Append rows for ``prompts``; return the logits (b, V) after each prompt's last token.
 
-        Work that prompts share is computed once (module doc, "Shared prompts"): identical prompts
+        Work that prompts share is computed once (module doc): identical prompts
         are prefilled once and their keys/values copied into each of their slots, and the longest
         prefix common to all the distinct prompts (:func:`shared_prefix`) is prefilled once, at
         batch 1, before the remainders, which attend to it. On an error the batch is unchanged
