@@ -1,7 +1,10 @@
 from __future__ import annotations
 
 import builtins
+import multiprocessing
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -75,6 +78,55 @@ def test_hang_is_a_bounded_timeout(isolation: str) -> None:
     res = run_verifier(hanging, "1", "1", timeout_s=0.3, isolation=isolation)  # type: ignore[arg-type]
     assert time.perf_counter() - t0 < 2.0
     assert res.reward == 0.0 and res.error.startswith("timeout: verifier did not finish within 0.3s")
+
+
+def on_thread(response: str, reference: str, **kwargs: Any) -> VerifyResult:
+    """Says which thread ran it; sleeps ``response`` seconds first."""
+    time.sleep(float(response))
+    return VerifyResult(reward=1.0, correct=True, details=threading.current_thread().name)
+
+
+def test_thread_isolation_reuses_its_workers() -> None:
+    names = [run_verifier(on_thread, "0", "", isolation="thread").details for _ in range(5)]  # type: ignore[arg-type]
+    assert names[0].startswith("verifier-") and names[0] != threading.current_thread().name
+    assert names == [names[0]] * 5  # one worker, not a thread per call
+
+
+def test_a_hung_verifier_keeps_its_worker_and_the_next_call_gets_another() -> None:
+    res = run_verifier(on_thread, "3", "", timeout_s=0.2, isolation="thread")  # type: ignore[arg-type]
+    assert res.error.startswith("timeout: verifier did not finish within 0.2s")
+    busy = {t.name for t in threading.enumerate() if t.name.startswith("verifier-")}
+    t0 = time.perf_counter()
+    res = run_verifier(on_thread, "0", "", timeout_s=2.0, isolation="thread")  # type: ignore[arg-type]
+    assert res.correct and time.perf_counter() - t0 < 1.0
+    assert res.details.startswith("verifier-")
+    names = [run_verifier(on_thread, "0", "", isolation="thread").details for _ in range(3)]  # type: ignore[arg-type]
+    hung = busy - set(names)
+    assert hung, "some worker must still be running the 3 s call"
+    assert not hung & set(names)  # the abandoned worker is not given new calls
+
+
+def test_concurrent_calls_run_on_their_own_workers() -> None:
+    with ThreadPoolExecutor(4) as pool:
+        t0 = time.perf_counter()
+        results = list(pool.map(lambda _: run_verifier(on_thread, "0.3", "", isolation="thread"), range(4)))  # type: ignore[arg-type]
+        elapsed = time.perf_counter() - t0
+    assert all(r.correct for r in results)
+    assert len({r.details for r in results}) == 4 and elapsed < 1.0  # side by side, not one after another
+
+
+def _in_child(conn: Any) -> None:
+    conn.send(run_verifier(on_thread, "0", "", timeout_s=2.0, isolation="thread").correct)  # type: ignore[arg-type]
+
+
+def test_thread_isolation_works_in_a_forked_child() -> None:
+    assert run_verifier(on_thread, "0", "", isolation="thread").correct  # type: ignore[arg-type]
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_in_child, args=(child,))
+    proc.start()
+    assert parent.poll(10) and parent.recv() is True  # the parent's workers are not in the child
+    proc.join(10)
 
 
 def test_wrong_return_type_and_unknown_name_are_errors() -> None:
