@@ -64,6 +64,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -269,7 +270,9 @@ def classify(frames: list[str]) -> str | None:
     return "connection I/O"
 
 
-_IDLE = re.compile(r"(EpollSelector\.select|select|Condition\.wait|Event\.wait) \(")
+_IDLE = re.compile(r"(EpollSelector\.select|select|Condition\.wait|Event\.wait) \(|_worker \(concurrent/futures/thread\.py")
+"""Leaf frames of a waiting thread: the event loop's selector, a condition or event, and a thread
+pool's worker blocked on its work queue (py-spy's ``--nonblocking`` sampling counts them)."""
 _SERVICE = re.compile(r"services\.cli (?:service (\S+)|(run))")
 
 
@@ -301,16 +304,89 @@ def profile_breakdown(path: Path, rate: int) -> tuple[dict[str, dict[str, float]
 def broker_cpu_s(bootstrap: str) -> float | None:
     """CPU seconds (user + system) the broker process listening on ``bootstrap``'s port has used so
     far, when it runs on this machine and ``ss`` can name it; else ``None``."""
+    pid = broker_pid(bootstrap)
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class ProcCpu:
+    """CPU seconds (user + system, from ``/proc/<pid>/stat``) of a run's processes over time: every
+    ``interval_s`` a thread reads the CPU time of each process whose command line names the run
+    (``--run <id>`` for a service, ``--run-id <id>`` for the supervisor) and of the broker process
+    ``broker_pid``. Unlike py-spy's samples this is what the kernel charged: native threads
+    (chDB's, torch's OpenMP workers, spinning included) count, waiting threads do not."""
+
+    def __init__(self, run_id: str, broker_pid: int | None, interval_s: float = 0.25) -> None:
+        self.run_id, self.broker_pid, self.interval_s = run_id, broker_pid, interval_s
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self._labels: dict[int, str | None] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="proc-cpu")
+
+    def _label(self, pid: int) -> str | None:
+        if pid == self.broker_pid:
+            return "broker"
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        if "--run-id" in cmd and self.run_id in cmd:
+            return "supervisor"
+        if "service" in cmd and "--run" in cmd and self.run_id in cmd:
+            return cmd[cmd.index("service") + 1]
+        return None
+
+    def _loop(self) -> None:
+        tick = os.sysconf("SC_CLK_TCK")
+        while not self._stop.wait(self.interval_s):
+            now = time.time()
+            cpu: dict[str, float] = defaultdict(float)
+            for entry in os.listdir("/proc"):
+                if not entry.isdigit():
+                    continue
+                pid = int(entry)
+                try:
+                    if pid not in self._labels:
+                        self._labels[pid] = self._label(pid)
+                    label = self._labels[pid]
+                    if label is not None:
+                        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                        cpu[label] += (int(fields[11]) + int(fields[12])) / tick
+                except (OSError, ValueError, IndexError):
+                    continue  # gone, or not ours to read
+            self.samples.append((now, dict(cpu)))
+
+    def __enter__(self) -> ProcCpu:
+        if Path("/proc/self/stat").exists():
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+    def between(self, t0: float, t1: float) -> dict[str, float]:
+        """CPU seconds each label used from wall time ``t0`` to ``t1`` (the nearest samples); empty
+        without samples. A process that exited before ``t1`` is left out."""
+        if not self.samples:
+            return {}
+        a = min(self.samples, key=lambda x: abs(x[0] - t0))[1]
+        b = min(self.samples, key=lambda x: abs(x[0] - t1))[1]
+        return {k: b[k] - a.get(k, 0.0) for k in b}
+
+
+def broker_pid(bootstrap: str) -> int | None:
+    """The pid of the process listening on ``bootstrap``'s port when it runs here and ``ss`` names it."""
     port = bootstrap.rsplit(":", 1)[-1]
     try:
         out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True, timeout=10).stdout
-        pid = re.search(r"pid=(\d+)", out)
-        if pid is None:
-            return None
-        fields = Path(f"/proc/{pid.group(1)}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, subprocess.SubprocessError):
+    except (OSError, subprocess.SubprocessError):
         return None
+    pid = re.search(r"pid=(\d+)", out)
+    return int(pid.group(1)) if pid else None
 
 
 def overhead(args: argparse.Namespace) -> int:
@@ -336,11 +412,13 @@ def overhead(args: argparse.Namespace) -> int:
             if main else f"{args.config} as shipped but async_ratio 0 and no warm-up, {{steps}} RL steps")
 
     phases: list[tuple[str, float]] = []
+    proc_cpu: dict[str, float] = {}  # CPU seconds per process per step, unprofiled run, from /proc
 
     def kafka_run(tag: str, prefix: list[str] | None) -> tuple[str, float, float]:
         run_id = f"bench-bus-{tag}-{uuid4().hex[:6]}"
         t0 = time.perf_counter()
-        common.rollstream_run(run_id, sets, env, prefix=prefix, config=args.config)
+        with ProcCpu(run_id, broker_pid(args.bootstrap)) as cpu:
+            common.rollstream_run(run_id, sets, env, prefix=prefix, config=args.config)
         wall = time.perf_counter() - t0
         rows = common.sql(f"SELECT toUnixTimestamp64Micro(ts) / 1e6 AS t FROM train_steps FINAL "
                           f"WHERE run_id = '{run_id}' ORDER BY step", run_id, work / "runs", env)
@@ -348,6 +426,8 @@ def overhead(args: argparse.Namespace) -> int:
         if len(ts) < 2:
             raise SystemExit(f"bench/bus.py: run {run_id} recorded {len(ts)} train steps, need 2 or more")
         if prefix is None:
+            used = cpu.between(ts[0], ts[-1])
+            proc_cpu.update({k: v / (len(ts) - 1) for k, v in used.items()})
             try:
                 phases[:] = step_phases(common.sql(PHASES_SQL.format(run_id=run_id), run_id, work / "runs", env))
             except SystemExit as e:  # the phase table is a diagnosis: the measurement stands without it
@@ -400,6 +480,13 @@ def overhead(args: argparse.Namespace) -> int:
     if phases:
         print("where a step's wall time goes through Kafka (unprofiled run, mean over steps 2.., from the record):")
         _table([("phase", "s/step", "of step"), *[(name, f"{sec:.3f}", f"{sec / kafka_step:.0%}") for name, sec in phases]])
+    if proc_cpu:
+        print(f"\nCPU per step by process (from /proc, unprofiled run, first to last train step; native threads and "
+              f"OpenMP spinning included; {os.cpu_count()} cores = {os.cpu_count() or 1:.0f} s of CPU per second)")
+        order = sorted(proc_cpu, key=lambda k: -proc_cpu[k])
+        _table([("process", "ms/step", "of one core"),
+                *[(k, f"{1000 * proc_cpu[k]:.0f}", f"{proc_cpu[k] / kafka_step:.0%}") for k in order],
+                ("all", f"{1000 * sum(proc_cpu.values()):.0f}", f"{sum(proc_cpu.values()) / kafka_step:.0%}")])
     print(f"\nKafka client CPU per step by category (py-spy, {args.rate} Hz, every service process; "
           f"share of the profiled step time {prof_step:.3f} s; goal: all Kafka under {GOAL_OVERHEAD:.0%})")
     services = sorted(by, key=lambda s: -sum(by[s].values()))
