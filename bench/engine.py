@@ -323,8 +323,6 @@ def bench_model(setup: ModelSetup, model_dir: Path, a: argparse.Namespace, group
     # work, so the groups' rows would add minutes and nothing new)
     hf_engine = TorchEngine(model_dir, max_batch=setup.max_batch, seed=a.seed, decoder="hf") if group == 1 else None
     prompts = grouped([engine.encode(t) for t in prompt_texts(setup.source, setup.prompts, a.seed)], group)
-    if not prompts:
-        raise SystemExit(f"--groups: a group of {group} is more than the {setup.prompts} prompts of {setup.name}")
     batch = min(setup.max_batch, len(prompts))
     lens = [len(p) for p in prompts]
     if max(lens) + setup.max_new_tokens > engine.max_positions:
@@ -434,6 +432,8 @@ def main() -> None:
             base = SETUPS[name]
             setup = ModelSetup(name, base.source, a.prompts or base.prompts,
                                a.max_new_tokens or base.max_new_tokens, a.max_batch or base.max_batch, base.repeats)
+            if max(groups) > setup.prompts:
+                raise SystemExit(f"--groups: a group of {max(groups)} is more than the {setup.prompts} prompts of {name}")
             if name == "tiny":
                 model_dir = init_tiny_model(Path(tmp) / "tiny", TINY_SPEC, seed=a.seed)
             else:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal
 
@@ -106,7 +107,7 @@ class Loops:
         s = self.settings
         try:
             wait_s = s.poll_timeout_s if timeout_s is None else timeout_s
-            recs = await self.consumer.getmany(timeout_ms=int(wait_s * 1000),
+            recs = await self.consumer.getmany(timeout_ms=math.ceil(wait_s * 1000),
                                                max_records=max_records or s.batch_max_records)
         except KafkaError as e:
             await self._poll_retry.failed(e)
