@@ -626,7 +626,7 @@ class RewardConfig(Section):
     """Shape of the simulated reward latency (as ``env.latency_sigma``)."""
     delivery: Literal["exactly_once", "at_least_once"] = "exactly_once"
     """How the router hands scored samples on. ``exactly_once``: in Kafka transactions (one every
-    ``txn_interval_s``, 0.1 s) together with the offsets they answer; a sample scored after a slower
+    ``txn_interval_s``, 0.1 s, or sooner once the input goes quiet) together with the offsets they answer; a sample scored after a slower
     one of its partition is committed at once, listed in the commit's metadata so that a restarted
     router skips it (no head-of-line blocking). ``at_least_once``: no transactions; each sample is
     sent the moment it is scored, and offsets are committed per partition up to the first

@@ -40,8 +40,8 @@ What :func:`run_service` guarantees:
 * **No group** (``group_id=None``): every partition is read from ``auto_offset_reset`` on each
   start and nothing is committed (the feeder rebuilds its state from the run's topics).
 * **Exactly once with ``transactional=True``.** Records are handled concurrently (up to
-  ``max_concurrency``, across polls: no batch barrier); every ``txn_interval_s`` one Kafka
-  transaction commits the outputs of every finished record together with the offsets
+  ``max_concurrency``, across polls: no batch barrier); every ``txn_interval_s`` (sooner once
+  the input goes quiet: :mod:`services.kafka.txn_loop`) one Kafka transaction commits the outputs of every finished record together with the offsets
   (consume-transform-produce). A record finished after a slower one of its partition is committed
   at once: the offset stays at the slower one and the commit's metadata lists the records after it
   that are done (:mod:`services.kafka.offsets`), which the partition's next reader skips. Readers

@@ -96,8 +96,9 @@ class ServiceSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     and how often ``on_tick`` runs when the topics are quiet)."""
     txn_interval_s: float = 0.1
     """Transactional services: how often finished work is committed (one transaction holding the
-    outputs of every record finished since the last one, and the offsets), seconds. While finished
-    records wait, a poll lasts only until the next transaction is due, so none waits longer."""
+    outputs of every record finished since the last one, and the offsets), seconds. When no
+    handler runs and no record came for ``QUIET_COMMIT_S`` (0.01 s), finished records commit
+    sooner, at most every ``txn_interval_s / 4`` (:mod:`services.kafka.txn_loop`)."""
     shutdown_grace_s: float = 10.0
     """On stop or partition revocation, how long in-flight handler calls may still run, seconds."""
     dedupe: bool = True

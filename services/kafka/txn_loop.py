@@ -1,8 +1,9 @@
 """The runtime's exactly-once loop (mixed into :class:`services.kafka.runtime.Runner`).
 
 :meth:`TxnLoop._loop_txn` runs transactional record handlers without a batch barrier: up to
-``max_concurrency`` handler calls at once across polls; at most every ``txn_interval_s`` one Kafka
-transaction commits the outputs of every finished record, and per partition the offset one past its
+``max_concurrency`` handler calls at once across polls; every ``txn_interval_s`` (sooner when the
+input goes quiet: :meth:`TxnLoop._loop_txn`) one Kafka transaction commits the outputs of every
+finished record, and per partition the offset one past its
 longest finished prefix, with the *ahead list* of the records finished after an unfinished one in
 the offset's metadata (:mod:`services.kafka.offsets`). Whoever reads the partition next (a
 restart, a rebalance) reads that list first and skips those records (counted in ``duplicates``):
@@ -30,7 +31,11 @@ from services.kafka.service import Outcome, Output
 
 log = logging.getLogger("rollstream.runtime")
 
-__all__ = ["TxnLoop"]
+__all__ = ["QUIET_COMMIT_S", "TxnLoop"]
+
+QUIET_COMMIT_S = 0.01
+"""How long the input must stay quiet, with no handler running, before finished records commit
+without waiting out ``txn_interval_s``, seconds."""
 
 
 class TxnLoop(Loops):
@@ -80,22 +85,31 @@ class TxnLoop(Loops):
             return
 
     async def _loop_txn(self) -> None:
+        """Poll, start handlers, commit. A transaction commits what finished when ``txn_interval_s``
+        passed since the last one, or earlier when the input went quiet: no handler running and
+        nothing new for :data:`QUIET_COMMIT_S` (then at most every ``txn_interval_s / 4``), so the
+        last records of a burst (an on-policy step's last samples) do not wait out the interval.
+        A poll returns when a running handler finishes, so its outputs are not held up by the poll."""
         s = self.settings
         cap = max(s.batch_max_records, s.max_concurrency)
         loop = asyncio.get_running_loop()
-        last_poll = last_commit = loop.time()
+        last_poll = last_txn = loop.time()
         stop_wait = asyncio.ensure_future(self.stop.wait())
         try:
             while not self.stop.is_set():
                 room = cap - len(self._tasks)
+                quiet = False  # the input stayed quiet for a whole poll with no handler running
                 if room > 0:
-                    wait_s: float | None = None  # idle: the plain poll timeout
-                    if self._txn_done:  # finished records wait for a transaction: poll until it is due, no longer
-                        wait_s = max(0.0, min(s.poll_timeout_s, last_commit + s.txn_interval_s - loop.time()))
-                    elif self._tasks:  # come back soon to commit what finishes meanwhile
-                        wait_s = min(s.poll_timeout_s, s.txn_interval_s)
-                    recs = await self._poll(min(room, s.batch_max_records), wait_s)
+                    now = loop.time()
+                    wait_s: float | None = None  # nothing finished: the plain poll timeout
+                    if self._txn_done:  # finished records wait: poll no longer than until they commit
+                        due = last_txn + s.txn_interval_s
+                        if not self._tasks:
+                            due = min(due, max(now + QUIET_COMMIT_S, last_txn + s.txn_interval_s / 4))
+                        wait_s = max(0.0, min(s.poll_timeout_s, due - now))
+                    recs, whole = await self._poll_or_finished(min(room, s.batch_max_records), wait_s)
                     last_poll = loop.time()
+                    quiet = whole and not recs and not self._tasks
                     unread = {r.tp for r in recs} - self._ahead_read
                     if unread:
                         await self._read_ahead(unread)
@@ -106,13 +120,33 @@ class TxnLoop(Loops):
                     if loop.time() - last_poll > s.max_poll_interval_s / 2:
                         await self.consumer.keepalive()
                         last_poll = loop.time()
-                if loop.time() - last_commit >= s.txn_interval_s:
+                since = loop.time() - last_txn
+                if self._txn_done and (since >= s.txn_interval_s or (quiet and since >= s.txn_interval_s / 4)):
                     await self._commit_txn_ready()
-                    last_commit = loop.time()
+                    last_txn = loop.time()  # also when nothing could commit yet: it waits for the next interval
                 if not self.stop.is_set():
                     await self._tick()
         finally:
             stop_wait.cancel()
+
+    async def _poll_or_finished(self, max_records: int, wait_s: float | None) -> tuple[list[Record], bool]:
+        """``(records, whole)``: a poll of up to ``wait_s``, cut short (with no records) when a running
+        handler finishes first; ``whole`` says it was not. Records the poll took are never lost: a
+        cut-short poll that got records meanwhile returns them."""
+        if not self._tasks:
+            return await self._poll(max_records, wait_s), True
+        poll = asyncio.ensure_future(self._poll(max_records, wait_s))
+        await asyncio.wait({poll, *self._tasks}, return_when=asyncio.FIRST_COMPLETED)
+        if poll.done():
+            return poll.result(), True
+        poll.cancel()
+        try:
+            return await poll, False  # it finished before the cancel took effect
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # we are being cancelled ourselves
+            return [], False
 
     async def _read_ahead(self, tps: set[TopicPartition]) -> None:
         """Before the first record of each of ``tps`` is admitted: the ahead list committed with

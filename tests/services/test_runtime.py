@@ -527,6 +527,44 @@ async def test_records_after_a_slow_one_of_their_partition_are_committed_at_once
     assert got == {TopicPartition(gens_t, 1): (metas[-1].offset + 1, "")}
 
 
+async def test_finished_records_do_not_wait_out_a_long_transaction_interval(
+    kafka: KafkaSettings, run_id: str, topics: list[str]
+) -> None:
+    """With ``txn_interval_s`` 4 s, a record whose handler takes 0.3 s, alone on a quiet input, is
+    committed about 1 s (a quarter interval) after the previous transaction at most: the poll ends
+    when the handler finishes, and a quiet input commits without waiting out the interval. Before,
+    each of these waited for the interval (about 4 s)."""
+    gens_t, scored_t = topic_name(run_id, "generations"), topic_name(run_id, "scored")
+    finished: list[float] = []
+
+    class SlowScorer(Scorer):
+        async def handle(self, rec: Record, ctx: Context) -> None:
+            await asyncio.sleep(0.3)
+            await super().handle(rec, ctx)
+            finished.append(time.monotonic())
+
+    s = settings(kafka, run_id, topics=["generations"], transactional=True, max_concurrency=4,
+                 txn_interval_s=4.0, poll_timeout_s=5.0)
+    runner = Runner(SlowScorer(), s)
+    job = asyncio.create_task(runner.run(install_signal_handlers=False))
+    try:
+        async with Producer(kafka) as p, Consumer(kafka, group_id=None, topics=[scored_t]) as reader:
+            for i in range(2):
+                await (await p.send_raw(gens_t, p.encode(generate(task(run_id, i))), b"k"))
+                got: list[Record] = []
+                deadline = time.monotonic() + 15
+                while not got:
+                    assert time.monotonic() < deadline and not job.done(), "the scored sample never became visible"
+                    got = await reader.getmany(timeout_ms=50)
+                visible = time.monotonic()
+                assert len(finished) == i + 1
+                assert visible - finished[-1] < 2.5, f"record {i}: committed {visible - finished[-1]:.2f} s after it finished"
+    finally:
+        runner.stop.set()
+        counters = await asyncio.wait_for(job, 10)
+    assert (counters.processed, counters.emitted) == (2, 2)
+
+
 async def test_a_slow_record_does_not_hold_back_the_other_partitions(
     kafka: KafkaSettings, run_id: str, topics: list[str]
 ) -> None:
