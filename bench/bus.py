@@ -33,7 +33,10 @@
      polling) — and its Kafka part from the profile: CPU seconds per step every service process
      spent in serialisation, produce, consume, commit, transactions, aiokafka's connection I/O
      and the runtime's own bookkeeping (:func:`classify` says exactly which frames count), as a
-     share of the profiled run's step time; plus the broker's CPU seconds when it runs here.
+     share of the profiled run's step time; plus the broker's CPU seconds when it runs here;
+   * CPU per step of every process of the unprofiled run (:class:`ProcCpu`: the kernel's count
+     from ``/proc``, first to last train step), the broker included: chDB's and OpenMP's native
+     threads count there, which py-spy does not see.
 
    ``--threads N`` sets the torch threads of every process (``OMP_NUM_THREADS`` for the
    services); ``--profile-out`` keeps the raw profile.
@@ -46,8 +49,9 @@
 Needs a reachable broker (``--bootstrap``, else ``$ROLLSTREAM_BOOTSTRAP``, else
 127.0.0.1:9092); creates the topics of a throwaway run and deletes them at the end.
 Tables 1-3 take well under a minute on 2 cores. The overhead part makes two 20-step runs through
-Kafka and one in process. On a loaded 2-core machine it took 16 minutes with torch's default
-threads and 4 minutes with ``--threads 1``.
+Kafka and one in process. The defaults took 2 minutes on a quiet 2-core machine (2026-11-27); on
+a loaded one the overhead part took 16 minutes with torch's default threads and 4 minutes with
+``--threads 1``.
 """
 
 from __future__ import annotations
