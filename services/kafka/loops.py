@@ -69,6 +69,7 @@ class Loops:
     _sem: asyncio.Semaphore
     _offsets: OffsetTracker
     _tasks: dict[asyncio.Task[None], Record]
+    _task_finished: asyncio.Event
     _revoking: set[TopicPartition]
     _batch: asyncio.Task[None] | None
     _txn_committing: bool
@@ -249,6 +250,7 @@ class Loops:
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.pop(task, None)
+        self._task_finished.set()
         if not task.cancelled() and task.exception() is not None:
             self._set_fatal(task.exception())  # type: ignore[arg-type]
 

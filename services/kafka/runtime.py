@@ -235,6 +235,7 @@ class Runner(Renewal, TxnLoop):
         self._force = asyncio.Event()
         self._offsets = OffsetTracker()
         self._tasks: dict[asyncio.Task[None], Record] = {}
+        self._task_finished = asyncio.Event()  # set when a handler task ends (the exactly-once loop's polls)
         self._revoking: set[TopicPartition] = set()
         self._sem = asyncio.Semaphore(settings.max_concurrency)
         self._batch: asyncio.Task[None] | None = None

@@ -102,7 +102,7 @@ class TxnLoop(Loops):
                 if room > 0:
                     now = loop.time()
                     wait_s: float | None = None  # nothing finished: the plain poll timeout
-                    if self._txn_done:  # finished records wait: poll no longer than until they commit
+                    if self._txn_waiting():  # finished records wait: poll no longer than until they commit
                         due = last_txn + s.txn_interval_s
                         if not self._tasks:
                             due = min(due, max(now + QUIET_COMMIT_S, last_txn + s.txn_interval_s / 4))
@@ -121,7 +121,7 @@ class TxnLoop(Loops):
                         await self.consumer.keepalive()
                         last_poll = loop.time()
                 since = loop.time() - last_txn
-                if self._txn_done and (since >= s.txn_interval_s or (quiet and since >= s.txn_interval_s / 4)):
+                if self._txn_waiting() and (since >= s.txn_interval_s or (quiet and since >= s.txn_interval_s / 4)):
                     await self._commit_txn_ready()
                     last_txn = loop.time()  # also when nothing could commit yet: it waits for the next interval
                 if not self.stop.is_set():
@@ -129,14 +129,27 @@ class TxnLoop(Loops):
         finally:
             stop_wait.cancel()
 
+    def _txn_waiting(self) -> bool:
+        """Whether the next transaction has something to commit: finished records' outputs, or
+        offsets that moved (records skipped as already committed by an earlier owner move them too)."""
+        return bool(self._txn_done) or bool(self._offsets.ready())
+
     async def _poll_or_finished(self, max_records: int, wait_s: float | None) -> tuple[list[Record], bool]:
         """``(records, whole)``: a poll of up to ``wait_s``, cut short (with no records) when a running
         handler finishes first; ``whole`` says it was not. Records the poll took are never lost: a
         cut-short poll that got records meanwhile returns them."""
         if not self._tasks:
             return await self._poll(max_records, wait_s), True
+        self._task_finished.clear()  # one event for all handlers: a wait costs the same with 1 or 500 running
         poll = asyncio.ensure_future(self._poll(max_records, wait_s))
-        await asyncio.wait({poll, *self._tasks}, return_when=asyncio.FIRST_COMPLETED)
+        finished = asyncio.ensure_future(self._task_finished.wait())
+        try:
+            await asyncio.wait({poll, finished}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            poll.cancel()  # we are being cancelled: no poll is left running
+            raise
+        finally:
+            finished.cancel()
         if poll.done():
             return poll.result(), True
         poll.cancel()
