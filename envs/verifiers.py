@@ -14,6 +14,9 @@ import os
 import queue
 import re
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from fractions import Fraction
 from typing import Any, Literal
 
@@ -132,30 +135,31 @@ class _Workers:
     abandoned ones."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Any, list[VerifyResult], threading.Event]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], VerifyResult], Future[VerifyResult]]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle = 0
         self.started = 0
         """Worker threads started so far."""
 
-    def run(self, call: Any, timeout_s: float) -> VerifyResult | None:
+    def run(self, call: Callable[[], VerifyResult], timeout_s: float) -> VerifyResult | None:
         """``call()``'s result, or ``None`` if it did not finish within ``timeout_s``."""
-        box: list[VerifyResult] = []
-        done = threading.Event()
+        result: Future[VerifyResult] = Future()
         with self._lock:
             if self._idle:
                 self._idle -= 1  # that worker takes this job (or another queued one: there is one per job)
             else:
                 self.started += 1
                 threading.Thread(target=self._work, daemon=True, name=f"verifier-{self.started}").start()
-        self._jobs.put((call, box, done))
-        return box[0] if done.wait(timeout_s) and box else None
+        self._jobs.put((call, result))
+        try:
+            return result.result(timeout_s)
+        except FutureTimeout:
+            return None
 
     def _work(self) -> None:
         while True:
-            call, box, done = self._jobs.get()
-            box.append(call())
-            done.set()
+            call, result = self._jobs.get()
+            result.set_result(call())  # ``_call`` never raises
             with self._lock:
                 self._idle += 1
 
