@@ -22,7 +22,9 @@
   identical prompts and a common prefix of one admission are prefilled once: a GRPO group's
   samples, a chat template's system turn; :attr:`TorchEngine.prompt_tokens_reused` counts what
   that saved). Columns that are padding for every row are trimmed after eviction, so the cache
-  length stays at the longest live row.
+  length stays at the longest live row. Per step, the Python work per row is one pass that
+  records the sampled token and checks EOS, stop strings and the length cap (computed once at
+  admission); the rows' sampling parameters live as tensors beside them, built once per row.
 * **Logprobs.** Per generated token, ``log_softmax(logits / T)[token]`` of the request's
   temperature ``T``, untruncated by ``top_p`` (see :mod:`rollout.sampling`); this equals the
   trainer's teacher-forced logprob of the same weights at the same temperature up to float
@@ -239,8 +241,33 @@ class _Row:
     submitted: float
     started: float
     version: int
+    cap: int
+    """Most tokens this row may generate: its ``max_new_tokens``, within the model's positions."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _RowParams:
+    """The sampling parameters of a batch's rows as tensors, one entry per row in row order, kept
+    beside the rows (built once per row at admission, not per decode step)."""
+
+    temperature: torch.Tensor  # (B,) float
+    top_p: torch.Tensor  # (B,) float
+    greedy: torch.Tensor  # (B,) bool
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], device: torch.device) -> _RowParams:
+        return cls(torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+                   torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+                   torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device))
+
+    def cat(self, other: _RowParams) -> _RowParams:
+        return _RowParams(torch.cat([self.temperature, other.temperature]), torch.cat([self.top_p, other.top_p]),
+                          torch.cat([self.greedy, other.greedy]))
+
+    def select(self, idx: torch.Tensor) -> _RowParams:
+        return _RowParams(self.temperature[idx], self.top_p[idx], self.greedy[idx])
 
 
 @dataclass
@@ -336,17 +363,21 @@ class _Slots:
         self.device = decoder.device
         self.rows: list[_Row] = []
         self.next_token = torch.zeros(0, dtype=torch.long, device=self.device)  # (B,)
+        self.params = _RowParams.of([], self.device)
 
-    def add(self, rows: list[_Row], tokens: torch.Tensor) -> None:
-        """Rows the decoder just prefilled, with their first sampled tokens."""
-        self.next_token = torch.cat([self.next_token, tokens])
+    def add(self, rows: list[_Row], tokens: torch.Tensor, params: _RowParams) -> None:
+        """Rows the decoder just prefilled, with their first sampled tokens and their parameters."""
+        next_token, params = torch.cat([self.next_token, tokens]), self.params.cat(params)
+        self.next_token, self.params = next_token, params
         self.rows += rows
 
     def keep(self, keep: list[int]) -> None:
         """Evict every row not in ``keep``."""
         order = self.decoder.keep(keep)
+        idx = torch.tensor(order, dtype=torch.long, device=self.device)
         self.rows = [self.rows[i] for i in order]
-        self.next_token = self.next_token[torch.tensor(order, dtype=torch.long, device=self.device)]
+        self.next_token = self.next_token[idx]
+        self.params = self.params.select(idx)
 
 
 # --------------------------------------------------------------------------- engine
@@ -568,33 +599,38 @@ class TorchEngine:
 
     @torch.inference_mode()
     def _step_locked(self) -> list[tuple[_Row, Completion]]:
-        self._admit()
-        finished = self._collect_finished()
+        finished = self._admit()
         if self._slots.rows:
-            self._decode()
-            finished += self._collect_finished()
+            finished += self._decode()
         return finished
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[tuple[_Row, Completion]]:
+        """Prefill waiting requests into free slots (when :meth:`_admit_now` says so); the
+        completions of the new rows that finished at their first token."""
         free = self.max_batch - len(self._slots.rows)
         if not self._admit_now(free):
             self._waited_steps += 1
-            return
+            return []
         self._waited_steps = 0
         batch = [self._pending.popleft() for _ in range(min(free, len(self._pending)))]
         if not batch:
-            return
+            return []
         now = time.perf_counter()
-        rows = [_Row(p.request, p.out, p.submitted, now, self.policy_version) for p in batch]
+        rows = [_Row(p.request, p.out, p.submitted, now, self.policy_version,
+                     min(p.request.params.max_new_tokens, self.max_positions - len(p.request.prompt_ids)))
+                for p in batch]
         self._admitting = rows
         decoder = self._slots.decoder
         reused = decoder.reused_tokens
         logits = decoder.prefill([r.request.prompt_ids for r in rows])  # (b, V)
         self.prompt_tokens += sum(len(r.request.prompt_ids) for r in rows)
         self.prompt_tokens_reused += decoder.reused_tokens - reused
-        tokens = self._sample(logits, rows)
-        self._slots.add(rows, tokens)
+        params = _RowParams.of([r.request.params for r in rows], self.device)
+        tokens, done = self._sample(logits, rows, params)
+        first = len(self._slots.rows)
+        self._slots.add(rows, tokens, params)
         self._admitting = []
+        return self._evict([(first + i, why) for i, why in done])
 
     def _admit_now(self, free: int) -> bool:
         """Whether this step prefills the waiting requests. Prefill is batched: with rows running,
@@ -608,35 +644,30 @@ class TorchEngine:
         return (min(len(self._pending), free) >= max(1, min(free, self.max_batch // 4))
                 or self._waited_steps >= self.ADMIT_WAIT_STEPS)
 
-    def _decode(self) -> None:
+    def _decode(self) -> list[tuple[_Row, Completion]]:
+        """One decode step of every row; the completions of the rows it finished."""
         s = self._slots
         logits = s.decoder.decode(s.next_token)  # (B, V)
-        s.next_token = self._sample(logits, s.rows)
+        s.next_token, done = self._sample(logits, s.rows, s.params)
+        return self._evict(done)
 
-    def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
-        """Sample for ``rows`` (the last ``len(rows)`` slot params, or new rows) and record."""
-        params = [r.request.params for r in rows]
-        tokens, logprobs = sample_next(
-            logits,
-            torch.tensor([p.temperature for p in params], device=self.device),
-            torch.tensor([p.top_p for p in params], device=self.device),
-            torch.tensor([p.greedy for p in params], device=self.device),
-            self.generator,
-        )
-        for row, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
+    def _sample(self, logits: torch.Tensor, rows: list[_Row], params: _RowParams
+                ) -> tuple[torch.Tensor, list[tuple[int, FinishReason]]]:
+        """Sample one token for each of ``rows`` (``logits`` and ``params`` in row order) and record
+        it; the tokens (B,) and, for each row that this token finished, (its index, why)."""
+        tokens, logprobs = sample_next(logits, params.temperature, params.top_p, params.greedy, self.generator)
+        eos = self.eos_ids
+        done: list[tuple[int, FinishReason]] = []
+        for i, (row, tok, lp) in enumerate(zip(rows, tokens.tolist(), logprobs.tolist(), strict=True)):
             row.tokens.append(tok)
             row.logprobs.append(lp)
+            stop = row.request.params.stop
+            if tok in eos or (stop and self._hit_stop(row.tokens, stop)):
+                done.append((i, "stop"))
+            elif len(row.tokens) >= row.cap:
+                done.append((i, "length"))
         self.tokens_generated += len(rows)
-        return tokens
-
-    def _finish_reason(self, row: _Row) -> FinishReason | None:
-        if row.tokens and row.tokens[-1] in self.eos_ids:
-            return "stop"
-        stop = row.request.params.stop
-        if stop and self._hit_stop(row.tokens, stop):
-            return "stop"
-        cap = min(row.request.params.max_new_tokens, self.max_positions - len(row.request.prompt_ids))
-        return "length" if len(row.tokens) >= cap else None
+        return tokens, done
 
     def _hit_stop(self, tokens: list[int], stop: tuple[str, ...]) -> bool:
         """Whether the newest token completes a stop string: one occurs in the decoded tail that
@@ -649,13 +680,15 @@ class TorchEngine:
         before = self.tokenizer.decode(tokens[-n:-1], skip_special_tokens=True) if len(tokens) > 1 else ""
         return not any(s in before for s in stop)
 
-    def _collect_finished(self) -> list[tuple[_Row, Completion]]:
-        reasons = [self._finish_reason(r) for r in self._slots.rows]
-        if not any(reasons):
+    def _evict(self, done: list[tuple[int, FinishReason]]) -> list[tuple[_Row, Completion]]:
+        """Complete and evict the running rows at the given indices."""
+        if not done:
             return []
-        done = [(r, self._complete(r, why)) for r, why in zip(self._slots.rows, reasons, strict=True) if why]
-        self._slots.keep([i for i, why in enumerate(reasons) if why is None])
-        return done
+        rows = self._slots.rows
+        finished = [(rows[i], self._complete(rows[i], why)) for i, why in done]
+        gone = {i for i, _ in done}
+        self._slots.keep([i for i in range(len(rows)) if i not in gone])
+        return finished
 
     def _complete(self, row: _Row, reason: FinishReason, error: str = "") -> Completion:
         now = time.perf_counter()

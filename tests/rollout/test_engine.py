@@ -185,7 +185,7 @@ async def test_a_failure_while_joining_the_batch_completes_each_request_once(
     # generate() handed out one request's completion twice and another's never)
     engine = TorchEngine(model_dir, max_batch=2, decoder=decoder)  # fewer slots than requests: several admissions fail
 
-    def half_add(self: object, rows: list[object], tokens: object) -> None:
+    def half_add(self: object, rows: list[object], tokens: object, params: object) -> None:
         self.rows += rows  # type: ignore[attr-defined]
         raise RuntimeError("Expected all tensors to be on the same device")
 
@@ -231,9 +231,11 @@ def test_the_running_batch_lives_on_the_model_device(model_dir: Path) -> None:
             cache.update(torch.zeros(rows, 2, width, 4, device="meta"), torch.zeros(rows, 2, width, 4, device="meta"),
                          layer)
         hf.append(cache, torch.ones(rows, width, dtype=torch.long, device="meta"))
-        slots.add([object()] * rows, torch.zeros(rows, dtype=torch.long, device="meta"))  # type: ignore[list-item]
+        params = engine_module._RowParams.of([SamplingParams()] * rows, torch.device("meta"))
+        slots.add([object()] * rows, torch.zeros(rows, dtype=torch.long, device="meta"), params)  # type: ignore[list-item]
     assert len(slots.rows) == hf.rows == 5 and hf.mask.shape == (5, 7)
-    assert {t.device.type for t in (hf.mask, slots.next_token, hf.next_pos)} == {"meta"}
+    assert {t.device.type for t in (hf.mask, slots.next_token, hf.next_pos, slots.params.temperature,
+                                    slots.params.greedy)} == {"meta"}
 
     fast = SlotDecoder(load_model(model_dir, dtype="float32", device="cpu").to("meta"), slots=4)
     logits = fast.prefill([[1, 5, 6], [1, 7]])
