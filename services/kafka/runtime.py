@@ -245,7 +245,10 @@ class Runner(Renewal, TxnLoop):
         """Transactional: per partition, the offsets at or after the committed one whose outputs a
         committed transaction holds (the ahead list committed with the offset)."""
         self._ahead_read: set[TopicPartition] = set()
-        """Partitions whose committed ahead list was read since they were assigned."""
+        """Partitions whose committed ahead list was read since they were assigned. Not the keys of
+        ``_ahead``: a transaction that was already committing when its partition was revoked puts
+        the partition back into ``_ahead`` afterwards, and its list must still be read again (from
+        the group, where the new owner may have moved it) when the partition comes back."""
         self._fatal: BaseException | None = None
         self._closed = False
         self._closing: set[asyncio.Task[Any]] = set()
