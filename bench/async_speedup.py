@@ -7,8 +7,9 @@ parameters), warmed up once (``bench/learn_offline.py``'s supervised warm-up, 30
 shared by every mode; ``train.batch_size`` 64 (8 groups of 8), ``--steps`` GRPO steps. Every
 sample's reward takes a simulated latency drawn from a lognormal distribution with mean
 ``--mean-s`` and log-space sigma 0.5 / 1.0 / 1.5 (levels low / medium / high variance), as
-``reward.latency`` does in the reward router (the same draw function; keyed by sample id, so
-the draws of two modes differ but their distribution is the same).
+``reward.latency`` does in the reward router (the same draw function, keyed by sample id: every
+mode draws the same latencies for the same groups, the sync loop's step ``s`` taking groups
+``8 (s - 1)`` to ``8 s - 1`` as a run's feeder numbers them).
 
 Modes, run one after the other:
 
@@ -40,11 +41,10 @@ Per mode it prints:
 * the policy's bound and the fraction of it reached (``bench/policy_sim.py``): rollstream's own
   scheduling (a sample holds its slot until the step that takes it has trained; complete groups
   in arrival order; stale samples dropped) simulated with the same ``G`` and ``T`` and no overhead
-  at all. A streaming row is simulated with the latencies its reward router drew (keyed by sample
-  id, so every streaming run of a level draws the same ones), and the simulated count of stale
-  samples is printed beside the measured one; the sync row with the expectation over fresh draws.
-  The measured step against this bound is the implementation's efficiency; the ideal bound
-  against it is what the policy costs;
+  at all, with the latencies the mode drew; a streaming row prints the simulated count of stale
+  samples beside the measured one. The measured step against this bound is the implementation's
+  efficiency; the ideal bound against it is what the policy costs. The ideal bounds use the
+  expected maxima, so a level's draws can put a row above or below 100% of them;
 * final held-out greedy accuracy (256 held-out problems), so that speed is never bought with
   learning.
 
@@ -76,7 +76,7 @@ sys.path.insert(0, str(HERE))
 import learn_offline as lo  # noqa: E402  (bench/learn_offline.py: warm-up, rollout step, evaluation)
 import torch  # noqa: E402
 from common import machine, warm_model  # noqa: E402  (bench/common.py: shared bench helpers)
-from policy_sim import router_draws, simulate, simulate_run  # noqa: E402  (bench/policy_sim.py)
+from policy_sim import router_draws, simulate_run  # noqa: E402  (bench/policy_sim.py)
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from envs import make_source  # noqa: E402
@@ -119,7 +119,7 @@ async def sync_mode(cfg: RunConfig, model: Path, sigma: float, mean_s: float, wo
                              lr_warmup_steps=cfg.train.lr_warmup_steps,
                              skip_zero_advantage=cfg.train.skip_zero_advantage)  # as the trainer service
     engine = TorchEngine(model, max_batch=cfg.rollout.max_batch, seed=cfg.run.seed)
-    tag = uuid.uuid4().hex[:6]
+    per_step = cfg.train.batch_size // cfg.rollout.group_size
     ends: list[float] = []
     gen_s: list[float] = []
     train_s: list[float] = []
@@ -127,8 +127,11 @@ async def sync_mode(cfg: RunConfig, model: Path, sigma: float, mean_s: float, wo
         t0 = time.perf_counter()
         samples, _ = await lo.rollout_step(engine, source, verifier, cfg, rng)  # generate all, score all (inline)
         t1 = time.perf_counter()
-        await asyncio.gather(*(asyncio.sleep(draw_latency_s("lognormal", mean_s, sigma, f"{tag}/{step}/{s.sample_id}"))
-                               for s in samples))  # the reward stage ends with its slowest sample
+        # the reward stage ends with its slowest sample; the latencies are those that a run's reward
+        # router draws for the same groups (g<index>/<member>, the feeder's numbering)
+        await asyncio.gather(*(asyncio.sleep(draw_latency_s("lognormal", mean_s, sigma, run_sample_id(s.sample_id, step,
+                                                                                                        per_step)))
+                               for s in samples))
         t2 = time.perf_counter()
         strategy.train_step(samples)
         new_dir, _ = strategy.export_weights(work / f"v{step}")
@@ -143,6 +146,13 @@ async def sync_mode(cfg: RunConfig, model: Path, sigma: float, mean_s: float, wo
     step_s = (ends[-1] - ends[0]) / (len(ends) - 1)
     g, t = statistics.mean(gen_s[1:]), statistics.mean(train_s[1:])
     return Result("sync", step_s, acc, f"G {g:.2f}s  T {t:.2f}s"), g, t
+
+
+def run_sample_id(sample_id: str, step: int, groups_per_step: int) -> str:
+    """The id that the sample ``<g>/<i>`` of the sync loop's step ``step`` (from 1) would have in a
+    run whose feeder issues ``groups_per_step`` groups a step: ``g<index:06d>/<i>``."""
+    g, i = sample_id.split("/")
+    return f"g{(step - 1) * groups_per_step + int(g):06d}/{i}"
 
 
 def stream_mode(k: int, cfg: RunConfig, model: Path, sigma: float, mean_s: float, runs: Path,
@@ -236,12 +246,10 @@ def main() -> None:
                 k = 0 if r.mode == "sync" else int(r.mode.split()[1])
                 # on-policy (sync, stream 0) waits for the batch's slowest reward; k >= 1 overlaps groups
                 bound = g + emax + t if k == 0 else max(g + t, gmax / (1 + k))
-                if r.mode == "sync":
-                    policy, sim_stale = simulate(0, a.steps, g, t, a.mean_s, sigma).step_s, ""
-                else:  # the latencies this run's reward router drew
-                    run = simulate_run(k, a.steps, g, t, router_draws(a.mean_s, sigma), BATCH, GROUP)
-                    policy = (run.ends[-1] - run.ends[0]) / (len(run.ends) - 1)
-                    sim_stale = f" (policy {run.stale}/{run.issued})"
+                # with the latencies that this mode drew (every mode draws the same ones)
+                run = simulate_run(k, a.steps, g, t, router_draws(a.mean_s, sigma), BATCH, GROUP)
+                policy = (run.ends[-1] - run.ends[0]) / (len(run.ends) - 1)
+                sim_stale = "" if r.mode == "sync" else f" (policy {run.stale}/{run.issued})"
                 print(f"{level:8} {r.mode:13} {r.step_s:7.2f} {base / r.step_s:7.2f}x {bound:8.2f} "
                       f"{bound / r.step_s:8.0%} {policy:8.2f} {policy / r.step_s:9.0%} {r.accuracy:8.3f}  "
                       f"sigma {sigma}, E[max L] {emax:.2f}s (group {gmax:.2f}s); {r.detail}{sim_stale}")
