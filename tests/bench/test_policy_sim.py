@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from policy_sim import router_draws, simulate, simulate_run
-
 from services.latency import draw_latency_s
+
+# bench/ is a directory of scripts, not a package: load the module from its file (putting bench/ on
+# sys.path would let its script names shadow other modules for the rest of the test session)
+_spec = importlib.util.spec_from_file_location("bench_policy_sim", Path(__file__).resolve().parents[2] / "bench" / "policy_sim.py")
+assert _spec is not None and _spec.loader is not None
+policy_sim = sys.modules["bench_policy_sim"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
+_spec.loader.exec_module(policy_sim)
+router_draws, simulate, simulate_run = policy_sim.router_draws, policy_sim.simulate, policy_sim.simulate_run
 
 
 def test_on_policy_steps_take_generation_the_slowest_reward_and_training() -> None:
