@@ -99,7 +99,6 @@ def simulate_run(k: int, steps: int, gen_s: float, train_s: float, latency: Late
     version = outstanding = issued = stale = 0
     training = False
     groups: list[_Group] = []  # issued, in issue (= arrival) order, until a step takes them
-    groups_issued: list[_Group] = []
     ends: list[float] = []
 
     def push(t: float, kind: str, payload: object) -> None:
@@ -117,8 +116,7 @@ def simulate_run(k: int, steps: int, gen_s: float, train_s: float, latency: Late
         n = (cap - outstanding) // group
         if n <= 0 or len(ends) >= steps:
             return
-        new = [_Group(len(groups_issued) + i, version) for i in range(n)]
-        groups_issued.extend(new)
+        new = [_Group(issued // group + i, version) for i in range(n)]
         groups.extend(new)
         outstanding += n * group
         issued += n * group

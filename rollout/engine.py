@@ -368,7 +368,7 @@ class _Slots:
     def add(self, rows: list[_Row], tokens: torch.Tensor, params: _RowParams) -> None:
         """Rows the decoder just prefilled, with their first sampled tokens and their parameters."""
         next_token, params = torch.cat([self.next_token, tokens]), self.params.cat(params)
-        self.next_token, self.params = next_token, params
+        self.next_token, self.params = next_token, params  # both built before either changes
         self.rows += rows
 
     def keep(self, keep: list[int]) -> None:
