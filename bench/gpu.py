@@ -19,7 +19,8 @@ three should agree to round-off (``PASS`` at 1e-4); in bfloat16 only approximate
 
 **Engine.** :class:`rollout.engine.TorchEngine` (continuous batching, bfloat16 and float32) on the
 GPU, with each of its two decoders (``slots``: :mod:`rollout.slot_decoder`, the default for Llama-family
-models; ``hf``: transformers' forward and ``DynamicCache``), against ``model.generate()`` on the same
+models, with its decode steps as CUDA graphs, and ``eager``: the same without graphs; ``hf``:
+transformers' forward and ``DynamicCache``), against ``model.generate()`` on the same
 model: generated tokens/s (the median of ``--repeats`` timed passes, the order rotating, after one
 warm-up pass each), and the largest difference between each decoder's behaviour logprobs and a
 teacher-forced forward pass over the same tokens (what the trainer recomputes).
@@ -318,7 +319,8 @@ def engine_rows(a: argparse.Namespace, models: dict[str, Path]) -> list[dict[str
         prompts = [[1, *torch.randint(4, vocab, (int(torch.randint(16, 48, (1,), generator=g)),), generator=g).tolist()] for _ in range(a.prompts)]
         for dtype in a.dtypes.split(","):
             engines = {kind: TorchEngine(model_dir, max_batch=a.max_batch, device=a.device, dtype=dtype,
-                                         chat_template=False, decoder=kind) for kind in ("slots", "hf")}
+                                         chat_template=False, decoder="hf" if kind == "hf" else "slots",
+                                         cuda_graphs=kind == "slots") for kind in ("slots", "eager", "hf")}
             params = SamplingParams(max_new_tokens=a.max_new_tokens)
             reqs = [GenerationRequest(str(i), p, params) for i, p in enumerate(prompts)]
             model_obj = engines["slots"].model
@@ -342,13 +344,13 @@ def engine_rows(a: argparse.Namespace, models: dict[str, Path]) -> list[dict[str
                     raise RuntimeError(f"engine/{kind} on {label}: {len(errors)} completions failed: {errors[0]}")
                 return sum(len(c.token_ids) for c in done), took, done
 
-            kinds = ["slots", "hf", "generate"]
+            kinds = ["slots", "eager", "hf", "generate"]
             for kind in kinds:
                 timed(kind)  # warm-up: the whole timed workload once (kernels, allocator)
             tok_s: dict[str, list[float]] = {k: [] for k in kinds}
             last: dict[str, list[Any]] = {}
             for rep in range(a.repeats):  # the order rotates
-                for kind in kinds[rep % 3:] + kinds[: rep % 3]:
+                for kind in kinds[rep % len(kinds):] + kinds[: rep % len(kinds)]:
                     n, sec, done = timed(kind)
                     tok_s[kind].append(n / sec)
                     last[kind] = done
@@ -356,7 +358,7 @@ def engine_rows(a: argparse.Namespace, models: dict[str, Path]) -> list[dict[str
                 profile_pass(a, engines["slots"], reqs, f"{model}-{dtype}")
             # the same tokens teacher-forced through the same model: the trainer's recomputed logprobs
             worst = {}
-            for kind in ("slots", "hf"):
+            for kind in ("slots", "eager", "hf"):
                 worst[kind] = 0.0
                 with torch.inference_mode():
                     for c, p in zip(last[kind][:32], prompts[:32], strict=True):
@@ -365,10 +367,16 @@ def engine_rows(a: argparse.Namespace, models: dict[str, Path]) -> list[dict[str
                         lp = torch.log_softmax(logits, -1).gather(-1, ids[0, len(p):, None])[:, 0]
                         worst[kind] = max(worst[kind], (lp.cpu() - torch.tensor(c.logprobs)).abs().max().item())
             med = {k: statistics.median(v) for k, v in tok_s.items()}
-            row = {"model": model, "dtype": dtype, "engine_tok_s": med["slots"], "engine_hf_tok_s": med["hf"],
-                   "generate_tok_s": med["generate"], "engine_over_generate": med["slots"] / med["generate"],
+            graphed = engines["slots"]._slots.decoder
+            row = {"model": model, "dtype": dtype, "engine_tok_s": med["slots"], "engine_eager_tok_s": med["eager"],
+                   "engine_hf_tok_s": med["hf"], "generate_tok_s": med["generate"],
+                   "engine_over_generate": med["slots"] / med["generate"],
+                   "engine_eager_over_generate": med["eager"] / med["generate"],
                    "engine_hf_over_generate": med["hf"] / med["generate"], "logprob_max_diff": worst["slots"],
-                   "logprob_max_diff_hf": worst["hf"], "passes_tok_s": tok_s, "prompts": len(prompts),
+                   "logprob_max_diff_eager": worst["eager"], "logprob_max_diff_hf": worst["hf"],
+                   "cuda_graphs": bool(getattr(graphed, "cuda_graphs", False)),
+                   "graph_captures": int(getattr(graphed, "graph_captures", 0)),
+                   "passes_tok_s": tok_s, "prompts": len(prompts),
                    "max_new_tokens": a.max_new_tokens, "max_batch": a.max_batch}
             rows.append(row)
             emit(row)

@@ -7,6 +7,8 @@
   engine's own forward over a preallocated per-slot KV cache (see :mod:`rollout.slot_decoder`;
   1.3-2x the throughput of the other path on 2 CPU cores, bench/README.md). Any other causal LM runs
   through :class:`HFDecoder`, transformers' own forward, described next. ``decoder="hf"`` forces it.
+  On a CUDA device the slot decoder replays each decode step as a CUDA graph (``cuda_graphs``,
+  on by default), one launch in place of one per op.
 * **Slots.** At most ``max_batch`` sequences run together in one padded batch with one KV cache
   (for :class:`HFDecoder`, a transformers ``DynamicCache`` whose per-layer ``(B, heads, L, head_dim)``
   tensors we edit). Rows are right-aligned: each row's tokens occupy the last columns of the cache,
@@ -401,6 +403,7 @@ class TorchEngine:
         chat_template: bool | str = "auto",
         system_prompt: str = "",
         decoder: Literal["auto", "slots", "hf"] = "auto",
+        cuda_graphs: bool = True,
     ) -> None:
         if decoder not in ("auto", "slots", "hf"):
             raise ValueError(f"decoder must be 'auto', 'slots' or 'hf', got {decoder!r}")
@@ -438,6 +441,9 @@ class TorchEngine:
         self.decoder: Literal["slots", "hf"] = "hf" if decoder == "hf" or why_not else "slots"
         """Which forward runs the batch: ``slots`` (:class:`rollout.slot_decoder.SlotDecoder`, the
         Llama-family fast path) or ``hf`` (transformers' forward, any causal LM)."""
+        self.cuda_graphs = cuda_graphs
+        """Whether the slot decoder replays its decode steps as CUDA graphs on a CUDA device
+        (:mod:`rollout.slot_decoder`); no effect on the CPU or with the ``hf`` decoder."""
         self._slots = _Slots(self._new_decoder())
         self._admitting: list[_Row] = []  # popped from _pending, not yet in _slots
         self._waited_steps = 0  # decode steps since waiting requests were last admitted
@@ -446,7 +452,7 @@ class TorchEngine:
 
     def _new_decoder(self) -> Decoder:
         if self.decoder == "slots":
-            return SlotDecoder(self.model, self.max_batch)
+            return SlotDecoder(self.model, self.max_batch, cuda_graphs=self.cuda_graphs)
         return HFDecoder(self.model, self.device, self._last_logits_only)
 
     def _eos_ids(self) -> set[int]:

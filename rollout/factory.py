@@ -68,6 +68,11 @@ def check_engine(cfg: RunConfig) -> None:
                           "rollout.engine=torch")
     for url in r.server_urls:
         check_url(url)
+    if not r.cuda_graphs:
+        raise ConfigError(f"config: rollout.cuda_graphs=false applies to rollout.engine=torch only; with "
+                          f"rollout.engine={r.engine!r} the server decides"
+                          f"{' (rollstream serve --no-cuda-graphs)' if r.engine == 'server' else ''}: "
+                          "remove rollout.cuda_graphs")
     if r.device != "auto":
         raise ConfigError(f"config: rollout.device={r.device!r} applies to rollout.engine=torch only; with "
                           f"rollout.engine={r.engine!r} the server picks its device ({serve} --device ...): "
@@ -144,4 +149,5 @@ def make_engine(
         policy_version=policy_version,
         chat_template=cfg.model.chat_template,
         system_prompt=cfg.model.system_prompt,
+        cuda_graphs=cfg.rollout.cuda_graphs,
     )

@@ -38,6 +38,20 @@ Llama-family architectures that :func:`slot_support` accepts, through :class:`Sl
   skips transformers' per-step mask building, module hooks and cache bookkeeping; the results
   equal transformers' forward up to float round-off (``tests/rollout/test_slot_decoder.py``).
 
+* **On a CUDA device the decode step is a CUDA graph** (``cuda_graphs``, on by default there). At
+  these model sizes a step costs the GPU microseconds and the host milliseconds: one kernel launch
+  per op, about 38 per layer (``bench/README.md``, gpu.py). A graph replays the whole step's
+  kernels in one launch. It needs fixed shapes, so a graphed step runs over a fixed number of rows
+  (the running rows rounded up to a power of two, at most ``slots``: the rows beyond them are
+  padding whose outputs are dropped) and attends over every cache column (``capacity``, masked by
+  each row's length) instead of the longest row's. One graph is captured per (rows, capacity) pair
+  the first time it is needed (its first run is an ordinary eager step), and all are dropped when
+  the cache grows. The graphs read the live weights, so an in-place weight swap
+  (:func:`rollout.engine.copy_weights_`) reaches them. A padding row's write lands in a free slot
+  at a column that a later row overwrites before it attends to it (prefill writes columns
+  ``0 .. len - 1``; decode writes column ``len`` before reading it). Not for RoPE types that
+  rescale with the sequence length (``dynamic``): those stay eager.
+
 Capacity starts at what the first prompts need (at least 64 columns) and grows by half (in
 multiples of 64 columns, one copy), up to the model's ``max_position_embeddings``, when a row needs
 more. Memory is
@@ -46,11 +60,14 @@ more. Memory is
 
 from __future__ import annotations
 
+import logging
 import typing
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger("rollstream.rollout")
 
 SLOT_MODEL_TYPES = ("llama", "qwen2")
 """``config.model_type`` values whose decoder layers :class:`SlotDecoder` computes."""
@@ -98,7 +115,15 @@ def fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Te
     """One weight (and bias) for ``linears`` that share an input: their weights concatenated along
     the output dimension, each layer's parameter re-pointed at its rows of it (``param.data`` becomes
     a view). One matmul then computes all of them, and an in-place weight copy into the layers
-    (:func:`rollout.engine.copy_weights_`) updates the fused weight too: there is no copy to go stale."""
+    (:func:`rollout.engine.copy_weights_`) updates the fused weight too: there is no copy to go stale.
+
+    Fusing the same linears again (a second decoder on the same model) returns the first fusion:
+    a new one would re-point the parameters away from the tensors the first decoder reads, and
+    that decoder would no longer see weight copies."""
+    first = linears[0]
+    fused = getattr(first, "_rollstream_fused", None)
+    if fused is not None and fused[0] == tuple(map(id, linears)) and first.weight.data_ptr() == fused[1].data_ptr():
+        return fused[1], fused[2]
     weight = torch.cat([lin.weight.detach() for lin in linears])
     biases = [lin.bias for lin in linears]
     bias = torch.cat([b.detach() for b in biases if b is not None]) if all(b is not None for b in biases) else None
@@ -109,6 +134,7 @@ def fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Te
         if bias is not None and lin.bias is not None:
             lin.bias.data = bias[start : start + rows]
         start += rows
+    object.__setattr__(first, "_rollstream_fused", (tuple(map(id, linears)), weight, bias))  # a plain attribute
     return weight, bias
 
 
@@ -140,7 +166,7 @@ class SlotDecoder:
     """The running batch's keys/values and lengths for :class:`rollout.engine.TorchEngine`
     (see the module doc). Rows are ``0 .. rows - 1`` in the engine's order."""
 
-    def __init__(self, model: Any, slots: int) -> None:
+    def __init__(self, model: Any, slots: int, cuda_graphs: bool = True) -> None:
         cfg = model.config
         self.model = model
         self.inner = model.model
@@ -155,6 +181,22 @@ class SlotDecoder:
         self.keys: torch.Tensor | None = None  # (layers, slots, kv_heads, capacity, head_dim)
         self.values: torch.Tensor | None = None
         self.lens = torch.zeros(0, dtype=torch.long, device=self.device)  # (B,) tokens in the cache per row
+        self._host_lens: list[int] = []
+        """``lens`` on the host (no device sync to size a step)."""
+        rope_type = str(getattr(self.inner.rotary_emb, "rope_type", "default"))
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and "dynamic" not in rope_type
+        """Whether decode steps replay CUDA graphs (module doc): asked for, on a CUDA device, with a
+        fixed RoPE table."""
+        self._static_shapes = self.cuda_graphs
+        """Whether decode steps run over the fixed shapes that a graph needs (always with graphs; the
+        tests set it alone on the CPU to check that math eagerly)."""
+        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        """(rows, capacity) -> (its captured ``torch.cuda.CUDAGraph``, the logits tensor it writes)."""
+        self._graph_pool: Any = None
+        self._static: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        """The graphs' inputs: tokens (slots,), lens (slots,) and the row indices ``0 .. slots - 1``."""
+        self.graph_captures = 0
+        """CUDA graphs captured so far."""
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin (positions, head_dim)
         self.qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         """Per layer, the fused q/k/v projection (:func:`fuse_linears`)."""
@@ -199,6 +241,8 @@ class SlotDecoder:
             keys[:, :, :, :old] = self.keys
             values[:, :, :, :old] = self.values
         self.keys, self.values = keys, values
+        self._graphs.clear()  # they read the old tensors
+        self._graph_pool = None  # a pool whose graphs are all freed is released: the next capture needs a new one
 
     def _rope(self, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's rotary ``cos, sin`` (b, q, head_dim) at ``pos`` (b, q): looked up in a table the
@@ -321,7 +365,9 @@ class SlotDecoder:
             return torch.cat([pk.expand(u, -1, -1, -1), k], dim=2), torch.cat([pv.expand(u, -1, -1, -1), v], dim=2)
 
         logits = self._forward(ids, shared + cols.expand(u, width), mask[:, None], write, read, rest - 1)  # (u, V)
-        self.lens = torch.cat([self.lens, torch.tensor([len(p) for p in prompts], device=self.device)])
+        new_lens = [len(p) for p in prompts]
+        self.lens = torch.cat([self.lens, torch.tensor(new_lens, device=self.device)])
+        self._host_lens += new_lens
         self.duplicate_tokens += sum(map(len, prompts)) - sum(lens_u)
         self.shared_prefix_tokens += shared * (u - 1)
         return spread(logits)
@@ -329,9 +375,19 @@ class SlotDecoder:
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (B,); return the next logits (B, V)."""
         b = self.rows
+        self._reserve(max(self._host_lens) + 1)
+        if self._static_shapes:
+            logits = self._decode_fixed(tokens, b)
+        else:
+            logits = self._decode_eager(tokens, b)
+        self.lens = self.lens + 1
+        self._host_lens = [n + 1 for n in self._host_lens]
+        return logits
+
+    def _decode_eager(self, tokens: torch.Tensor, b: int) -> torch.Tensor:
+        """A decode step over exactly the ``b`` rows and the columns up to the longest row's new one."""
         lens = self.lens  # (B,) = the new token's column and position
-        length = int(lens.max()) + 1
-        self._reserve(length)
+        length = max(self._host_lens) + 1
         assert self.keys is not None and self.values is not None
         keys, values = self.keys, self.values
         rows = torch.arange(b, device=self.device)
@@ -344,10 +400,73 @@ class SlotDecoder:
         def read(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return keys[layer, :b, :, :length], values[layer, :b, :, :length]
 
-        logits = self._forward(tokens[:, None], lens[:, None], mask[:, None, None], write, read,
-                               torch.zeros(b, dtype=torch.long, device=self.device))
-        self.lens = lens + 1
-        return logits
+        return self._forward(tokens[:, None], lens[:, None], mask[:, None, None], write, read,
+                             torch.zeros(b, dtype=torch.long, device=self.device))
+
+    def _decode_fixed(self, tokens: torch.Tensor, b: int) -> torch.Tensor:
+        """A decode step over the fixed shapes of a CUDA graph (module doc): ``b`` rows padded to a
+        power of two, every cache column. Replays (capturing first, if new) that shape's graph when
+        :attr:`cuda_graphs`, else runs the same step eagerly."""
+        if self._static is None:
+            self._static = (torch.zeros(self.slots, dtype=torch.long, device=self.device),
+                            torch.zeros(self.slots, dtype=torch.long, device=self.device),
+                            torch.arange(self.slots, device=self.device))
+        static_tokens, static_lens, _ = self._static
+        # the padding rows keep whatever tokens and lengths they last had: lengths below capacity,
+        # in free slots (module doc)
+        static_tokens[:b].copy_(tokens)
+        static_lens[:b].copy_(self.lens)
+        n = min(self.slots, 1 << (b - 1).bit_length())  # rows the step computes
+        if not self.cuda_graphs:
+            return self._fixed_step(n)[:b]
+        key = (n, self.capacity)
+        if key not in self._graphs:
+            try:
+                self._graphs[key] = self._capture(n)
+            except RuntimeError as e:  # e.g. another thread's CUDA call during the capture
+                log.warning("CUDA graph capture failed (%s); this engine's decode steps run eagerly from now on", e)
+                self.cuda_graphs = self._static_shapes = False
+                self._graphs.clear()
+                return self._fixed_step(n)[:b]  # the same step again: it rewrites the same keys/values
+        graph, logits = self._graphs[key]
+        graph.replay()
+        return logits[:b].clone()  # the next replay overwrites the graph's own tensor
+
+    def _capture(self, n: int) -> tuple[Any, torch.Tensor]:
+        """Run the fixed step for ``n`` rows once eagerly (on a side stream, as CUDA graph capture
+        needs; it computes this step, and the replay after the capture writes the same keys/values
+        again), then capture it."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._fixed_step(n)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = self._fixed_step(n)
+        self.graph_captures += 1
+        return graph, logits
+
+    def _fixed_step(self, n: int) -> torch.Tensor:
+        """The decode step of the first ``n`` rows of the static inputs over every cache column:
+        the logits (n, V). No host sync and no shape that depends on the data (graph-capturable)."""
+        assert self._static is not None and self.keys is not None and self.values is not None
+        keys, values = self.keys, self.values
+        static_tokens, static_lens, static_rows = self._static
+        tokens, lens, rows = static_tokens[:n], static_lens[:n], static_rows[:n]  # (n,) each
+        cols = torch.arange(keys.shape[3], device=self.device)  # (capacity,)
+        mask = cols[None, :] <= lens[:, None]  # (n, capacity)
+
+        def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            keys[layer, rows, :, lens] = k[:, :, 0]  # (n, kv_heads, head_dim) into column lens[i] of row i
+            values[layer, rows, :, lens] = v[:, :, 0]
+
+        def read(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return keys[layer, :n], values[layer, :n]
+
+        return self._forward(tokens[:, None], lens[:, None], mask[:, None, None], write, read, rows * 0)
 
     def keep(self, keep: list[int]) -> list[int]:
         """Keep the rows ``keep`` (old indices, ascending), evict the others; return the kept rows'
@@ -363,8 +482,9 @@ class SlotDecoder:
             if self.keys is not None and self.values is not None:
                 dst = torch.tensor(holes, device=self.device)
                 srcs = torch.tensor(movers, device=self.device)
-                used = int(self.lens[srcs].max())
+                used = max(self._host_lens[i] for i in movers)
                 self.keys[:, dst, :, :used] = self.keys[:, srcs, :, :used]
                 self.values[:, dst, :, :used] = self.values[:, srcs, :, :used]
         self.lens = self.lens[torch.tensor(order, dtype=torch.long, device=self.device)]
+        self._host_lens = [self._host_lens[i] for i in order]
         return order

@@ -83,6 +83,9 @@ class ServeSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Prompts × ``n`` of one request at most (a larger request is refused with 400)."""
     shutdown_grace_s: float = 30.0
     """On SIGTERM/SIGINT: how long requests in flight may still finish, seconds."""
+    cuda_graphs: bool = True
+    """On a CUDA device with a Llama-family model: replay each decode step as a CUDA graph
+    (:mod:`rollout.slot_decoder`); ``False`` runs the steps eagerly. No effect on the CPU."""
 
 
 def check_settings(s: ServeSettings) -> None:
@@ -321,7 +324,8 @@ async def run(settings: ServeSettings, stop: asyncio.Event | None = None,
     dtype = resolve_dtype(settings.dtype, device)
     engine = await asyncio.to_thread(
         TorchEngine, settings.model_dir, max_batch=settings.max_batch, device=device, dtype=dtype,
-        seed=settings.seed, policy_version=settings.policy_version, chat_template=False)
+        seed=settings.seed, policy_version=settings.policy_version, chat_template=False,
+        cuda_graphs=settings.cuda_graphs)
     server = Server(settings, engine)
     runner = web.AppRunner(server.app(), handler_cancellation=True, shutdown_timeout=settings.shutdown_grace_s,
                            access_log=log)

@@ -24,6 +24,8 @@ def serve(
     seed: int = typer.Option(0, "--seed", help="Seed of the sampling generator."),
     served_model_name: str = typer.Option("", "--served-model-name", help="Model name in the API "
                                           "(default: the directory's name)."),
+    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="On a CUDA device: replay "
+                                     "each decode step as a CUDA graph (Llama-family models; no effect on the CPU)."),
 ) -> None:
     """Serve MODEL_DIR over HTTP: POST /v1/completions (token-id prompts, logprobs, vLLM's dialect),
     POST /v1/load_weights {"path", "version"} (hot-swap weights), GET /v1/models, GET /health.
@@ -34,7 +36,8 @@ def serve(
     from services.cli.app import console
 
     settings = server.ServeSettings(model_dir=str(model_dir), host=host, port=port, device=device, dtype=dtype,
-                                    max_batch=max_batch, seed=seed, served_model_name=served_model_name)
+                                    max_batch=max_batch, seed=seed, served_model_name=served_model_name,
+                                    cuda_graphs=cuda_graphs)
     server.check_settings(settings)
     quiet_transformers()
     try:

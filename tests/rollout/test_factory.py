@@ -26,6 +26,8 @@ URLS = "rollout.server_urls=['http://127.0.0.1:8001', 'http://127.0.0.1:8002/']"
     (["rollout.engine=vllm", URLS, "rollout.server_down_s=-1"], ["rollout.server_down_s=-1.0 must be > 0"]),
     (["rollout.engine=server", URLS, "rollout.device=cpu"], ["rollout.device='cpu' applies to rollout.engine=torch",
                                                               "rollstream serve MODEL_DIR --device"]),
+    (["rollout.engine=server", URLS, "rollout.cuda_graphs=false"], ["rollout.cuda_graphs=false applies to "
+                                                                    "rollout.engine=torch", "--no-cuda-graphs"]),
     (["rollout.engine=vllm", URLS, "rollout.top_p=0.9"], ["rollout.top_p=0.9 with rollout.engine='vllm'",
                                                           "use rollout.top_p=1"]),
 ])
@@ -67,3 +69,12 @@ def test_make_engine_picks_the_url_by_worker_and_keeps_the_eval_engine_local(mod
     assert isinstance(make_engine(cfg, model_dir, local=True, policy_version=0), TorchEngine)
     with pytest.raises(ConfigError, match=r"needs rollout\.server_urls"):
         make_engine(parse_config("", ["rollout.engine=server"]), model_dir)
+
+
+def test_make_engine_passes_rollout_cuda_graphs_to_the_torch_engine(model_dir: Path) -> None:
+    on, off = (make_engine(parse_config("", [f"rollout.cuda_graphs={v}", "rollout.device=cpu"]), model_dir)
+               for v in ("true", "off"))  # YAML: off = false
+    assert isinstance(on, TorchEngine) and isinstance(off, TorchEngine)
+    assert on.cuda_graphs and not off.cuda_graphs
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        parse_config("", ["rollout.cuda_graphs=sometimes"])

@@ -41,11 +41,17 @@ def reference_logits(model: Any, seq: list[int]) -> torch.Tensor:
         return model(input_ids=torch.tensor([seq])).logits[0, -1]
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["eager", "fixed-shapes"])
 @pytest.mark.parametrize("make", [llama, lambda: llama(kv_heads=2), qwen2], ids=["llama", "llama-gqa", "qwen2"])
-def test_prefill_decode_and_eviction_equal_the_models_own_forward(make: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prefill_decode_and_eviction_equal_the_models_own_forward(
+    make: Any, fixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fixed``: the decode steps run over a CUDA graph's fixed shapes (rows padded to a power of two,
+    every cache column), eagerly on the CPU: 3 rows run as 4, with a padding row in a free slot."""
     monkeypatch.setattr(slot_decoder, "MIN_CAPACITY", 4)  # the cache grows (and copies) several times
     model = make()
     dec = SlotDecoder(model, slots=4)
+    dec._static_shapes = fixed
     g = torch.Generator().manual_seed(1)
     seqs: list[list[int]] = []
 
@@ -90,6 +96,71 @@ def test_prefill_decode_and_eviction_equal_the_models_own_forward(make: Any, mon
     assert dec.rows == 2
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_cuda_graph_steps_equal_eager_steps_through_growth_eviction_and_a_weight_swap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(slot_decoder, "MIN_CAPACITY", 8)  # the cache grows (and the graphs are recaptured)
+    """The graphs against the same fixed-shape steps run eagerly on the GPU (the same kernels; the
+    fixed-shape math itself is checked against transformers on the CPU above)."""
+    model = llama(kv_heads=2).to("cuda")
+    graphed, eager = SlotDecoder(model, slots=8), SlotDecoder(model, slots=8, cuda_graphs=False)
+    eager._static_shapes = True
+    assert graphed.cuda_graphs and not eager.cuda_graphs
+    g = torch.Generator().manual_seed(3)
+
+    def both(call: Any) -> None:
+        with torch.inference_mode():
+            got, want = call(graphed), call(eager)
+        if isinstance(got, torch.Tensor):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        else:
+            assert got == want
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            tokens = torch.randint(1, VOCAB, (graphed.rows,), generator=g).cuda()
+            both(lambda d, tokens=tokens: d.decode(tokens))
+
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (3, 7, 5)]
+    both(lambda d: d.prefill(prompts))
+    steps(6)  # 3 rows run as 4; capacity 8 grows to 16
+    both(lambda d: d.keep([0, 2]))
+    more = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (9, 2, 4, 6)]
+    both(lambda d: d.prefill(more))
+    steps(5)  # 6 rows run as 8
+    copy_weights_(model, {k: torch.randn_like(p) * 0.1 for k, p in model.named_parameters()})  # a swap, in place
+    steps(30)  # the captured graphs read the new weights; capacity grows past 40
+    assert graphed.graph_captures >= 3
+    assert graphed.capacity >= 40
+
+
+def test_a_failed_graph_capture_falls_back_to_eager_steps(monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Simulated on the CPU: the capture raises, the step still returns the right logits (its eager
+    warm-up already wrote the keys/values), and later steps run eagerly."""
+    model = llama()
+    dec = SlotDecoder(model, slots=4)
+    dec.cuda_graphs = dec._static_shapes = True  # as on a CUDA device
+
+    def broken(n: int) -> Any:
+        dec._fixed_step(n)  # what the capture's warm-up does before the capture itself fails
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(dec, "_capture", broken)
+    seqs = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    with torch.inference_mode():
+        dec.prefill(seqs)
+        for step in range(3):
+            tokens = torch.tensor([7 + step, 9 + step])
+            logits = dec.decode(tokens)
+            for seq, t, row in zip(seqs, tokens.tolist(), logits, strict=True):
+                seq.append(t)
+                torch.testing.assert_close(row, reference_logits(model, seq), atol=1e-5, rtol=1e-5)
+    assert not dec.cuda_graphs and not dec._static_shapes
+    assert [r.message for r in caplog.records if "capture failed" in r.message] != []
+
+
 def test_fused_projections_follow_in_place_weight_copies() -> None:
     model = llama()
     attn = model.model.layers[0].self_attn
@@ -99,6 +170,19 @@ def test_fused_projections_follow_in_place_weight_copies() -> None:
     copy_weights_(model, new)  # what a weight swap does
     torch.testing.assert_close(weight[:32], new["model.layers.0.self_attn.q_proj.weight"], rtol=0, atol=0)
     torch.testing.assert_close(weight[64:], new["model.layers.0.self_attn.v_proj.weight"], rtol=0, atol=0)
+
+
+def test_two_decoders_on_one_model_both_follow_weight_copies() -> None:
+    """A second decoder must not re-point the parameters away from the first one's fused weights
+    (found on the GPU: the first decoder kept the old q/k/v and gate/up after a swap)."""
+    model = llama(kv_heads=2)
+    first, second = SlotDecoder(model, slots=2), SlotDecoder(model, slots=2)
+    copy_weights_(model, {k: torch.randn_like(p) * 0.1 for k, p in model.named_parameters()})
+    prompt = [1, 5, 9, 3, 7]
+    with torch.inference_mode():
+        got = [d.prefill([prompt])[0] for d in (first, second)]
+    for logits in got:
+        torch.testing.assert_close(logits, reference_logits(model, prompt), atol=1e-5, rtol=1e-5)
 
 
 def test_support_names_what_it_cannot_run() -> None:
