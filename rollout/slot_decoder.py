@@ -444,7 +444,9 @@ class SlotDecoder:
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        # thread_local: the engine captures on its own thread; CUDA work of the process's other threads
+        # (a trainer beside an evaluation engine) neither breaks the capture nor fails because of it
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
             logits = self._fixed_step(n)
         self.graph_captures += 1
         return graph, logits
