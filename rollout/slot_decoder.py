@@ -60,6 +60,7 @@ more. Memory is
 
 from __future__ import annotations
 
+import itertools
 import logging
 import typing
 from typing import Any
@@ -122,8 +123,11 @@ def fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Te
     that decoder would no longer see weight copies."""
     first = linears[0]
     fused = getattr(first, "_rollstream_fused", None)
-    if fused is not None and fused[0] == tuple(map(id, linears)) and first.weight.data_ptr() == fused[1].data_ptr():
-        return fused[1], fused[2]
+    if fused is not None and fused[0] == tuple(map(id, linears)):
+        weight, bias = fused[1], fused[2]
+        starts = [0, *itertools.accumulate(lin.weight.shape[0] for lin in linears)]
+        if all(lin.weight.data_ptr() == weight[s].data_ptr() for lin, s in zip(linears, starts, strict=False)):
+            return weight, bias  # still the views of that fusion (a move or a reassignment re-fuses)
     weight = torch.cat([lin.weight.detach() for lin in linears])
     biases = [lin.bias for lin in linears]
     bias = torch.cat([b.detach() for b in biases if b is not None]) if all(b is not None for b in biases) else None

@@ -306,8 +306,8 @@ class RolloutConfig(Section):
     and a Markov environment needs ``0``."""
     cuda_graphs: bool = True
     """``engine: torch`` on a CUDA device with a Llama-family model (the slot decoder): replay each
-    decode step as a CUDA graph, one launch in place of one per op (on an H100, 4-7× the tokens/s of
-    eager steps on SmolLM2-135M's shape: ``bench/README.md``, gpu.py); ``false`` runs the steps
+    decode step as a CUDA graph, one launch in place of one per op (on an H100, 3.4-6.6× the tokens/s
+    of eager steps on SmolLM2-135M's shape: ``bench/README.md``, gpu.py); ``false`` runs the steps
     eagerly (debugging). Nothing to replay on the CPU or with other models, which run eagerly either
     way. ``false`` is refused with a generation server (use ``rollstream serve --no-cuda-graphs``)."""
 
