@@ -390,22 +390,25 @@ class SlotDecoder:
 
     def _decode_eager(self, tokens: torch.Tensor, b: int) -> torch.Tensor:
         """A decode step over exactly the ``b`` rows and the columns up to the longest row's new one."""
-        lens = self.lens  # (B,) = the new token's column and position
-        length = max(self._host_lens) + 1
+        return self._step_rows(tokens, self.lens, torch.arange(b, device=self.device), max(self._host_lens) + 1)
+
+    def _step_rows(self, tokens: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor, columns: int) -> torch.Tensor:
+        """One decode step of the cache rows ``rows`` (n,) = ``0 .. n - 1``, fed ``tokens`` (n,) at
+        positions ``lens`` (n,) (each row's new column), attending over cache columns
+        ``0 .. columns - 1`` under the length mask; the logits (n, V). No host sync."""
         assert self.keys is not None and self.values is not None
         keys, values = self.keys, self.values
-        rows = torch.arange(b, device=self.device)
-        mask = torch.arange(length, device=self.device)[None, :] <= lens[:, None]  # (B, L)
+        n = rows.shape[0]
+        mask = torch.arange(columns, device=self.device)[None, :] <= lens[:, None]  # (n, columns)
 
         def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            keys[layer, rows, :, lens] = k[:, :, 0]  # (B, kv_heads, head_dim) into column lens[i] of row i
+            keys[layer, rows, :, lens] = k[:, :, 0]  # (n, kv_heads, head_dim) into column lens[i] of row i
             values[layer, rows, :, lens] = v[:, :, 0]
 
         def read(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return keys[layer, :b, :, :length], values[layer, :b, :, :length]
+            return keys[layer, :n, :, :columns], values[layer, :n, :, :columns]
 
-        return self._forward(tokens[:, None], lens[:, None], mask[:, None, None], write, read,
-                             torch.zeros(b, dtype=torch.long, device=self.device))
+        return self._forward(tokens[:, None], lens[:, None], mask[:, None, None], write, read, rows * 0)
 
     def _decode_fixed(self, tokens: torch.Tensor, b: int) -> torch.Tensor:
         """A decode step over the fixed shapes of a CUDA graph (module doc): ``b`` rows padded to a
@@ -457,22 +460,10 @@ class SlotDecoder:
 
     def _fixed_step(self, n: int) -> torch.Tensor:
         """The decode step of the first ``n`` rows of the static inputs over every cache column:
-        the logits (n, V). No host sync and no shape that depends on the data (graph-capturable)."""
-        assert self._static is not None and self.keys is not None and self.values is not None
-        keys, values = self.keys, self.values
+        the logits (n, V). No shape that depends on the data (graph-capturable)."""
+        assert self._static is not None and self.keys is not None
         static_tokens, static_lens, static_rows = self._static
-        tokens, lens, rows = static_tokens[:n], static_lens[:n], static_rows[:n]  # (n,) each
-        cols = torch.arange(keys.shape[3], device=self.device)  # (capacity,)
-        mask = cols[None, :] <= lens[:, None]  # (n, capacity)
-
-        def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            keys[layer, rows, :, lens] = k[:, :, 0]  # (n, kv_heads, head_dim) into column lens[i] of row i
-            values[layer, rows, :, lens] = v[:, :, 0]
-
-        def read(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return keys[layer, :n], values[layer, :n]
-
-        return self._forward(tokens[:, None], lens[:, None], mask[:, None, None], write, read, rows * 0)
+        return self._step_rows(static_tokens[:n], static_lens[:n], static_rows[:n], self.capacity)
 
     def keep(self, keep: list[int]) -> list[int]:
         """Keep the rows ``keep`` (old indices, ascending), evict the others; return the kept rows'
