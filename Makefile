@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml requirements.lock
 	@touch $(STAMP)
 
 setup: $(STAMP)
-	@$(BIN)/python -c "from services.kafka.broker import ensure_kafka_jars; ensure_kafka_jars(progress=print)"
+	@$(BIN)/python -c "from infra.kafka.broker import ensure_kafka_jars; ensure_kafka_jars(progress=print)"
 
 demo: setup
 	$(BIN)/rollstream run examples/main.yaml
@@ -35,7 +35,7 @@ test: setup lint
 	rm -rf $(TEST_HOME); \
 	$(BIN)/rollstream --home $(TEST_HOME) stack up; \
 	trap '$(BIN)/rollstream --home $(TEST_HOME) stack down' EXIT; \
-	export ROLLSTREAM_BOOTSTRAP=$$($(BIN)/python -c "from pathlib import Path; from services.kafka.broker import local_kafka; print(local_kafka(Path('$(TEST_HOME)')).bootstrap)"); \
+	export ROLLSTREAM_BOOTSTRAP=$$($(BIN)/python -c "from pathlib import Path; from infra.kafka.broker import local_kafka; print(local_kafka(Path('$(TEST_HOME)')).bootstrap)"); \
 	echo "tests use Kafka at $$ROLLSTREAM_BOOTSTRAP"; \
 	$(BIN)/pytest $(PYTEST_ARGS)
 
@@ -55,7 +55,7 @@ bench: setup
 
 # Regenerate the command and config references (tests fail when they are stale).
 docs: setup
-	$(BIN)/typer services.cli utils docs --name rollstream --output docs/cli.md
+	$(BIN)/typer cli utils docs --name rollstream --output docs/cli.md
 	$(BIN)/python -m schemas.docgen > docs/config.md
 
 clean-venv:

@@ -35,7 +35,7 @@ def run_one(name: str, steps: int, runs_dir: Path, extra: list[str], tag: str) -
     run_id = f"bench-{name.replace('_', '-')}-{tag}"
     sets = [f"train.steps={steps}", f"run.runs_dir={runs_dir}", f"train.eval_every={max(steps // 3, 1)}",
             f"train.checkpoint_every={steps}", *extra]
-    cmd = [sys.executable, "-m", "services.cli", "run", str(ROOT / "examples" / "algos" / f"{name}.yaml"),
+    cmd = [sys.executable, "-m", "cli", "run", str(ROOT / "examples" / "algos" / f"{name}.yaml"),
            "--run-id", run_id, *[a for kv in sets for a in ("--set", kv)]]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ))

@@ -166,14 +166,14 @@ def stream_mode(k: int, cfg: RunConfig, model: Path, sigma: float, mean_s: float
             f"rollout.async_ratio={k}", f"train.max_staleness={k}", "reward.latency=lognormal",
             f"reward.latency_mean_s={mean_s}", f"reward.latency_sigma={sigma}", f"run.runs_dir={runs}",
             f"run.seed={cfg.run.seed}", f"reward.delivery={'at_least_once' if at_least_once else 'exactly_once'}"]
-    cmd = [sys.executable, "-m", "services.cli", "run", str(REPO / "examples" / "main.yaml"), "--run-id", run_id,
+    cmd = [sys.executable, "-m", "cli", "run", str(REPO / "examples" / "main.yaml"), "--run-id", run_id,
            *[a for kv in sets for a in ("--set", kv)]]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=1800)
     if res.returncode != 0:
         raise SystemExit(f"stream {k}: rollstream run failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
     q = (f"SELECT step, toUnixTimestamp64Micro(ts) / 1e6 AS t FROM train_steps FINAL WHERE run_id = '{run_id}' "
          "ORDER BY step")
-    out = subprocess.run([sys.executable, "-m", "services.cli", "sql", q, "--run", run_id, "--runs-dir", str(runs),
+    out = subprocess.run([sys.executable, "-m", "cli", "sql", q, "--run", run_id, "--runs-dir", str(runs),
                           "--format", "json"], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     rows = json.loads(out.stdout)
     ts = [float(r["t"]) for r in rows]

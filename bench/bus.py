@@ -5,8 +5,8 @@
                                   [--warm DIR] [--profile-out FILE] [--config CFG]
 
 1. Kafka end to end, per event size: a consumer group (``read_committed``, manual commit after
-   every batch, the same :class:`services.kafka.bus.Consumer` the services use) runs while a
-   :class:`services.kafka.bus.Producer` (idempotent, acks=all, zstd unless ``--compression``) sends
+   every batch, the same :class:`runtime.bus.Consumer` the services use) runs while a
+   :class:`runtime.bus.Producer` (idempotent, acks=all, zstd unless ``--compression``) sends
    ``N`` events; the clock runs from the first send to the commit of the last event. Small = a
    ``RolloutTask``; large = a ``Generation`` with 4096 response tokens and 4096 logprobs (the
    large run sends ``N / 10``).
@@ -83,10 +83,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: common, asyn
 
 from aiokafka.codec import lz4_encode, zstd_encode
 
+from runtime.bus import BusError, Compression, Consumer, Producer, TopicAdmin, next_offsets
 from schemas.config import KafkaSettings
 from schemas.events import Event, Generation, RolloutTask
 from schemas.topics import topic_name
-from services.kafka.bus import BusError, Compression, Consumer, Producer, TopicAdmin, next_offsets
 
 GOAL_OVERHEAD = 0.03
 """Goal (reported, not asserted): Kafka's share of the step time."""
@@ -229,9 +229,9 @@ _TXN = re.compile(r"transaction|Txn|_commit_txn|send_offsets")
 _SERIAL = re.compile(r"(^|\.)(encode|decode|decoder_for|key_for|encode_key|check_size|make_output)$")
 _KAFKA_FUNCS = {"make_output", "send_outputs", "TxnLoop._commit_txn", "TxnLoop._commit_txn_ready", "TxnLoop._txn_plan",
                 "Loops._commit_ready", "Loops._poll", "Runner.commit", "Runner.send"}
-_OURS = ("services/kafka/clients.py", "services/kafka/records.py")
-_RUNTIME = ("services/kafka/loops.py", "services/kafka/txn_loop.py", "services/kafka/runtime.py", "services/kafka/service.py",
-            "services/kafka/offsets.py", "services/kafka/bus.py", "services/kafka/records.py")
+_OURS = ("runtime/clients.py", "runtime/records.py")
+_RUNTIME = ("runtime/loops.py", "runtime/txn_loop.py", "runtime/runner.py", "runtime/service.py",
+            "runtime/offsets.py", "runtime/bus.py", "runtime/records.py")
 
 
 def _frame(text: str) -> tuple[str, str]:
@@ -245,7 +245,7 @@ def _frame(text: str) -> tuple[str, str]:
 def classify(frames: list[str]) -> str | None:
     """The Kafka category of one sampled stack (root first), or ``None`` when it is not Kafka work.
 
-    The stack's root-most Kafka frame (in aiokafka, in ``services/kafka/clients.py`` / ``records.py``,
+    The stack's root-most Kafka frame (in aiokafka, in ``runtime/clients.py`` / ``records.py``,
     or one of the runtime's send/poll/commit calls) decides that the sample is Kafka work; the frames
     from there to the leaf say which: a transaction call anywhere under it -> ``transactions``; a
     commit -> ``commit``; our msgpack encode/decode, key or size check -> ``serialisation``; the

@@ -95,7 +95,7 @@ def rollstream_run(run_id: str, sets: list[str], env: dict[str, str], *, prefix:
     """``rollstream run CONFIG --run-id RUN_ID --set ...`` (``config``: default ``examples/main.yaml``;
     ``prefix``: a profiler command line to run it under, e.g. ``py-spy record ... --``). Exits with
     the output's tail on failure."""
-    cmd = [*(prefix or []), sys.executable, "-m", "services.cli", "run", str(config or REPO / "examples" / "main.yaml"),
+    cmd = [*(prefix or []), sys.executable, "-m", "cli", "run", str(config or REPO / "examples" / "main.yaml"),
            "--run-id", run_id, *[a for kv in sets for a in ("--set", kv)]]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout_s)
     if res.returncode != 0:
@@ -106,7 +106,7 @@ def rollstream_run(run_id: str, sets: list[str], env: dict[str, str], *, prefix:
 
 def sql(query: str, run_id: str, runs: Path, env: dict[str, str]) -> list[dict[str, Any]]:
     """Rows of ``query`` against the record of ``run_id`` under ``runs`` (``rollstream sql``)."""
-    out = subprocess.run([sys.executable, "-m", "services.cli", "sql", query, "--run", run_id, "--runs-dir",
+    out = subprocess.run([sys.executable, "-m", "cli", "sql", query, "--run", run_id, "--runs-dir",
                           str(runs), "--format", "json"], capture_output=True, text=True, env=env, cwd=REPO,
                          timeout=300)
     if out.returncode != 0:

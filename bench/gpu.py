@@ -392,9 +392,9 @@ async def serve_row(a: argparse.Namespace, model: str, model_dir: Path, dtype: s
     completions must equal the in-process engine's, token for token."""
     from rollout.engine import GenerationRequest, TorchEngine, generate_all
     from rollout.sampling import SamplingParams
+    from rollout.serve import ServeSettings
+    from rollout.serve import run as serve
     from rollout.server_engine import ServerEngine
-    from services.serve import ServeSettings
-    from services.serve import run as serve
 
     stop, ready = asyncio.Event(), asyncio.get_running_loop().create_future()
     task = asyncio.create_task(serve(ServeSettings(model_dir=str(model_dir), port=0, device=a.device, dtype=dtype,

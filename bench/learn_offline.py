@@ -52,7 +52,7 @@ from rollout.engine import GenerationRequest, TorchEngine, generate_all
 from rollout.model_init import count_parameters, encode_prompt, init_tiny_model
 from rollout.sampling import SamplingParams
 from schemas.config import RunConfig, parse_raw
-from services.devices import placement
+from schemas.devices import placement
 from trainer.batch import TrainSample
 from trainer.sft import SFTExample
 from trainer.strategy import TorchStrategy

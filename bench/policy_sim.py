@@ -53,7 +53,7 @@ Latency = Callable[[int, int], float]
 
 
 def lognormal(mean_s: float, sigma: float, rng: random.Random) -> Latency:
-    """Fresh latency draws from the distribution ``services.latency.draw_latency_s("lognormal",
+    """Fresh latency draws from the distribution ``envs.latency.draw_latency_s("lognormal",
     ...)`` draws from: mean ``mean_s``, log-space standard deviation ``sigma``."""
     mu = math.log(mean_s) - sigma * sigma / 2
     return lambda _group, _member: rng.lognormvariate(mu, sigma)
@@ -74,7 +74,7 @@ class SimRun:
 def router_draws(mean_s: float, sigma: float) -> Latency:
     """The latencies that the reward router of a run draws (``reward.latency: lognormal``): keyed
     by sample id (``g<group:06d>/<member>``, the feeder's numbering), the same in every run."""
-    from services.latency import draw_latency_s
+    from envs.latency import draw_latency_s
 
     return lambda g, j: draw_latency_s("lognormal", mean_s, sigma, f"g{g:06d}/{j}")
 

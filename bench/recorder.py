@@ -21,7 +21,7 @@ against the events/s a run produces, side by side in one invocation.
    timestamps per event; shaped like the main example: single-turn generations, no env spec,
    token lists, response text, train-step sample ids and metric counts sized to the run's
    averages; the table prints their payload bytes next to the run's), wrapped as decoded
-   :class:`services.kafka.bus.Record` objects and written with the recorder's own code
+   :class:`runtime.bus.Record` objects and written with the recorder's own code
    (:meth:`services.recorder.Recorder.rows_for`, then :meth:`~services.recorder.Recorder.insert`:
    one insert per table, ``events`` last) in batches of ``--batch`` (default: the run's
    ``store.batch_max_records``) into a fresh embedded store. Events/s = N ÷ the time of all
@@ -29,7 +29,7 @@ against the events/s a run produces, side by side in one invocation.
    are frozen out of the garbage collector, as a recorder holds one poll, not a backlog), split
    into the Python row mapping and the chDB inserts.
 3. **End to end** (a subprocess) — the same N events are produced
-   (:class:`services.kafka.bus.Producer`: idempotent, acks=all, zstd, registry keys) to the topics
+   (:class:`runtime.bus.Producer`: idempotent, acks=all, zstd, registry keys) to the topics
    of a throwaway run ``benchrec<hex>`` and all acknowledged; then the real recorder
    (:meth:`services.recorder.Recorder.run` in-process: default settings but
    ``batch_max_records``; pattern subscription, decode, rows, inserts, commit after each poll,
@@ -86,10 +86,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import cpu_name
 
+from runtime.bus import Record
 from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import TOPICS, topic_name
-from services.kafka.bus import Record
 
 ROOT = Path(__file__).resolve().parents[1]
 # --------------------------------------------------------------------------- the run's production
@@ -99,7 +99,7 @@ def sql(query: str, run: str, runs_dir: str) -> list[dict[str, Any]]:
     """Rows of ``query`` on ``run``'s record (``rollstream sql`` in a subprocess: this process
     never opens a chDB store itself)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "sql", query, "--run", run, "--runs-dir", runs_dir,
+        [sys.executable, "-m", "cli", "sql", query, "--run", run, "--runs-dir", runs_dir,
          "--format", "json"], cwd=ROOT, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"bench/recorder.py: rollstream sql failed: {(proc.stderr or proc.stdout).strip()}")
@@ -157,7 +157,7 @@ def run_example(run_id: str, steps: int, warmup: int, runs_dir: Path) -> float:
     """Run the main example shortened as ``run_id``; its wall seconds."""
     sets = [f"train.steps={steps}", f"train.warmup_sft_steps={warmup}", f"run.runs_dir={runs_dir}",
             f"train.checkpoint_every={max(steps, 1)}"]
-    cmd = [sys.executable, "-m", "services.cli", "run", str(ROOT / "examples" / "main.yaml"), "--run-id", run_id,
+    cmd = [sys.executable, "-m", "cli", "run", str(ROOT / "examples" / "main.yaml"), "--run-id", run_id,
            *[a for kv in sets for a in ("--set", kv)]]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
@@ -255,7 +255,7 @@ def build(run_id: str, plan: dict[str, Any], n: int) -> list[tuple[str, ev.Event
 
 def as_records(pairs: list[tuple[str, ev.Event]]) -> list[Record]:
     """Decoded records as a consumer hands them to the recorder (offsets per partition)."""
-    from services.kafka.records import key_for
+    from runtime.records import key_for
 
     enc = msgspec.msgpack.Encoder()
     nxt: Counter[tuple[str, int]] = Counter()
@@ -295,7 +295,7 @@ class _Timed:
 
 
 def child_store(spec: dict[str, Any]) -> dict[str, Any]:
-    from services import store as st
+    import store as st
     from services.recorder import Recorder, RecorderSettings
 
     run_id, n, batch = spec["run_id"], spec["n"], spec["batch"]
@@ -335,7 +335,7 @@ def child_store(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 async def child_e2e(spec: dict[str, Any]) -> dict[str, Any]:
-    from services.kafka.bus import Producer, TopicAdmin
+    from runtime.bus import Producer, TopicAdmin
     from services.recorder import Recorder, RecorderSettings
 
     kafka = KafkaSettings(bootstrap=spec["bootstrap"], connect_timeout_s=10.0)
@@ -497,13 +497,13 @@ def _table(rows: Sequence[tuple[str, ...]]) -> None:
 
 
 def _bootstrap(explicit: str) -> str | None:
-    from services.kafka.broker import resolve_bootstrap
+    from infra.kafka.broker import resolve_bootstrap
 
     return resolve_bootstrap(explicit or None)
 
 
 async def _delete_topics(bootstrap: str, run_id: str) -> list[str]:
-    from services.kafka.bus import TopicAdmin
+    from runtime.bus import TopicAdmin
 
     async with TopicAdmin(KafkaSettings(bootstrap=bootstrap, connect_timeout_s=10.0)) as admin:
         return await admin.delete_run_topics(run_id)

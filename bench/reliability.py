@@ -142,7 +142,7 @@ def main() -> int:
     state: dict[str, Any] = {}
 
     def outage_home() -> tuple[Path, str]:
-        from services.kafka import broker as stack
+        from infra.kafka import broker as stack
 
         if "home" not in state:
             home = base / "outage-kafka"
@@ -182,7 +182,7 @@ def main() -> int:
             })
     finally:
         if "home" in state:
-            from services.kafka import broker as stack
+            from infra.kafka import broker as stack
 
             stack.stop_local_kafka(state["home"])
     bad = None if args.no_bad_input or args.only else bad_input_row()

@@ -114,7 +114,7 @@ async def check(args: argparse.Namespace, url: str) -> dict[str, Any]:
     from rollout.sampling import SamplingParams
     from rollout.server_engine import ServerEngine
     from schemas.config import resolve_dtype
-    from services.devices import resolve_device
+    from schemas.devices import resolve_device
 
     device = resolve_device(args.device, "--device")
     chat = bool(args.chat_template)

@@ -28,11 +28,11 @@ from typing import Any
 from aiokafka.errors import KafkaError
 
 from rollout.agent import Observation
+from runtime.bus import Consumer
 from schemas import events as ev
 from schemas.config import KafkaSettings
+from schemas.errors import one_line
 from schemas.topics import topic_name
-from services.errors import one_line
-from services.kafka.bus import Consumer
 
 log = logging.getLogger("rollstream.rollout")
 

@@ -3,7 +3,7 @@
 The rollout agent loop sends ``EnvReset`` then ``EnvStep`` s (key ``episode_id``, so an episode's
 requests reach one worker of the group ``rs-env-<run_id>``); each becomes one handler call that
 answers one ``EnvObservation`` on ``env.responses`` (key ``episode_id``). The runtime commits a
-request only after its answer is acknowledged (:mod:`services.kafka.runtime`).
+request only after its answer is acknowledged (:mod:`runtime.runner`).
 
 * **Reset** builds ``envs.make_env(spec.name, prompt="", reference="", **spec.kwargs)`` and
   answers ``reset(seed)`` as step 0. An unknown environment, bad kwargs or a ``reset`` that raises
@@ -59,12 +59,12 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from envs.latency import draw_latency_s
+from runtime.bus import Record
+from runtime.runner import Context, Counters, Service, ServiceSettings, derive_event_id, run_service
 from schemas import events as ev
 from schemas.config import RunConfig
-from services.errors import one_line
-from services.kafka.bus import Record
-from services.kafka.runtime import Context, Counters, Service, ServiceSettings, derive_event_id, run_service
-from services.latency import draw_latency_s
+from schemas.errors import one_line
 
 log = logging.getLogger("rollstream.env")
 

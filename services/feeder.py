@@ -1,6 +1,6 @@
 """The feeder: turns task sources into ``RolloutTask`` events, with a bounded number in flight.
 
-It runs on :mod:`services.kafka.runtime` as a batch service without a consumer group: on every
+It runs on :mod:`runtime.runner` as a batch service without a consumer group: on every
 start it reads the run's ``tasks``, ``metrics``, ``dlq``, ``weights`` and ``control`` from the
 beginning (commits nothing) and :meth:`Feeder.observe` rebuilds its state from them; it acts in
 ``on_tick``, after every poll, once it has caught up with the topics' ends.
@@ -45,10 +45,10 @@ import msgspec
 
 import envs
 from envs.base import episode_ref
+from runtime.bus import Record
+from runtime.runner import BatchContext, BatchService, Runner, ServiceSettings
 from schemas import events as ev
 from schemas.config import RunConfig, redacted_dict
-from services.kafka.bus import Record
-from services.kafka.runtime import BatchContext, BatchService, Runner, ServiceSettings
 from services.trainer_history import is_own_drain
 
 log = logging.getLogger("rollstream.feeder")
@@ -195,7 +195,7 @@ class Feeder(BatchService):
     # -- the service
 
     def service_settings(self) -> ServiceSettings:
-        """How the feeder runs on :mod:`services.kafka.runtime`: no consumer group (it reads the
+        """How the feeder runs on :mod:`runtime.runner`: no consumer group (it reads the
         run's ``tasks``, ``metrics``, ``dlq``, ``weights`` and ``control`` from the beginning on
         every start and commits nothing), one batch handler call per poll. ``tasks`` is only
         observed: the rollout group dead-letters its bad records."""

@@ -28,10 +28,10 @@ from typing import Any
 
 import msgspec
 
+from runtime.bus import Record
+from runtime.runner import Context, Runner, Service, ServiceSettings, run_service
 from schemas import events as ev
 from schemas.config import RunConfig, reward_weights
-from services.kafka.bus import Record
-from services.kafka.runtime import Context, Runner, Service, ServiceSettings, run_service
 from services.reward_router import with_verdict
 
 log = logging.getLogger("rollstream.judge")

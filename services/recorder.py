@@ -1,6 +1,6 @@
 """The recorder: every message of a run's topics into the run's ClickHouse store.
 
-It runs on :mod:`services.kafka.runtime` as a batch service: consumer group
+It runs on :mod:`runtime.runner` as a batch service: consumer group
 ``rs-recorder-<run_id or all>`` on every topic of the run (or ``^rs\\..*`` for all runs);
 :meth:`Recorder.handle_batch` inserts each poll with one insert per table, and the runtime
 commits the poll's offsets once it returned (``commit="after_effect"``). The runtime's dedupe
@@ -24,7 +24,7 @@ over its assigned partitions = messages not yet recorded), logs it, keeps it in
 :attr:`Recorder.lag` / :attr:`Recorder.lag_reports` and writes it to the ``recorder_lag`` table.
 
 Reads during a run: with an embedded (chDB) store, which only this process may open, the
-recorder serves read-only queries to other processes (:mod:`services.store.server`; the
+recorder serves read-only queries to other processes (:mod:`store.server`; the
 endpoint file is ``<store>.endpoint``), under one lock with its own inserts.
 
 With ``stop_when_finished`` the recorder exits by itself once it has seen the run's
@@ -32,7 +32,7 @@ With ``stop_when_finished`` the recorder exits by itself once it has seen the ru
 (``rollstream run``'s supervisor writes it once every other service of the run has exited, so
 nothing more can come), else after ``idle_exit_s`` of such quiet polls.
 
-Experiment trackers (``tracking`` in the run config, :mod:`services.tracking`): given the run's
+Experiment trackers (``tracking`` in the run config, :mod:`store.tracking`): given the run's
 ``config``, the recorder hands each newly stored ``TrainStep`` / ``EvalResult`` of its run to the
 trackers after the insert (TensorBoard under ``runs/<id>/tb``, W&B offline under
 ``runs/<id>/wandb``), each step once; a failing tracker is disabled, recording goes on.
@@ -50,14 +50,14 @@ from typing import Any
 
 import msgspec
 
+import store as st
+from runtime.bus import Consumer, Record, TopicPartition
+from runtime.runner import BatchContext, BatchService, Runner, ServiceSettings
 from schemas import events as ev
 from schemas.config import KafkaSettings, RunConfig
 from schemas.topics import TOPICS, parse_topic, topic_name
-from services import store as st
-from services.kafka.bus import Consumer, Record, TopicPartition
-from services.kafka.runtime import BatchContext, BatchService, Runner, ServiceSettings
-from services.store.rows import COLUMNS, event_row, lag_row, typed_rows
-from services.tracking import TrackerFeed, make_trackers
+from store.rows import COLUMNS, event_row, lag_row, typed_rows
+from store.tracking import TrackerFeed, make_trackers
 
 log = logging.getLogger("rollstream.recorder")
 
@@ -140,7 +140,7 @@ class Recorder(BatchService):
         self.lag_reports: deque[LagReport] = deque(maxlen=1000)
         """The latest lag reports, oldest first (also written to ``recorder_lag``)."""
         self.server: Any = None
-        """The :class:`services.store.server.StoreServer` while recording into an embedded store."""
+        """The :class:`store.server.StoreServer` while recording into an embedded store."""
         self._client: Any = None
         self._lock = threading.Lock()  # one store call at a time: inserts and served queries
         self._stored: dict[tuple[str, int], int] = {}
@@ -214,7 +214,7 @@ class Recorder(BatchService):
         s = self.settings
         if not s.serve_queries or st.check_dsn(s.dsn) != "chdb":
             return
-        from services.store.server import StoreServer
+        from store.server import StoreServer
 
         self.server = StoreServer(s.dsn, self._lock, max_execution_s=s.query_timeout_s).start()
 
@@ -222,7 +222,7 @@ class Recorder(BatchService):
         s = self.settings
         if s.config is None or not s.run_id or not (s.config.tracking.tensorboard or s.config.tracking.wandb):
             return
-        from services.launch.runs import run_dir_of
+        from store.runs import run_dir_of
 
         run_dir = s.run_dir or str(run_dir_of(s.config, s.run_id))
         self.tracking = TrackerFeed(s.run_id, make_trackers(s.config, run_dir, s.run_id))
@@ -236,7 +236,7 @@ class Recorder(BatchService):
     # ----------------------------------------------------------------- the service
 
     def service_settings(self) -> ServiceSettings:
-        """How the recorder runs on :mod:`services.kafka.runtime`: a batch handler over the
+        """How the recorder runs on :mod:`runtime.runner`: a batch handler over the
         run's topics (every topic of :data:`schemas.topics.TOPICS`; a recorder of every run
         subscribes by pattern), commit after each insert, every message to the handler (no
         dedupe, undecodable bytes too), fetches held by the broker until :data:`FETCH_MIN_BYTES`

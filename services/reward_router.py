@@ -5,7 +5,7 @@ Each ``Generation`` is routed by its task's domain to the verifier configured fo
 (:func:`envs.run_verifier`), and turned into a self-contained ``ScoredSample``. The service runs
 in transactional mode: scored outputs and the consumed offsets they answer are committed together
 in Kafka transactions (every finished record's, every ``txn_interval_s``; no batch barrier, and a
-slow verifier holds back no other record: see :mod:`services.kafka.txn_loop`), so a generation is
+slow verifier holds back no other record: see :mod:`runtime.txn_loop`), so a generation is
 scored exactly once even across crashes. With ``reward.delivery: at_least_once`` it runs the
 runtime's at-least-once loop instead: no transactions, every sample is sent as soon as it is
 scored, offsets are committed after the outputs were acknowledged, and a crash re-scores what was
@@ -20,7 +20,7 @@ transaction) instead of to ``scored``. The judge service (:mod:`services.judge_w
 judge's score, computes the reward from the domain's ``rewards`` weights (:func:`with_verdict`)
 and emits it to ``scored``, transactionally too: exactly once end to end.
 
-Bad input: a generation with impossible values (:func:`services.sanity.check_generation`:
+Bad input: a generation with impossible values (:func:`schemas.sanity.check_generation`:
 response, logprobs and loss-mask lengths that disagree, non-finite logprobs, an impossible
 group) is rejected and, like undecodable bytes, dead-lettered inside the same transactions,
 naming its sample and group: the sample ends as ``dead_letter`` and its group completes
@@ -37,12 +37,12 @@ from typing import Any
 import msgspec
 
 import envs
+from envs.latency import draw_latency_s
+from runtime.bus import Record
+from runtime.runner import Context, Service, ServiceSettings, run_service
 from schemas import events as ev
 from schemas.config import RewardConfig, RunConfig, reward_weights
-from services.kafka.bus import Record
-from services.kafka.runtime import Context, Service, ServiceSettings, run_service
-from services.latency import draw_latency_s
-from services.sanity import check_generation
+from schemas.sanity import check_generation
 
 
 class RewardSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -6,7 +6,7 @@ awaits its completion; the runtime runs up to ``rollout.max_batch`` handler call
 finished sample frees its slot at once, a new task takes it before the next decode step).
 Offsets are committed only after the ``Generation`` is acknowledged by Kafka.
 
-Bad input: a task with impossible values (:func:`services.sanity.check_task`: an unknown
+Bad input: a task with impossible values (:func:`schemas.sanity.check_task`: an unknown
 domain, an index outside its group, a token cap below 1) is rejected before it waits for any
 weights, and the runtime dead-letters it — like undecodable bytes, an engine error or a weights
 timeout — naming its sample and group, so the sample ends as ``dead_letter`` and its group
@@ -54,15 +54,15 @@ from rollout.agent import AgentLimits, SwapLock, Trajectory, run_episode
 from rollout.engine import GenerationRequest, TorchEngine
 from rollout.factory import make_engine
 from rollout.sampling import SamplingParams
+from runtime.bus import Consumer, Record
+from runtime.runner import Context, Runner, Service, ServiceSettings, run_service
 from schemas import events as ev
 from schemas.config import RunConfig
+from schemas.devices import resolve_device
+from schemas.errors import one_line
+from schemas.sanity import check_task
 from schemas.topics import topic_name
-from services.devices import resolve_device
 from services.env_client import KafkaEnvClient
-from services.errors import one_line
-from services.kafka.bus import Consumer, Record
-from services.kafka.runtime import Context, Runner, Service, ServiceSettings, run_service
-from services.sanity import check_task
 
 log = logging.getLogger("rollstream.rollout")
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from runtime.deadletter import group_of
 from schemas import events as ev
-from services.kafka.deadletter import group_of
 from trainer.batch import group_complete
 
 __all__ = ["GroupBuffer"]

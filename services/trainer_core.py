@@ -38,10 +38,10 @@ from rollout.engine import GenerationRequest
 from rollout.factory import make_engine
 from rollout.model_init import encode_prompt
 from rollout.sampling import SamplingParams
+from runtime.bus import TopicPartition
 from schemas import events as ev
 from schemas.config import RunConfig
-from services.devices import resolve_device
-from services.kafka.bus import TopicPartition
+from schemas.devices import resolve_device
 from services.trainer_buffer import GroupBuffer
 from trainer.factory import make_strategy
 from trainer.sft import SFTExample

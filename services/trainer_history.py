@@ -21,10 +21,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from runtime.bus import BusError, Consumer
 from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import topic_name
-from services.kafka.bus import BusError, Consumer
 
 log = logging.getLogger("rollstream.trainer")
 

@@ -1,6 +1,6 @@
 """The trainer service: the only barrier of a run.
 
-It runs on :mod:`services.kafka.runtime` as a batch service in consumer group
+It runs on :mod:`runtime.runner` as a batch service in consumer group
 ``rs-trainer-<run_id>`` on ``scored``, ``dlq`` and ``control``, with ``commit="by_service"``:
 the runtime commits nothing; the trainer commits the positions saved in each checkpoint.
 
@@ -34,7 +34,7 @@ that history (:mod:`services.trainer_history`) and never decides anything twice:
 Per poll (``handle_batch``, then ``on_tick`` when the poll was empty):
 
 1. a ``ScoredSample`` joins the buffer of its group (:class:`services.trainer_buffer.GroupBuffer`)
-   unless it was decided already; one with impossible values (:func:`services.sanity.check_scored`:
+   unless it was decided already; one with impossible values (:func:`schemas.sanity.check_scored`:
    a non-finite reward, response / logprobs / loss-mask lengths that disagree, an impossible
    group) is rejected: dead-lettered with the reason, and its sample ends as ``dead_letter``;
 2. a ``DeadLetter`` naming a sample not decided yet ends that sample (no outcome from the
@@ -76,10 +76,10 @@ from pathlib import Path
 
 import torch
 
+from runtime.bus import Record, TopicPartition, next_offsets
+from runtime.runner import BatchContext, BatchService, Runner, ServiceSettings
 from schemas import events as ev
-from services.kafka.bus import Record, TopicPartition, next_offsets
-from services.kafka.runtime import BatchContext, BatchService, Runner, ServiceSettings
-from services.sanity import check_scored
+from schemas.sanity import check_scored
 from services.trainer_core import TrainerCore, TrainerSettings
 from services.trainer_history import STOPPED_PREFIX, TRAINING_COMPLETE, History, is_own_drain, read_history
 from trainer.batch import assemble, group_reject_reason, samples_from_scored, select_groups
@@ -111,7 +111,7 @@ class Trainer(TrainerCore, BatchService):
         self._evaluated: set[int] = set()
 
     def service_settings(self) -> ServiceSettings:
-        """How the trainer runs on :mod:`services.kafka.runtime` (see the module doc)."""
+        """How the trainer runs on :mod:`runtime.runner` (see the module doc)."""
         return ServiceSettings(
             group_id=f"rs-trainer-{self.s.run_id}", run_id=self.s.run_id, topics=["scored", "dlq", "control"],
             observed_topics=["control"], kafka=self.cfg.kafka, commit="by_service", batch_max_records=500,

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
-from schemas.config import TinyModelSpec
+from schemas.config import KafkaSettings, TinyModelSpec
 
 TINY_SPEC = TinyModelSpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=64)
 """The shape of the tiny test model (a few hundred kB)."""
@@ -25,7 +25,7 @@ TINY_SPEC = TinyModelSpec(hidden_size=32, num_layers=2, num_heads=2, intermediat
 
 @pytest.fixture(scope="session")
 def bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from services.kafka import broker as stack
+    from infra.kafka import broker as stack
 
     explicit = os.environ.get("ROLLSTREAM_BOOTSTRAP")
     if explicit:
@@ -72,3 +72,20 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def kafka(bootstrap: str) -> KafkaSettings:
+    """Kafka settings of the test broker (short timeouts)."""
+    return KafkaSettings(bootstrap=bootstrap, connect_timeout_s=10.0, request_timeout_s=15.0)
+
+
+@pytest.fixture
+async def topics(kafka: KafkaSettings, run_id: str) -> AsyncIterator[list[str]]:
+    """The run's topics, created for the test and deleted after it."""
+    from runtime.bus import TopicAdmin
+
+    async with TopicAdmin(kafka) as admin:
+        names = await admin.ensure_run_topics(run_id)
+        yield names
+        await admin.delete_run_topics(run_id)

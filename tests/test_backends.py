@@ -47,7 +47,7 @@ def test_torch_backends_pass_the_checks() -> None:
 
 def _rollstream(args: list[str], env: dict[str, str], cwd: Path) -> tuple[subprocess.CompletedProcess[str], float]:
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, env=env,
+    res = subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, env=env,
                          cwd=cwd, timeout=60)
     return res, time.monotonic() - t0
 
@@ -83,8 +83,8 @@ def test_service_refuses_before_anything_starts(override: str, words: list[str],
                                                 bootstrap: str) -> None:
     import asyncio
 
+    from runtime.bus import TopicAdmin
     from schemas.config import KafkaSettings
-    from services.kafka.bus import TopicAdmin
 
     run_id = f"refused-{os.getpid()}-{override.split('=')[1]}"
     runs = tmp_path / "runs"

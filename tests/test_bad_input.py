@@ -1,5 +1,5 @@
 """Bad input to the CLI, as a user types it: every case of ``tests/data/bad_input/cases.yaml``
-runs ``python -m services.cli ...`` in a subprocess and must answer with exactly one non-empty
+runs ``python -m cli ...`` in a subprocess and must answer with exactly one non-empty
 line (stdout and stderr together) that names what was wrong, a non-zero exit status (the one the
 case names), no traceback, within 15 s (a responsiveness contract for users, not a benchmark).
 
@@ -55,7 +55,7 @@ def _run_case(case: dict[str, Any], tmp: Path, tiny: Path) -> Outcome:
     argv = [_expand(str(a), tmp, tiny) for a in case["argv"]]
     t0 = time.monotonic()
     try:
-        res = subprocess.run([sys.executable, "-m", "services.cli", *argv], capture_output=True, text=True,
+        res = subprocess.run([sys.executable, "-m", "cli", *argv], capture_output=True, text=True,
                              env=env, cwd=tmp, stdin=subprocess.DEVNULL, timeout=4 * ANSWER_WITHIN_S)
         code, output = res.returncode, res.stdout + res.stderr
     except subprocess.TimeoutExpired as e:

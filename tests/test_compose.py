@@ -16,8 +16,8 @@ import typer.main
 import yaml
 from clickhouse_connect.driver import default_port
 
-from services.kafka import broker as stack
-from services.store import check_dsn
+from infra.kafka import broker as stack
+from store import check_dsn
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
@@ -151,7 +151,7 @@ def _parse_with_cli(argv: list[str]) -> list[Any]:
     """Parse ``argv`` (without the program name) with the real rollstream CLI, down to the leaf
     command, without running anything; returns the contexts from the root to the leaf. Raises
     click's usage errors for an unknown command or option, a missing argument or a bad value."""
-    from services.cli import app
+    from cli import app
 
     cmd: Any = typer.main.get_command(app)
     ctx = cmd.make_context("rollstream", list(argv))
@@ -167,7 +167,7 @@ def _parse_with_cli(argv: list[str]) -> list[Any]:
 
 
 def _cli_envvars() -> set[str]:
-    from services.cli import app
+    from cli import app
 
     root = typer.main.get_command(app)
     names: set[str] = set()
@@ -195,7 +195,7 @@ def test_every_container_command_parses_with_the_real_cli(compose: dict[str, Any
 def test_compose_runs_every_service_the_cli_offers(compose: dict[str, Any]) -> None:
     """One container per service of `rollstream service` (`env` and `judge` included: multi-turn
     domains and judged domains need them), none for a service that does not exist."""
-    from services.cli import SERVICES
+    from cli import SERVICES
 
     assert set(RUN_SERVICES) == set(SERVICES), f"compose: {RUN_SERVICES}, CLI: {SERVICES}"
     rollstream = {name for name, svc in compose["services"].items() if svc.get("image") == "rollstream:dev"}

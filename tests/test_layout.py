@@ -13,13 +13,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("schemas", "envs", "rollout", "trainer", "services")
+PACKAGES = ("schemas", "envs", "rollout", "trainer", "runtime", "infra", "store", "services", "launch", "replay", "cli")
 ALLOWED: dict[str, set[str]] = {
     "schemas": set(),
     "envs": {"schemas"},
     "rollout": {"schemas"},
     "trainer": {"schemas"},
-    "services": {"schemas", "envs", "rollout", "trainer"},
+    "runtime": {"schemas"},
+    "infra": {"schemas", "runtime"},
+    "store": {"schemas"},
+    "services": {"schemas", "envs", "rollout", "trainer", "runtime", "store"},
+    "launch": {"schemas", "envs", "rollout", "trainer", "runtime", "infra", "store", "services"},
+    "replay": {"schemas", "envs", "rollout", "trainer", "runtime", "store", "services", "launch"},
+    "cli": {"schemas", "envs", "rollout", "trainer", "runtime", "infra", "store", "services", "launch", "replay"},
 }
 MAX_SERVICE_MODULE_LINES = 500
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.latency import draw_latency_s
+from envs.latency import draw_latency_s
 
 # bench/ is a directory of scripts, not a package: load the module from its file (putting bench/ on
 # sys.path would let its script names shadow other modules for the rest of the test session)

@@ -6,7 +6,7 @@ run it again, and check the invariants of the record in SQL (``rollstream sql`` 
   ``tasks``: training steps (with the wall time each was seen), drains, ``RunFinished``...;
   :meth:`Watch.wait` blocks until a condition on it holds.
 * :class:`RunProc` — one ``rollstream run`` process: :meth:`RunProc.service_pids` (``pgrep -f
-  "services.cli service <name> --run <id> "``), :meth:`RunProc.kill_service`,
+  "cli service <name> --run <id> "``), :meth:`RunProc.kill_service`,
   :meth:`RunProc.kill_all` (SIGKILL of the supervisor and every service: the whole run dies),
   :meth:`RunProc.wait`.
 * :func:`invariants` — one SQL query over the record: samples issued, samples with no terminal
@@ -42,7 +42,7 @@ SHORT = [
 
 
 def rollstream(*args: str, env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=REPO)
 
 
@@ -111,7 +111,7 @@ class Watch:
         self._thread.join(timeout=15)
 
     async def _follow(self) -> None:
-        from services.kafka.bus import Consumer
+        from runtime.bus import Consumer
 
         names = [topic_name(self.run_id, n) for n in ("metrics", "control", "weights", "tasks")]
         # the run's topics appear once `rollstream run` created them: refresh metadata often
@@ -175,7 +175,7 @@ class RunProc:
         self.runs, self.run_id, self.env = runs, run_id, env
         globals_ = ["--bootstrap", bootstrap] if bootstrap else []
         sets = [*overrides, f"run.runs_dir={runs}"]
-        self.cmd = [sys.executable, "-m", "services.cli", *globals_, "run",
+        self.cmd = [sys.executable, "-m", "cli", *globals_, "run",
                     str(config or REPO / "examples" / "main.yaml"), "--run-id", run_id,
                     *[a for kv in sets for a in ("--set", kv)]]
         runs.mkdir(parents=True, exist_ok=True)
@@ -189,7 +189,7 @@ class RunProc:
 
     def service_pids(self, name: str) -> list[int]:
         """Pids of the run's ``name`` service processes (``rollout`` covers every rollout worker)."""
-        res = subprocess.run(["pgrep", "-f", f"services.cli service {name} --run {self.run_id} "],
+        res = subprocess.run(["pgrep", "-f", f"cli service {name} --run {self.run_id} "],
                              capture_output=True, text=True)
         return [int(p) for p in res.stdout.split()]
 

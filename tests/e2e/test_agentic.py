@@ -26,12 +26,12 @@ from pathlib import Path
 import pytest
 from aiokafka import TopicPartition
 
+from launch.runinfo import group_id
+from runtime.admin import TopicAdmin
+from runtime.bus import Consumer
 from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import topic_name
-from services.kafka.admin import TopicAdmin
-from services.kafka.bus import Consumer
-from services.launch.runinfo import group_id
 from tests.e2e.faults import assert_accounted, rollstream, sql
 from tests.e2e.test_heal import finish, state
 
@@ -57,7 +57,7 @@ def doc_blocks(repo_root: Path) -> tuple[str, str]:
 
 def start(config: Path, run_id: str, runs: Path, env: dict[str, str], sets: list[str],
           cwd: Path | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "services.cli", "run", str(config), "--run-id", run_id,
+    return subprocess.Popen([sys.executable, "-m", "cli", "run", str(config), "--run-id", run_id,
                              *[a for kv in [*sets, f"run.runs_dir={runs}"] for a in ("--set", kv)]],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
 

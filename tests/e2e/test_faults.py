@@ -127,7 +127,7 @@ def test_kill_9_of_an_at_least_once_reward_router(tmp_path: Path, bootstrap: str
 @pytest.fixture(scope="module")
 def own_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
     """A Kafka broker of this test module only (its home, its bootstrap): stopped and started here."""
-    from services.kafka import broker as stack
+    from infra.kafka import broker as stack
 
     home = tmp_path_factory.mktemp("outage-kafka")
     stack.ensure_kafka_jars()
@@ -140,7 +140,7 @@ def own_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path,
 
 def broker_outage_run(runs: Path, home: Path, bootstrap: str, outage_s: float = 20.0) -> FaultResult:
     """One run on the broker of ``home`` with that broker stopped for ``outage_s`` mid-run."""
-    from services.kafka import broker as stack
+    from infra.kafka import broker as stack
 
     env = {k: v for k, v in os.environ.items() if k != "ROLLSTREAM_BOOTSTRAP"}
     run_id = f"e2e-outage-{uuid.uuid4().hex[:6]}"

@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 
+from runtime.bus import Consumer
 from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import topic_name
-from services.kafka.bus import Consumer
 from tests.e2e.faults import rollstream, sql, status
 from tests.e2e.test_run import SHORT
 
@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 def start_run(repo_root: Path, runs: Path, run_id: str, env: dict[str, str], *overrides: str) -> subprocess.Popen[str]:
     sets = [*SHORT, "train.warmup_sft_steps=30", f"run.runs_dir={runs}", *overrides]
-    return subprocess.Popen([sys.executable, "-m", "services.cli", "run", str(repo_root / "examples" / "main.yaml"),
+    return subprocess.Popen([sys.executable, "-m", "cli", "run", str(repo_root / "examples" / "main.yaml"),
                              "--run-id", run_id, *[a for kv in sets for a in ("--set", kv)]],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
+from runtime.bus import Consumer
 from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import topic_name
-from services.kafka.bus import Consumer
 from tests.e2e.faults import assert_accounted, sql
 from tests.e2e.test_heal import finish, state
 
@@ -45,7 +45,7 @@ def judged_sets(judge_dir: Path, *extra: str) -> list[str]:
 
 
 def start(repo_root: Path, run_id: str, runs: Path, env: dict[str, str], sets: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "services.cli", "run", str(repo_root / "examples" / "judge.yaml"),
+    return subprocess.Popen([sys.executable, "-m", "cli", "run", str(repo_root / "examples" / "judge.yaml"),
                              "--run-id", run_id, *[a for kv in [*sets, f"run.runs_dir={runs}"] for a in ("--set", kv)]],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 

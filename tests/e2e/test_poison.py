@@ -19,10 +19,10 @@ from typing import Any
 import msgspec
 import pytest
 
+from runtime.bus import Consumer, Producer
 from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import topic_name
-from services.kafka.bus import Consumer, Producer
 from tests.e2e.faults import sql
 from tests.e2e.test_run import SHORT
 
@@ -87,7 +87,7 @@ def test_poison_is_dead_lettered_and_every_sample_accounted_for(
     runs = tmp_path / "runs"
     run_id = f"e2e-poison-{uuid.uuid4().hex[:6]}"
     overrides = [*SHORT, "rollout.async_ratio=1", f"run.runs_dir={runs}"]
-    cmd = [sys.executable, "-m", "services.cli", "run", str(repo_root / "examples" / "main.yaml"), "--run-id", run_id,
+    cmd = [sys.executable, "-m", "cli", "run", str(repo_root / "examples" / "main.yaml"), "--run-id", run_id,
            *[a for kv in overrides for a in ("--set", kv)]]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

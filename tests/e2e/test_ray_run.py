@@ -29,7 +29,7 @@ def test_a_ray_run_heals_and_records_like_a_local_run(tmp_path: Path, bootstrap:
     runs = tmp_path / "runs"
     run_id = f"e2e-ray-{uuid.uuid4().hex[:6]}"
     sets = [*SHORT, f"run.runs_dir={runs}", "placement.trainer.cpus=0.5", "placement.rollout.cpus=0.5"]
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "run", str(repo_root / "examples" / "main.yaml"),
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "run", str(repo_root / "examples" / "main.yaml"),
                              "--launcher", "ray", "--run-id", run_id, *[a for kv in sets for a in ("--set", kv)]],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:

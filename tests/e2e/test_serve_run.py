@@ -26,7 +26,7 @@ def test_run_with_the_server_engine(tmp_path: Path, bootstrap: str, repo_root: P
     model = tmp_path / "model"
     res = rollstream("init-model", str(model), "--set", "max_position_embeddings=64", env=env)
     assert res.returncode == 0, res.stderr
-    server = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", str(model), "--port", "0"],
+    server = subprocess.Popen([sys.executable, "-m", "cli", "serve", str(model), "--port", "0"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         assert server.stdout is not None

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def smol_dir() -> Path:
-    from services.launch.models import ensure_model
+    from launch.models import ensure_model
 
     path = Path(os.environ.get("ROLLSTREAM_REAL_MODEL", ROOT / "models" / "smollm2-135m-instruct"))
     return ensure_model("smollm2-135m-instruct", path, progress=print)

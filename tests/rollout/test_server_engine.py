@@ -25,7 +25,7 @@ GREEDY = SamplingParams(max_new_tokens=12, greedy=True)
 
 
 def start_server(model_dir: Path, home: Path, port: int = 0) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", str(model_dir), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", str(model_dir), "--port", str(port),
                              "--max-batch", "8"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, ROLLSTREAM_HOME=str(home)))
     assert proc.stdout is not None

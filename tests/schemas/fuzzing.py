@@ -1,6 +1,6 @@
 """Hypothesis strategies of hostile event bytes and hostile (type-valid) events, shared by the
 decode and sanity fuzz tests (tests/schemas/test_fuzz.py) and the runtime burst test
-(tests/services/test_fuzz_runtime.py).
+(tests/runtime/test_fuzz_runtime.py).
 
 * :func:`hostile_bytes` — what a topic may carry that no producer of ours writes: arbitrary bytes,
   valid encodings of every event with bytes flipped, cut, inserted or duplicated, with a field's

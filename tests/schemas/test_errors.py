@@ -1,9 +1,9 @@
-"""services.errors.one_line: the one way errors become one line (pure unit tests)."""
+"""schemas.errors.one_line: the one way errors become one line (pure unit tests)."""
 
 from __future__ import annotations
 
+from runtime import bus
 from schemas.errors import one_line
-from services.kafka import bus
 
 
 class KafkaLikeError(Exception):

@@ -3,7 +3,7 @@
 * ``Consumer.decode(topic, bytes)``, the decode every consumer runs on what it polls, returns an
   event of the topic's union or a one-line reason for any bytes on any topic — it never raises.
 * A decoded (type-valid) event with impossible values goes through the checks the services run
-  (``services.sanity``) and comes out sound or rejected with one line — they never raise, and what
+  (``schemas.sanity``) and comes out sound or rejected with one line — they never raise, and what
   they pass holds what the trainer relies on.
 """
 
@@ -16,11 +16,11 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from runtime.clients import Consumer
 from schemas import events as ev
+from schemas import sanity
 from schemas.config import KafkaSettings
 from schemas.topics import TOPICS, topic_name
-from services import sanity
-from services.kafka.clients import Consumer
 from tests.schemas.examples import example_events
 from tests.schemas.fuzzing import SEEDS, hostile_bytes, hostile_generations, hostile_scored, hostile_tasks
 

@@ -12,11 +12,11 @@ from envs.frozenlake import expert_actions
 from rollout.agent import AgentLimits, Observation, run_episode
 from rollout.engine import TorchEngine
 from rollout.sampling import SamplingParams
+from runtime.bus import Producer
 from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import topic_name
 from services.env_client import KafkaEnvClient
-from services.kafka.bus import Producer
 from tests.rollout.test_agent import SPEC
 from tests.services.test_env_worker import env_service
 

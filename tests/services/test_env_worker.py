@@ -22,14 +22,14 @@ import pytest
 import envs
 from envs.base import StepResult
 from envs.frozenlake import expert_actions as lake_expert
+from envs.latency import draw_latency_s
 from envs.registry import ENVS, register_env
 from envs.sokoban import expert_actions as sokoban_expert
+from runtime.bus import Consumer, Producer
 from schemas import events as ev
 from schemas.config import EnvWorkersConfig, KafkaSettings, RunConfig, parse_config
 from schemas.topics import topic_name
 from services.env_worker import EnvSettings, run
-from services.kafka.bus import Consumer, Producer
-from services.latency import draw_latency_s
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -344,7 +344,7 @@ def test_cli_service_env_answers_and_stops_on_sigterm(bootstrap: str, tmp_path: 
     """`rollstream service env --run ID` with a prepared run folder: answers a reset, exits 0 on SIGTERM."""
     import uuid
 
-    from services.kafka.bus import TopicAdmin
+    from runtime.bus import TopicAdmin
 
     rid = f"env-{uuid.uuid4().hex[:8]}"
     runs = tmp_path / "runs"
@@ -362,7 +362,7 @@ def test_cli_service_env_answers_and_stops_on_sigterm(bootstrap: str, tmp_path: 
     env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=bootstrap, ROLLSTREAM_HOME=str(tmp_path / "home"))
     log = tmp_path / "env.log"
     with log.open("w") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "service", "env", "--run", rid,
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "service", "env", "--run", rid,
                                  "--runs-dir", str(runs)], env=env, stdout=sink, stderr=subprocess.STDOUT)
     try:
         obs = asyncio.run(drive())

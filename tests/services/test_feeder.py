@@ -114,10 +114,10 @@ async def test_feeder_follows_the_run_and_rebuilds_its_state_on_restart(bootstra
     import asyncio
     import time
 
+    from runtime.bus import Consumer
+    from runtime.runner import publish
     from schemas.config import KafkaSettings
     from schemas.topics import topic_name
-    from services.kafka.bus import Consumer
-    from services.kafka.runtime import publish
 
     kafka = KafkaSettings(bootstrap=bootstrap)
     cfg = parse_config(f"rollout: {{group_size: 2, async_ratio: 0}}\ntrain: {{batch_size: 4, steps: 3}}\n"

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import msgspec
 
+import store as st
+from runtime.bus import Producer, TopicAdmin
 from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import TOPICS, topic_name
-from services import store as st
-from services.kafka.bus import Producer, TopicAdmin
 from services.recorder import Recorder, RecorderSettings
 from tests.schemas.examples import example_events
 
@@ -92,7 +92,7 @@ async def test_lag_is_measured_and_inserts_are_batched(bootstrap: str, run_id: s
     ``batch_max_records`` and written with one insert per table; the reports reach the store."""
     from typing import Any
 
-    from tests.services.recorded_run import publish
+    from tests.store.recorded_run import publish
 
     n, batch = 300, 40
     tasks: list[ev.Event] = [

@@ -12,8 +12,8 @@ import pytest
 from rollout.agent import Trajectory
 from schemas import events as ev
 from schemas.config import RunConfig
+from schemas.sanity import check_generation
 from services.rollout_worker import RolloutSettings, RolloutWorker, generation_of
-from services.sanity import check_generation
 
 
 class Tok:

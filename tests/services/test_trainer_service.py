@@ -10,9 +10,9 @@ from typing import Any
 import msgspec
 import pytest
 
+from runtime.bus import Record, TopicPartition
 from schemas import events as ev
-from services.kafka.bus import Record, TopicPartition
-from services.sanity import check_generation, check_scored, check_task
+from schemas.sanity import check_generation, check_scored, check_task
 from services.trainer_buffer import GroupBuffer
 from trainer.batch import group_complete
 

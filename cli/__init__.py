@@ -1,0 +1,31 @@
+"""The ``rollstream`` command line (typer): it parses, sets up logging and calls library code.
+
+One module per command group, each registering its commands on :data:`app`
+(:mod:`cli.app`: the app, global options, logging, the one-line error convention):
+
+* :mod:`~cli.run` — ``run`` (``--prepare-only``), ``service NAME``;
+* :mod:`~cli.stack` — ``stack up|down|status``;
+* :mod:`~cli.topics` — ``topics list|describe``;
+* :mod:`~cli.ops` — ``status RUN``, ``stop RUN``;
+* :mod:`~cli.sql` — ``sql``;
+* :mod:`~cli.report` — ``report``;
+* :mod:`~cli.replay` — ``replay into|rescore|step``;
+* :mod:`~cli.model` — ``init-model``;
+* :mod:`~cli.serve` — ``serve MODEL_DIR``.
+
+User errors print one line ``error: ...`` and exit 1 — never a traceback (``--debug`` shows it).
+"""
+
+from __future__ import annotations
+
+# registering order = the order of `rollstream --help`
+from cli import run, stack, topics, ops, sql, report, replay, model, serve  # isort: skip
+from cli.app import app, main, version
+from cli.run import SERVICES
+
+app.command()(version)
+
+__all__ = ["SERVICES", "app", "main", "model", "ops", "replay", "report", "run", "serve", "sql", "stack", "topics"]
+
+if __name__ == "__main__":  # pragma: no cover (`python -m cli` runs __main__.py)
+    main()

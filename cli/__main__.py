@@ -1,0 +1,5 @@
+"""``python -m cli``: how ``rollstream run`` starts its services."""
+
+from cli import main
+
+main()

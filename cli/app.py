@@ -1,0 +1,269 @@
+"""The typer app, its global options, logging, and the one-line error convention.
+
+* **Errors.** A user error (bad config, unreachable broker, bad DSN, missing file, a backend that
+  is not available) prints one line ``error: ...`` on stderr and exits 1; a command-line usage
+  error prints one line and exits 2; an unexpected exception prints one line naming the log file
+  that holds its traceback and exits 1. ``--debug`` (or ``$ROLLSTREAM_DEBUG``) shows tracebacks.
+* **Logging.** Library loggers (aiokafka, clickhouse_connect, urllib3, transformers) and Python
+  warnings never reach the terminal unless ``--debug``: everything logged in the CLI process
+  goes to a log file, ``<home>/logs/cli.log`` (home: ``--home`` / ``$ROLLSTREAM_HOME`` /
+  ``./.rollstream``), and for ``rollstream run`` to ``runs/<run_id>/logs/cli.log`` once the run
+  directory exists. With ``--debug`` it also goes to stderr. ``rollstream service`` is the
+  exception: a service's log is its stderr (the supervisor writes it to
+  ``runs/<run_id>/logs/<service>.log``; a container runtime keeps it).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import logging.handlers
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from schemas.config import ConfigError, redact_text
+from schemas.errors import one_line
+from schemas.topics import BadRunId
+
+app = typer.Typer(
+    name="rollstream",
+    help="Event-sourced streaming RL post-training over Kafka, recorded in ClickHouse.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+console = Console(stderr=True, highlight=False, soft_wrap=True)
+"""Progress, warnings and errors (stderr)."""
+out = Console(highlight=False, soft_wrap=True)
+"""Results (stdout)."""
+
+F = TypeVar("F", bound=Callable[..., Any])
+LOG_FORMAT = "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"
+log = logging.getLogger("rollstream.cli")
+
+_state: dict[str, Any] = {}
+
+
+class UserError(RuntimeError):
+    """A mistake the user can fix; printed as one line."""
+
+
+def opt(name: str) -> Any:
+    """A global option's value: ``bootstrap``, ``store``, ``home`` (None when not given) or ``debug``;
+    ``bootstrap_given``: whether ``--bootstrap`` was on the command line (not from the environment)."""
+    return _state.get(name)
+
+
+def home() -> Path:
+    """The local stack's state directory (``--home`` / ``$ROLLSTREAM_HOME`` / ``./.rollstream``)."""
+    from infra.kafka.broker import home_dir
+
+    return home_dir(opt("home"))
+
+
+# --------------------------------------------------------------------------- logging
+
+
+class _LazyFileHandler(logging.handlers.RotatingFileHandler):
+    """A rotating log file (5 × 10 MB) created, with its directory, at its first record."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, maxBytes=10 << 20, backupCount=5, encoding="utf-8", delay=True)
+
+    def _open(self) -> Any:
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        """A log file that cannot be written (read-only home) is reported once, then left alone."""
+        if not getattr(self, "_reported", False):
+            self._reported = True
+            err = sys.exc_info()[1]
+            sys.stderr.write(f"warning: cannot write the log file {self.baseFilename}: {err}\n")
+
+
+def setup_logging(*, debug: bool, log_file: Path | None, stderr_level: int | None = None) -> None:
+    """Route every log record of this process: to ``log_file`` (when given), and to stderr at
+    ``stderr_level`` (with ``debug``: everything). Replaces earlier handlers; Python warnings are
+    logged too (``py.warnings``)."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    fmt = logging.Formatter(LOG_FORMAT)
+    levels = [logging.DEBUG if debug else logging.INFO]
+    if log_file is not None:
+        fh = _LazyFileHandler(log_file)
+        fh.setFormatter(fmt)
+        root.addHandler(fh)
+    if debug or stderr_level is not None:
+        sh = logging.StreamHandler(sys.stderr)
+        sh.setFormatter(fmt)
+        sh.setLevel(logging.DEBUG if debug else stderr_level or logging.INFO)
+        root.addHandler(sh)
+        levels.append(sh.level)
+    root.setLevel(min(levels))
+    logging.captureWarnings(True)
+    _state["log_file"] = log_file
+
+
+def log_to(path: Path) -> None:
+    """Move this process's log file to ``path`` (``run``: the run's ``logs/cli.log``)."""
+    setup_logging(debug=bool(opt("debug")), log_file=path)
+    log.info("rollstream %s", redact_text(" ".join(sys.argv[1:])))
+
+
+def log_file() -> Path | None:
+    """Where this process logs (None: stderr only)."""
+    path = _state.get("log_file")
+    return path if isinstance(path, Path) else None
+
+
+def quiet_transformers() -> None:
+    """Send transformers' logs through :mod:`logging` (to the log file) instead of its own stderr
+    handler. Call it where the CLI process itself loads a model."""
+    from transformers.utils import logging as tlog
+
+    tlog.disable_default_handler()
+    tlog.enable_propagation()
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    from infra.kafka.broker import StackError
+    from runtime.bus import BusError
+    from store import StoreError
+
+    return (UserError, ConfigError, StoreError, BadRunId, StackError, BusError, *_PATH_ERRORS)
+
+
+_PATH_ERRORS = (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError, FileExistsError)
+"""OS errors about a path the user named (a file, a directory, a chdb store): user errors."""
+
+
+def _user_message(e: BaseException) -> str:
+    if isinstance(e, _PATH_ERRORS):
+        if isinstance(e, FileNotFoundError):
+            return f"file not found: {e.filename or e}"
+        return f"{e.strerror or type(e).__name__}: {e.filename}" if e.filename else str(e)
+    return str(e)
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    """Print ``error: message`` (one line) and return the :class:`typer.Exit` to raise."""
+    line = " ".join(message.split())
+    console.print(f"[red]error:[/red] {escape(line)}", soft_wrap=True)
+    return typer.Exit(code)
+
+
+def friendly(fn: F) -> F:
+    """Turn errors into one ``error:`` line and exit status 1 (``--debug`` re-raises)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except KeyboardInterrupt:
+            console.print("[yellow]interrupted[/yellow]")
+            raise typer.Exit(130) from None
+        except _user_error_types() as e:
+            if opt("debug"):
+                raise
+            if log_file() is not None:  # a service logs to its stderr, where the error line says it once
+                log.info("user error: %s", one_line(e))
+            raise fail(_user_message(e)) from None
+        except Exception as e:
+            if opt("debug"):
+                raise
+            log.exception("unexpected error")
+            where = log_file()
+            hint = f" (traceback in {where}; --debug shows it)" if where else " (traceback in the log above)"
+            raise fail(f"unexpected {one_line(e)}{hint}") from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- global options
+
+
+@app.callback()
+def main_options(
+    ctx: typer.Context,
+    bootstrap: str = typer.Option(
+        "", "--bootstrap", envvar="ROLLSTREAM_BOOTSTRAP",
+        help="Kafka bootstrap host:port (default: kafka.bootstrap of the config, else the local broker).",
+    ),
+    store: str = typer.Option(
+        "", "--store", envvar="ROLLSTREAM_STORE",
+        help="Store DSN, chdb:///path or http(s)://host:8123: where run, service, sql, report and replay "
+             "find the record (default: store.dsn of the run's config, else runs/<run>/store).",
+    ),
+    home_: str = typer.Option(
+        "", "--home", envvar="ROLLSTREAM_HOME",
+        help="State directory of the local stack and of the CLI's log (default ./.rollstream).",
+    ),
+    debug: bool = typer.Option(
+        False, "--debug", envvar="ROLLSTREAM_DEBUG",
+        help="Show tracebacks, and debug logs on stderr (they always go to <home>/logs/cli.log).",
+    ),
+) -> None:
+    """Global options (also from ROLLSTREAM_BOOTSTRAP / ROLLSTREAM_STORE / ROLLSTREAM_HOME / ROLLSTREAM_DEBUG)."""
+    _state.update(bootstrap=bootstrap or None, store=store or None, home=home_ or None, debug=debug,
+                  bootstrap_given=getattr(ctx.get_parameter_source("bootstrap"), "name", "") == "COMMANDLINE")
+    if ctx.invoked_subcommand != "service":  # a service logs to its stderr (see the module doc)
+        log_to(home() / "logs" / "cli.log")
+
+
+def version() -> None:
+    """Print the versions of rollstream and the pieces it runs on."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as pkg_version
+
+    def v(name: str) -> str:
+        try:
+            return pkg_version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    from infra.kafka.broker import KAFKA_VERSION
+
+    out.print(f"rollstream {v('rollstream')}")
+    out.print(f"kafka (local broker) {KAFKA_VERSION}")
+    for name in ("aiokafka", "msgspec", "clickhouse-connect", "chdb", "torch", "transformers"):
+        out.print(f"{name} {v(name)}")
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def main() -> None:
+    """Console-script entry point (also ``python -m cli``, how ``rollstream run`` starts
+    its services). A command-line usage error is one ``error:`` line and exit status 2."""
+    # quiet third-party progress bars and info chatter
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        code = app(prog_name="rollstream", standalone_mode=False)
+    except typer.TyperException as e:  # typer's (click's) parsing errors
+        if type(e).__name__ == "NoArgsIsHelpError":  # the help is already printed
+            sys.exit(e.exit_code)
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None and e.exit_code == 2 else ""
+        raise SystemExit(fail(f"{e.format_message()}{hint}", e.exit_code).exit_code) from None
+    except typer.Abort:
+        console.print("[yellow]interrupted[/yellow]")
+        code = 130
+    sys.exit(code if isinstance(code, int) else 0)

@@ -1,0 +1,418 @@
+"""``rollstream run`` (a whole run, or ``--prepare-only``) and ``rollstream service NAME`` (one
+service of a run in this process)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from cli.app import (
+    UserError,
+    app,
+    console,
+    friendly,
+    home,
+    log_to,
+    opt,
+    out,
+    quiet_transformers,
+    setup_logging,
+)
+
+SERVICES = ("feeder", "rollout", "reward", "trainer", "recorder", "env", "judge")
+"""The services of a run (``rollstream service NAME``; the supervisor, compose). ``env`` (environment
+workers) serves multi-turn domains only: ``rollstream run`` starts it (× ``env.workers``) only when a
+domain is multi-turn; ``judge`` (judge workers) serves domains with a judge only: ``rollstream run``
+starts it (× ``judge.workers``) only when a domain has one. A compose stack always runs both, idle
+when the run does not need them."""
+
+
+def read_config(path: Path, overrides: list[str]) -> Any:
+    """The run config of ``path`` plus ``--set`` overrides; a missing file is a user error."""
+    from schemas.config import parse_config
+
+    if not path.exists():
+        raise UserError(f"config file not found: {path}")
+    if path.is_dir():
+        raise UserError(f"config file {path} is a directory, not a YAML file")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"config file {path} cannot be read: {e.strerror if isinstance(e, OSError) else e}") from None
+    if not text.strip() or all(not ln.strip() or ln.lstrip().startswith("#") for ln in text.splitlines()):
+        raise UserError(f"config file {path} is empty (an empty mapping `{{}}` runs every default)")
+    return parse_config(text, overrides, source=str(path))
+
+
+def check_backends(cfg: Any, devices: bool = True) -> None:
+    """Refuse, in one line and before anything starts, what cannot run here: a generation engine
+    or training strategy (:func:`rollout.factory.check_engine`, :func:`trainer.factory.check_strategy`),
+    a task source, verifier or source argument of ``data.domains`` that does not exist, a
+    ``model.path`` that is not a model directory, a judge model that cannot judge
+    (:func:`check_judges`), a device this machine lacks (``devices``: a service that uses no
+    device skips that check, which imports torch), and an experiment tracker whose package is
+    missing (:func:`store.tracking.check_trackers`)."""
+    from rollout.factory import check_engine
+    from store.tracking import check_trackers
+    from trainer.factory import check_strategy
+
+    check_engine(cfg)
+    check_strategy(cfg)
+    check_trackers(cfg)
+    check_domains(cfg)
+    check_model_path(cfg)
+    if devices:
+        check_devices(cfg)
+    check_judges(cfg)  # last: it may load a judge's tokenizer (seconds)
+
+
+DEVICE_SERVICES = ("rollout", "trainer", "judge")
+"""The services that run a model on ``rollout.device`` / ``train.device`` / ``judge.device``."""
+
+
+def check_devices(cfg: Any) -> None:
+    """``rollout.device`` / ``train.device`` exist on this machine (:func:`schemas.devices.placement`);
+    so does ``judge.device`` when a domain has a judge."""
+    from schemas.devices import placement, resolve_device
+
+    placement(cfg)
+    if any(d.judge for d in cfg.data.domains):
+        resolve_device(cfg.judge.device, "judge.device")
+
+
+def check_judges(cfg: Any) -> None:
+    """Every judge a domain names can judge: its ``path`` is a model directory of its ``kind``
+    (unless ``source`` converts one into it when the run is prepared), its tokenizer suits its
+    ``chat_template`` and, for ``score: logprobs``, has one token per score label
+    (:func:`launch.prepare.check_judge_model`). One line on refusal."""
+    from launch.prepare import check_judge_model, used_judges
+    from schemas.config import ConfigError
+
+    for name, m in used_judges(cfg).items():
+        try:
+            check_judge_model(name, m)
+        except ValueError as e:
+            raise ConfigError(f"config: {e}") from None
+
+
+def check_domains(cfg: Any) -> None:
+    """Every domain's task source and verifier are registered and the source takes its kwargs."""
+    import envs  # noqa: F401  (registers the built-in sources and verifiers)
+    from envs.registry import SOURCES, VERIFIERS, is_episodic, load_plugins, make_source
+    from schemas.config import ConfigError
+
+    try:
+        load_plugins(list(cfg.data.plugins))
+    except ImportError as e:
+        raise ConfigError(f"config: data.plugins: {e} (a module on sys.path or in the current directory)") from None
+    for i, d in enumerate(cfg.data.domains):
+        key = f"config: data.domains[{i}]"
+        if d.source not in SOURCES:
+            raise ConfigError(f"{key}.source={d.source!r} is not a task source; registered: {', '.join(sorted(SOURCES))}")
+        if is_episodic(d.source) and (d.verifier or d.verifier_kwargs or d.answer != "raw" or d.format_reward):
+            raise ConfigError(f"{key}: source {d.source!r} is a multi-turn environment, scored by its own step rewards; "
+                              "remove verifier, verifier_kwargs, answer and format_reward from this domain")
+        if is_episodic(d.source) and d.judge:
+            raise ConfigError(f"{key}.judge={d.judge!r}: source {d.source!r} is a multi-turn environment, scored "
+                              "by its own step rewards; remove judge from this domain")
+        if d.verifier and d.verifier not in VERIFIERS:
+            raise ConfigError(f"{key}.verifier={d.verifier!r} is not a verifier; registered: {', '.join(sorted(VERIFIERS))}")
+        try:
+            source = make_source(d.source, **d.kwargs)
+        except (TypeError, ValueError, KeyError) as e:
+            raise ConfigError(f"{key}.kwargs {d.kwargs} do not suit task source {d.source!r}: {e}") from None
+        try:  # the trainer evaluates on it: a source too small for data.heldout_size fails here, not there
+            source.heldout(cfg.data.heldout_size)
+        except (ValueError, RuntimeError) as e:
+            raise ConfigError(f"{key}: data.heldout_size={cfg.data.heldout_size} held-out prompts cannot be drawn "
+                              f"from task source {d.source!r}: {e}") from None
+    if cfg.rollout.history_turns is not None and not any(is_episodic(d.source) for d in cfg.data.domains):
+        raise ConfigError(f"config: rollout.history_turns={cfg.rollout.history_turns} applies to multi-turn domains "
+                          "and data.domains has none; remove it")
+
+
+def model_dir_of(cfg: Any, run_dir: Path) -> Path:
+    """The model directory of a run (see :func:`launch.prepare.model_dir_of`)."""
+    from launch.prepare import model_dir_of as of
+
+    return of(cfg, run_dir)
+
+
+def check_model_path(cfg: Any) -> None:
+    """``model.path``, when given, is a Hugging Face model directory (holds config.json)."""
+    from schemas.config import ConfigError
+
+    if not cfg.model.path:
+        return
+    path = Path(cfg.model.path)
+    if cfg.model.source and not (path / "config.json").is_file():
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise ConfigError(f"config: model.path={str(path)!r} exists but holds no model, so model.source="
+                              f"{cfg.model.source!r} cannot be converted into it; remove it or pick another path")
+        return  # converted from model.source when the run is prepared
+    if not path.exists():
+        raise ConfigError(f"config: model.path={str(path)!r} does not exist (leave it empty to create a tiny model)")
+    if not path.is_dir():
+        raise ConfigError(f"config: model.path={str(path)!r} is a file, not a Hugging Face model directory")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"config: model.path={str(path)!r} is not a Hugging Face model directory (no config.json)")
+    if cfg.model.chat_template is True:
+        from rollout.model_init import load_tokenizer, use_chat_template
+
+        try:
+            use_chat_template(load_tokenizer(path), True)
+        except ValueError as e:
+            raise ConfigError(f"config: {e}") from None
+
+
+def with_store(cfg: Any) -> Any:
+    """``cfg`` with ``store.dsn`` set from ``--store`` / ``$ROLLSTREAM_STORE`` (checked) when given."""
+    dsn = opt("store")
+    if not dsn:
+        return cfg
+    import msgspec
+
+    import store as st
+
+    st.check_dsn(dsn)
+    return msgspec.structs.replace(cfg, store=msgspec.structs.replace(cfg.store, dsn=dsn))
+
+
+def bootstrap_for_run(cfg: Any) -> str:
+    """--bootstrap / kafka.bootstrap / $ROLLSTREAM_BOOTSTRAP / the local broker (started if missing)."""
+    from infra.kafka import broker as stack
+
+    explicit = opt("bootstrap") or cfg.kafka.bootstrap
+    if explicit:
+        if cfg.kafka.security_protocol == "PLAINTEXT" and not stack.kafka_reachable(explicit, timeout_s=10):
+            raise UserError(f"no Kafka broker answers at {explicit}")
+        return str(explicit)
+    local = stack.local_kafka(home())
+    if local is not None and stack.kafka_reachable(local.bootstrap, timeout_s=5):
+        return local.bootstrap
+    with console.status("starting the local Kafka broker...") as status:
+        stack.ensure_kafka_jars(progress=lambda m: status.update(m))
+        proc, _ = stack.start_local_kafka(home(), progress=lambda m: status.update(m))
+    console.print(f"kafka: started at {proc.bootstrap} (stop it with `rollstream stack down`)")
+    return proc.bootstrap
+
+
+@app.command("run")
+@friendly
+def run_cmd(
+    config: Path = typer.Argument(..., help="Run config (YAML)."),
+    set_: list[str] = typer.Option([], "--set", help="Override a config key: section.key=value (repeatable)."),
+    run_id: str = typer.Option("", "--run-id", help="Run id (default: <run.name>-<timestamp>-<pid>)."),
+    prepare_only: bool = typer.Option(
+        False, "--prepare-only",
+        help="Only prepare the run: create its topics, runs/<id>/config.yaml and the model (when "
+             "model.path is empty), print the run id on stdout and exit; start no service. Then start "
+             "each service with `rollstream service NAME --run ID` (e.g. one container each). Preparing "
+             "the same run again with the same config changes nothing.",
+    ),
+    launcher: str = typer.Option(
+        "local", "--launcher",
+        help="How the services run: local (OS processes on this machine) or ray (Ray actors on a Ray cluster, "
+             "placed by the config's placement section; needs pip install 'rollstream\\[ray]').",
+    ),
+    address: str = typer.Option(
+        "", "--address",
+        help="--launcher ray: the Ray cluster to join (e.g. head-node:6379, or ray://head-node:10001); default: "
+             "$RAY_ADDRESS, else a local Ray instance started with this machine's CPUs and GPUs and stopped at the end.",
+    ),
+) -> None:
+    """Run a whole training run: broker, topics, model, every service; live progress; summary.json.
+
+    The config is checked first (keys, values, and that the generation engine and training strategy it names can run here): a bad one stops the command before anything starts. With --launcher ray, every service process is a Ray actor in one placement group of the run (bundles from the placement section), reserved before anything starts: a request the cluster's nodes cannot hold is refused in one line. The run directory must then be on storage every node sees at the same path.
+    """
+    from launch import supervisor
+    from schemas.topics import check_run_id
+
+    cfg = read_config(config, set_)
+    check_launcher(cfg, launcher, address, prepare_only)
+    check_backends(cfg)
+    cfg = with_store(cfg)
+    rid = check_run_id(run_id) if run_id else supervisor.new_run_id(cfg)
+    cluster = None
+    if launcher == "ray":  # placed and reserved before anything of the run starts
+        from launch import ray_launcher
+
+        try:
+            cluster = ray_launcher.connect(cfg, address, console=console)
+        except supervisor.RunError as e:
+            raise UserError(str(e)) from None
+    try:
+        _run(cfg, rid, prepare_only, cluster)
+    finally:
+        if cluster is not None:
+            cluster.close()
+
+
+def check_launcher(cfg: Any, launcher: str, address: str, prepare_only: bool) -> None:
+    """``--launcher`` is local or ray; ``--address`` and a non-default ``placement`` section go with
+    ``--launcher ray`` only (the local launcher would not honour them); ``--prepare-only`` starts no
+    service, so it takes no launcher; Ray is installed when asked for. One line on refusal."""
+    from schemas.config import PlacementConfig
+
+    if launcher not in ("local", "ray"):
+        raise UserError(f"--launcher {launcher!r}: one of local, ray")
+    if prepare_only and launcher != "local":
+        raise UserError("--prepare-only starts no service, so it takes no --launcher; leave --launcher out")
+    if launcher == "local":
+        if address:
+            raise UserError(f"--address {address!r} is for --launcher ray only; add --launcher ray or leave it out")
+        if cfg.placement != PlacementConfig():
+            raise UserError("the config's placement.* keys are used by --launcher ray only (the local launcher runs "
+                            "every service on this machine); add --launcher ray or remove the placement section")
+        return
+    from launch.ray_launcher import require_ray
+    from launch.supervisor import RunError
+
+    try:
+        require_ray()
+    except RunError as e:
+        raise UserError(str(e)) from None
+
+
+def _run(cfg: Any, rid: str, prepare_only: bool, cluster: Any) -> None:
+    import asyncio
+    import json
+
+    from launch import supervisor
+
+    bootstrap = bootstrap_for_run(cfg)
+    quiet_transformers()  # the model is created in this process
+
+    def on_run_dir(run_dir: Path) -> None:
+        log_to(run_dir / "logs" / "cli.log")
+
+    try:
+        if prepare_only:
+            asyncio.run(supervisor.prepare_run(cfg, rid, bootstrap, console, on_run_dir=on_run_dir,
+                                               allow_prepared=True))
+            out.print(rid)
+            return
+        summary = asyncio.run(supervisor.run_supervised(
+            cfg, rid, bootstrap, console, on_run_dir=on_run_dir,
+            make_supervisor=cluster.supervisor if cluster is not None else None))
+    except supervisor.RunError as e:
+        raise UserError(str(e)) from None
+    ev_ = summary["eval"]
+    out.print(json.dumps({k: summary[k] for k in ("run_id", "steps", "wall_s", "samples", "throughput")}))
+    out.print(f"held-out accuracy: init {ev_['init']['accuracy']}, start {ev_['start']['accuracy']}, "
+              f"final {ev_['final']['accuracy']}")
+    if "accuracy_sampled" in ev_["final"]:
+        out.print(f"held-out sampled accuracy (train.eval_samples={cfg.train.eval_samples}): "
+                  f"init {ev_['init'].get('accuracy_sampled')}, start {ev_['start'].get('accuracy_sampled')}, "
+                  f"final {ev_['final']['accuracy_sampled']}")
+    out.print(f"summary: {supervisor.run_dir_of(cfg, rid) / 'summary.json'}")
+
+
+@app.command("service")
+@friendly
+def service_cmd(
+    name: str = typer.Argument(..., help="One of: " + ", ".join(SERVICES) + " (env: an environment worker "
+                               "for multi-turn domains; it idles in a single-turn run. judge: a judge worker "
+                               "for domains with a judge (data.domains[].judge); it idles in a run without "
+                               "one)."),
+    run: str = typer.Option(..., "--run", help="Run id (its config is read from <runs-dir>/<run>/config.yaml)."),
+    runs_dir: str = typer.Option("runs", "--runs-dir", help="Directory of run folders."),
+    set_: list[str] = typer.Option([], "--set", help="Override a config key: section.key=value (repeatable)."),
+    log_level: str = typer.Option("INFO", "--log-level", help="Logging level of the service's log (its stderr): "
+                                  "DEBUG, INFO, WARNING or ERROR."),
+) -> None:
+    """Start one service of a run in this process (`rollstream run` starts them all, env only when a domain is multi-turn, judge only when a domain has a judge; `rollstream run --prepare-only` prepares a run for services started one by one).
+
+    The service logs to stderr. A judge worker takes its label (part of its Kafka transactional id: give each of several judge workers its own) from ROLLSTREAM_SERVICE_LABEL, default judge. It records to / reads the store of --store / ROLLSTREAM_STORE when given (as `rollstream run` does), else store.dsn of the run's config, else <runs-dir>/<run>/store.
+    """
+    import asyncio
+
+    import msgspec
+
+    from launch import supervisor
+    from schemas.topics import check_run_id
+
+    if name not in SERVICES:
+        raise UserError(f"unknown service {name!r}; one of: {', '.join(SERVICES)}")
+    check_run_id(run)
+    level = logging.getLevelName(log_level.upper())
+    if not isinstance(level, int):
+        raise UserError(f"--log-level {log_level!r}: one of DEBUG, INFO, WARNING, ERROR")
+    try:
+        cfg = supervisor.load_run_config(runs_dir, run, set_)
+    except supervisor.RunError as e:
+        raise UserError(str(e)) from None
+    # feeder, reward, recorder and env workers use no device: checking one would import torch
+    # (about 1.7 s of CPU per process, at every start and restart)
+    check_backends(cfg, devices=name in DEVICE_SERVICES)
+    cfg = with_store(cfg)
+    if opt("bootstrap_given"):  # --bootstrap on the command line wins over kafka.bootstrap of the run's config
+        cfg = msgspec.structs.replace(cfg, kafka=msgspec.structs.replace(cfg.kafka, bootstrap=opt("bootstrap")))
+    # the run's folder is where its config was found (the default store lives there too)
+    cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, runs_dir=runs_dir))
+    setup_logging(debug=bool(opt("debug")), log_file=None, stderr_level=level)
+    if not opt("debug"):
+        logging.getLogger("aiokafka").setLevel(max(logging.WARNING, level))
+    run_dir = Path(runs_dir).resolve() / run
+    model_dir = str(model_dir_of(cfg, run_dir))
+    asyncio.run(_run_service(name, cfg, run, run_dir, model_dir))
+
+
+async def _run_service(name: str, cfg: Any, run: str, run_dir: Path, model_dir: str) -> None:
+    import asyncio
+    import signal
+
+    from store.runs import PRODUCERS_DONE, store_dsn_of
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if name == "feeder":
+        from services import feeder
+
+        n = await feeder.run(feeder.FeederSettings(run_id=run, config=cfg), stop)
+        logging.getLogger("rollstream").info("feeder: issued %d tasks", n)
+    elif name == "rollout":
+        from services import rollout_worker
+
+        await rollout_worker.run(rollout_worker.RolloutSettings(run_id=run, config=cfg, model_dir=model_dir), stop)
+    elif name == "reward":
+        from services import reward_router as reward
+
+        await reward.run(reward.RewardSettings(run_id=run, config=cfg), stop)
+    elif name == "trainer":
+        from services import trainer_service
+
+        await trainer_service.run(trainer_service.TrainerSettings(
+            run_id=run, config=cfg, model_dir=model_dir, run_dir=str(run_dir)), stop)
+    elif name == "recorder":
+        from services import recorder
+
+        await recorder.run(recorder.RecorderSettings(
+            run_id=run, dsn=store_dsn_of(cfg, run), kafka=cfg.kafka, stop_when_finished=True,
+            batch_max_records=cfg.store.batch_max_records, lag_report_every_s=cfg.store.lag_report_every_s,
+            config=cfg, run_dir=str(run_dir), producers_done_file=str(run_dir / PRODUCERS_DONE)), stop)
+    elif name == "env":
+        from services import env_worker
+
+        # as many requests at once as can be in flight: one per episode, one episode per rollout handler
+        # call (a worker may own every partition of env.requests: alone, or while the others restart)
+        concurrency = cfg.rollout.workers * cfg.rollout.max_batch
+        await env_worker.run(env_worker.EnvSettings(run_id=run, config=cfg, concurrency=concurrency), stop)
+    elif name == "judge":
+        import os
+
+        from launch.supervisor import LABEL_ENV
+        from schemas.config import resolve_dtype
+        from schemas.devices import resolve_device
+        from services import judge_worker
+
+        # a run without a judged domain loads no judge (the worker idles): no device to resolve
+        device = resolve_device(cfg.judge.device, "judge.device") if judge_worker.judged_domains(cfg) else "cpu"
+        label = os.environ.get(LABEL_ENV, "").strip() or "judge"
+        await judge_worker.run(judge_worker.JudgeSettings(
+            run_id=run, config=cfg, label=label, device=device, dtype=resolve_dtype(cfg.judge.dtype, device)), stop)
