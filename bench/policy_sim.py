@@ -6,7 +6,7 @@
   could do with ``B (1 + k)`` samples in flight (Little's law: a sample holds its slot at least
   until its group's slowest reward is in);
 * **the policy's bound**, from :func:`simulate`: what rollstream's own scheduling reaches when
-  every message, poll and process switch is free. It replays DESIGN.md's rules:
+  every message, poll and process switch is free. It replays docs/architecture.md's rules:
 
   - the feeder keeps at most ``B (1 + k)`` samples outstanding and issues whole groups, stamped
     with the newest weights version, as soon as the bound allows;

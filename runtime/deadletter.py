@@ -1,7 +1,7 @@
 """Dead letters: which sample and group a failed record was about, and the ``DeadLetter`` itself.
 
 A dead letter names the sample (and its group) whenever the record does, so the sample can end
-as ``dead_letter`` and its group complete without it (DESIGN.md, "Events and topics"). Only the
+as ``dead_letter`` and its group complete without it (docs/architecture.md, "Events and topics"). Only the
 topics that carry one sample's data name it: ``tasks`` (``RolloutTask``), ``generations``
 (``Generation.task``) and ``scored`` (``ScoredSample.generation.task``). In order of trust:
 

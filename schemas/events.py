@@ -1,6 +1,6 @@
 """Every event of a run, as msgspec Structs encoded as msgpack.
 
-Rules (DESIGN.md, "Events and topics"):
+Rules (docs/architecture.md, "Events and topics"):
 
 * Events are facts: frozen Structs, never mutated; a change is a new event.
 * Every event carries ``run_id``, a unique ``event_id`` and ``ts`` (unix seconds, float);

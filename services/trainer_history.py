@@ -8,7 +8,7 @@ the batch's sample ids in training order), every ``SampleOutcome``, the evaluati
 :func:`read_history` reads it from ``metrics``, ``control`` and ``weights`` (from the beginning
 to the ends they had when the read started).
 
-The trainer uses it so that a resume never decides anything twice (DESIGN.md: events are facts):
+The trainer uses it so that a resume never decides anything twice (docs/architecture.md: events are facts):
 a step already on the topic is re-run from its recorded batch to rebuild the model (no second
 ``TrainStep``, no second outcome), samples decided after the checkpoint stay decided, an
 evaluation, a ``Drain`` or weights already published are not published again.

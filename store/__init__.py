@@ -6,7 +6,7 @@
   whichever route works.
 * :mod:`store.rows` — how events become rows of the typed tables.
 
-The client functions are re-exported here (``from services import store as st; st.connect(dsn)``).
+The client functions are re-exported here (``import store as st; st.connect(dsn)``).
 """
 
 from store.client import (

@@ -1,7 +1,6 @@
-"""The tree follows DESIGN.md's import rules, has no import cycles, and keeps services/ modules short.
+"""The tree follows the import rules of docs/architecture.md ("Repository layout", the table's
+last column), has no import cycles, and keeps services/ modules short.
 
-Rules (DESIGN.md, "Repository layout"): ``schemas`` imports nothing of ours; ``envs``, ``rollout``
-and ``trainer`` import ``schemas`` only (and never each other); ``services`` composes them all.
 Every import counts, at module level or inside a function (a lazy import is still a dependency).
 """
 

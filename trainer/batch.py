@@ -6,7 +6,7 @@ Group assembly (pure functions; :mod:`services.trainer_service` keeps the buffer
   been dead-lettered;
 * :func:`group_reject_reason`: why a complete group cannot be trained (fewer than 2 members
   left, or ``algorithm.dynamic_filter`` via :func:`trainer.algorithm.group_filter_reason`);
-* :func:`split_stale`: the staleness rule of DESIGN.md (``version - policy_version >
+* :func:`split_stale`: the staleness rule of docs/architecture.md (``version - policy_version >
   max_staleness`` is ``dropped_stale``);
 * :func:`select_groups`: the complete groups of the next batch, in arrival order;
 * :func:`assemble`: the batch of the selected groups (staleness filter, then the group rules),
@@ -267,7 +267,7 @@ def group_reject_reason(members: Sequence[ScoredSample], algo: AlgorithmConfig |
 def split_stale(
     members: Sequence[ScoredSample], version: int, max_staleness: int
 ) -> tuple[list[ScoredSample], list[Rejection]]:
-    """``(fresh, stale)`` by the staleness rule of DESIGN.md: a sample generated with
+    """``(fresh, stale)`` by the staleness rule of docs/architecture.md: a sample generated with
     ``policy_version`` is ``dropped_stale`` at trainer ``version`` when
     ``version - policy_version > max_staleness``."""
     fresh: list[ScoredSample] = []

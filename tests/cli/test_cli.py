@@ -200,7 +200,7 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
 @pytest.mark.parametrize("fmt", ["json", "csv", "table"])
 def test_sql_formats_on_a_store(tmp_path: Path, fmt: str) -> None:
     store = tmp_path / "runs" / "r1" / "store"
-    setup = subprocess.run([sys.executable, "-c", f"from services import store as st; c = st.connect('chdb://{store}'); "
+    setup = subprocess.run([sys.executable, "-c", f"import store as st; c = st.connect('chdb://{store}'); "
                             "st.apply_ddl(c)"], capture_output=True, text=True, timeout=120)
     assert setup.returncode == 0, setup.stderr
     res = cli("sql", "SELECT version, name FROM schema_migrations FINAL ORDER BY version", "--run", "r1",

@@ -116,7 +116,7 @@ def test_report_errors_are_one_line(runs_dir: Path) -> None:
 
 def test_report_store_in_use(runs_dir: Path) -> None:
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from services import store as st; "
+        [sys.executable, "-c", "import sys, time; import store as st; "
          f"c = st.connect(st.default_dsn({str(runs_dir)!r}, 'run-a')); print('open', flush=True); time.sleep(60)"],
         cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:

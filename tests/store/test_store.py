@@ -77,7 +77,7 @@ def test_store_in_use_by_another_process_is_a_clear_error(tmp_path: Path) -> Non
         [
             sys.executable,
             "-c",
-            f"from services import store; c = store.connect({dsn!r}); print('open', flush=True); "
+            f"import store; c = store.connect({dsn!r}); print('open', flush=True); "
             "import time; time.sleep(30)",
         ],
         stdout=subprocess.PIPE,
@@ -89,7 +89,7 @@ def test_store_in_use_by_another_process_is_a_clear_error(tmp_path: Path) -> Non
             [
                 sys.executable,
                 "-c",
-                f"from services import store\ntry:\n store.connect({dsn!r})\n"
+                f"import store\ntry:\n store.connect({dsn!r})\n"
                 "except store.StoreError as e:\n print(e)",
             ],
             capture_output=True,
