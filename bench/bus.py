@@ -227,11 +227,12 @@ CATEGORIES = ("serialisation", "produce", "consume", "commit", "transactions", "
 """Where a profile sample of a service counts as Kafka overhead (see :func:`classify`)."""
 _TXN = re.compile(r"transaction|Txn|_commit_txn|send_offsets")
 _SERIAL = re.compile(r"(^|\.)(encode|decode|decoder_for|key_for|encode_key|check_size|make_output)$")
-_KAFKA_FUNCS = {"make_output", "send_outputs", "TxnLoop._commit_txn", "TxnLoop._commit_txn_ready", "TxnLoop._txn_plan",
-                "Loops._commit_ready", "Loops._poll", "Runner.commit", "Runner.send"}
+_KAFKA_FUNCS = {"make_output", "KafkaIO.send_outputs", "KafkaIO.transaction", "TxnLoop._commit_txn_ready",
+                "TxnLoop._txn_plan", "RecordLoop._commit_ready", "KafkaIO.poll", "KafkaIO.commit", "Runner.commit",
+                "Runner.send"}
 _OURS = ("runtime/clients.py", "runtime/records.py")
-_RUNTIME = ("runtime/loops.py", "runtime/txn_loop.py", "runtime/runner.py", "runtime/service.py",
-            "runtime/offsets.py", "runtime/bus.py", "runtime/records.py")
+_RUNTIME = ("runtime/loops.py", "runtime/txn_loop.py", "runtime/handling.py", "runtime/kafka_io.py",
+            "runtime/runner.py", "runtime/service.py", "runtime/offsets.py", "runtime/bus.py", "runtime/records.py")
 
 
 def _frame(text: str) -> tuple[str, str]:
@@ -264,12 +265,12 @@ def classify(frames: list[str]) -> str | None:
         return "transactions"
     if any("commit" in func.lower() for func, _ in sub):
         return "commit"
-    if any(_SERIAL.search(func) and "/services/" in path for func, path in sub):
+    if any(_SERIAL.search(func) and ("/runtime/" in path or "/services/" in path) for func, path in sub):
         return "serialisation"
-    if any("/aiokafka/producer/" in path or func.startswith("Producer.") or func == "send_outputs" for func, path in sub):
+    if any("/aiokafka/producer/" in path or func.startswith("Producer.") or func == "KafkaIO.send_outputs" for func, path in sub):
         return "produce"
     if any("/aiokafka/consumer/" in path or "/aiokafka/coordinator/" in path or func.startswith("Consumer.")
-           or func == "Loops._poll" for func, path in sub):
+           or func == "KafkaIO.poll" for func, path in sub):
         return "consume"
     return "connection I/O"
 

@@ -17,6 +17,8 @@ may restart the service).
 * :class:`Retry` — one retrying operation: ``await retry.failed(error)`` after each failure
   (sleeps, or raises when the bound is passed or the error is not an outage), ``retry.done()``
   once it worked.
+
+The operations that retry, and the producer's replacement, are :class:`runtime.kafka_io.KafkaIO`'s.
 """
 
 from __future__ import annotations
@@ -39,13 +41,12 @@ from aiokafka.errors import (
     UnknownProducerId,
 )
 
-from runtime.clients import Producer
 from runtime.connection import BusError
 from schemas.errors import one_line
 
 log = logging.getLogger("rollstream.runtime")
 
-__all__ = ["Outage", "Renewal", "Retry", "is_outage", "needs_new_producer", "producer_dead"]
+__all__ = ["Outage", "Retry", "is_outage", "needs_new_producer", "producer_dead"]
 
 _ALSO_TRANSIENT = (KafkaConnectionError, KafkaTimeoutError, KafkaUnavailableError, ConcurrentTransactions)
 
@@ -156,44 +157,3 @@ class Retry:
             self.started = None
             self._pause = self.outage.backoff_s
             self.outage._end(self.what)
-
-
-class Renewal:
-    """Replacing a service's producer (mixed into :class:`runtime.runner.Runner`, which
-    sets these attributes)."""
-
-    service: Any
-    settings: Any
-    producer: Producer
-    _txn_id: str | None
-    _closing: set[asyncio.Task[Any]]
-    _renew_lock: asyncio.Lock
-
-    def _new_producer(self) -> Producer:
-        s = self.settings
-        return Producer(s.kafka, compression=s.compression, linger_ms=s.linger_ms, transactional_id=self._txn_id,
-                        transaction_timeout_s=s.transaction_timeout_s, client_suffix=f"{self.service.name}-producer")
-
-    async def renew_producer(self, failed: Producer, retry: Retry) -> None:
-        """Replace ``failed`` by a new producer unless another caller did already."""
-        async with self._renew_lock:
-            if self.producer is failed:
-                log.warning("%s: replacing the Kafka producer (it can no longer deliver)", self.service.name)
-                await self._renew_producer(retry)
-
-    async def _renew_producer(self, retry: Retry) -> None:
-        """Replace the producer by a new one (same transactional id: it fences the old one and
-        aborts its open transaction), retrying its start through an outage (``retry``). The old
-        one is closed in the background (it may wait for an unreachable broker)."""
-        closing = asyncio.create_task(self.producer.stop())
-        self._closing.add(closing)
-        closing.add_done_callback(self._closing.discard)
-        while True:
-            fresh = self._new_producer()
-            try:
-                await fresh.start()
-            except BusError as e:
-                await retry.failed(e)
-                continue
-            self.producer = fresh
-            return

@@ -62,6 +62,7 @@ import msgspec
 from envs.latency import draw_latency_s
 from runtime.bus import Record
 from runtime.runner import Context, Counters, Service, ServiceSettings, derive_event_id, run_service
+from runtime.settings import Consume, Delivery, Handling, Subscription
 from schemas import events as ev
 from schemas.config import RunConfig
 from schemas.errors import one_line
@@ -379,10 +380,11 @@ async def run(settings: EnvSettings, stop: asyncio.Event | None = None) -> Count
         raise ValueError(f"EnvSettings.concurrency={settings.concurrency} must be >= 1")
     worker = EnvWorker(settings)
     service_settings = ServiceSettings(
-        group_id=f"rs-env-{settings.run_id}", run_id=settings.run_id, topics=["env.requests"],
-        kafka=settings.config.kafka, max_concurrency=settings.concurrency,
-        batch_max_records=min(settings.concurrency, 256), shutdown_grace_s=settings.shutdown_grace_s,
-        deterministic_output_ids=False,  # the worker derives its answers' ids (a repeated answer keeps its id)
+        run_id=settings.run_id, kafka=settings.config.kafka,
+        subscription=Subscription(group_id=f"rs-env-{settings.run_id}", topics=["env.requests"]),
+        consume=Consume(batch_max_records=min(settings.concurrency, 256)),
+        handling=Handling(max_concurrency=settings.concurrency, shutdown_grace_s=settings.shutdown_grace_s),
+        delivery=Delivery(deterministic_output_ids=False),  # the worker derives its answers' ids (a repeated answer keeps its id)
     )
     counters = await run_service(worker, service_settings, stop=stop)
     log.info("env: stopped (%s; %d rebuilds, %d abandoned threads)", counters.as_dict(), worker.rebuilds,

@@ -47,6 +47,7 @@ import envs
 from envs.base import episode_ref
 from runtime.bus import Record
 from runtime.runner import BatchContext, BatchService, Runner, ServiceSettings
+from runtime.settings import Consume, Subscription
 from schemas import events as ev
 from schemas.config import RunConfig, redacted_dict
 from services.trainer_history import is_own_drain
@@ -200,8 +201,9 @@ class Feeder(BatchService):
         every start and commits nothing), one batch handler call per poll. ``tasks`` is only
         observed: the rollout group dead-letters its bad records."""
         return ServiceSettings(
-            group_id=None, run_id=self.s.run_id, topics=list(FEEDER_TOPICS), kafka=self.cfg.kafka,
-            poll_timeout_s=self.s.poll_timeout_s, batch_max_records=1000, observed_topics=["tasks"],
+            run_id=self.s.run_id, kafka=self.cfg.kafka,
+            subscription=Subscription(group_id=None, topics=list(FEEDER_TOPICS), observed_topics=["tasks"]),
+            consume=Consume(poll_timeout_s=self.s.poll_timeout_s, batch_max_records=1000),
         )
 
     async def on_start(self, runner: Runner) -> None:

@@ -30,6 +30,7 @@ import msgspec
 
 from runtime.bus import Record
 from runtime.runner import Context, Runner, Service, ServiceSettings, run_service
+from runtime.settings import Consume, Delivery, Handling, Subscription
 from schemas import events as ev
 from schemas.config import RunConfig, reward_weights
 from services.reward_router import with_verdict
@@ -106,8 +107,10 @@ async def run(settings: JudgeSettings, stop: object = None) -> object:
     s = settings
     cfg = s.config
     service_settings = ServiceSettings(
-        group_id=f"rs-judge-{s.run_id}", run_id=s.run_id, topics=["judge.requests"], kafka=cfg.kafka,
-        transactional=True, transactional_id=f"rs-judge-{s.run_id}-{s.label}",
-        batch_max_records=max(cfg.judge.max_batch, 1) * 2, max_concurrency=max(cfg.judge.max_batch, 1) * 2,
+        run_id=s.run_id, kafka=cfg.kafka,
+        subscription=Subscription(group_id=f"rs-judge-{s.run_id}", topics=["judge.requests"]),
+        consume=Consume(batch_max_records=max(cfg.judge.max_batch, 1) * 2),
+        handling=Handling(max_concurrency=max(cfg.judge.max_batch, 1) * 2),
+        delivery=Delivery(transactional=True, transactional_id=f"rs-judge-{s.run_id}-{s.label}"),
     )
     return await run_service(JudgeWorker(s), service_settings, stop=stop)  # type: ignore[arg-type]

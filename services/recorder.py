@@ -53,6 +53,7 @@ import msgspec
 import store as st
 from runtime.bus import Consumer, Record, TopicPartition
 from runtime.runner import BatchContext, BatchService, Runner, ServiceSettings
+from runtime.settings import Consume, Delivery, Handling, Subscription
 from schemas import events as ev
 from schemas.config import KafkaSettings, RunConfig
 from schemas.topics import TOPICS, parse_topic, topic_name
@@ -248,10 +249,13 @@ class Recorder(BatchService):
         s = self.settings
         topics = [topic_name(s.run_id, name) for name in TOPICS] if s.run_id else []
         return ServiceSettings(
-            group_id=self._group_id(), run_id=s.run_id, topics=topics, topic_pattern="" if topics else r"^rs\..*",
-            kafka=s.kafka,
-            batch_max_records=s.batch_max_records, poll_timeout_s=s.poll_timeout_s, dedupe=False,
-            handle_undecodable=True, fetch_min_bytes=FETCH_MIN_BYTES, fetch_max_wait_ms=FETCH_MAX_WAIT_MS,
+            run_id=s.run_id, kafka=s.kafka,
+            subscription=Subscription(group_id=self._group_id(), topics=topics,
+                                      topic_pattern="" if topics else r"^rs\..*"),
+            consume=Consume(batch_max_records=s.batch_max_records, poll_timeout_s=s.poll_timeout_s,
+                            fetch_min_bytes=FETCH_MIN_BYTES, fetch_max_wait_ms=FETCH_MAX_WAIT_MS),
+            handling=Handling(handle_undecodable=True),
+            delivery=Delivery(dedupe=False),
         )
 
     async def on_start(self, runner: Runner) -> None:

@@ -40,6 +40,7 @@ import envs
 from envs.latency import draw_latency_s
 from runtime.bus import Record
 from runtime.runner import Context, Service, ServiceSettings, run_service
+from runtime.settings import Consume, Delivery, Handling, Subscription
 from schemas import events as ev
 from schemas.config import RewardConfig, RunConfig, reward_weights
 from schemas.sanity import check_generation
@@ -210,10 +211,13 @@ def service_settings(s: RewardSettings) -> ServiceSettings:
     ``at_least_once``."""
     exactly_once = {"exactly_once": True, "at_least_once": False}[s.config.reward.delivery]
     return ServiceSettings(
-        group_id=f"rs-reward-{s.run_id}", run_id=s.run_id, topics=["generations"], kafka=s.config.kafka,
-        transactional=exactly_once, transactional_id=(s.transactional_id or f"rs-reward-{s.run_id}") if exactly_once
-        else "", batch_max_records=64,
-        max_concurrency=max(1, s.concurrency, s.config.max_inflight if s.config.reward.latency != "none" else 0),
+        run_id=s.run_id, kafka=s.config.kafka,
+        subscription=Subscription(group_id=f"rs-reward-{s.run_id}", topics=["generations"]),
+        consume=Consume(batch_max_records=64),
+        handling=Handling(
+            max_concurrency=max(1, s.concurrency, s.config.max_inflight if s.config.reward.latency != "none" else 0)),
+        delivery=Delivery(transactional=exactly_once, transactional_id=(s.transactional_id or f"rs-reward-{s.run_id}")
+                          if exactly_once else ""),
     )
 
 

@@ -56,6 +56,7 @@ from rollout.factory import make_engine
 from rollout.sampling import SamplingParams
 from runtime.bus import Consumer, Record
 from runtime.runner import Context, Runner, Service, ServiceSettings, run_service
+from runtime.settings import Consume, Handling, Subscription
 from schemas import events as ev
 from schemas.config import RunConfig
 from schemas.devices import resolve_device
@@ -325,8 +326,9 @@ async def run(settings: RolloutSettings, stop: asyncio.Event | None = None) -> o
     worker = RolloutWorker(settings)
     cfg = settings.config
     service_settings = ServiceSettings(
-        group_id=f"rs-rollout-{settings.run_id}", run_id=settings.run_id, topics=["tasks"], kafka=cfg.kafka,
-        max_concurrency=cfg.rollout.max_batch, batch_max_records=cfg.rollout.max_batch,
-        shutdown_grace_s=30.0, max_poll_interval_s=900.0,
+        run_id=settings.run_id, kafka=cfg.kafka,
+        subscription=Subscription(group_id=f"rs-rollout-{settings.run_id}", topics=["tasks"]),
+        consume=Consume(batch_max_records=cfg.rollout.max_batch, max_poll_interval_s=900.0),
+        handling=Handling(max_concurrency=cfg.rollout.max_batch, shutdown_grace_s=30.0),
     )
     return await run_service(worker, service_settings, stop=stop)

@@ -78,6 +78,7 @@ import torch
 
 from runtime.bus import Record, TopicPartition, next_offsets
 from runtime.runner import BatchContext, BatchService, Runner, ServiceSettings
+from runtime.settings import Consume, Delivery, Handling, Subscription
 from schemas import events as ev
 from schemas.sanity import check_scored
 from services.trainer_core import TrainerCore, TrainerSettings
@@ -113,10 +114,12 @@ class Trainer(TrainerCore, BatchService):
     def service_settings(self) -> ServiceSettings:
         """How the trainer runs on :mod:`runtime.runner` (see the module doc)."""
         return ServiceSettings(
-            group_id=f"rs-trainer-{self.s.run_id}", run_id=self.s.run_id, topics=["scored", "dlq", "control"],
-            observed_topics=["control"], kafka=self.cfg.kafka, commit="by_service", batch_max_records=500,
-            poll_timeout_s=self.s.poll_timeout_s, max_poll_interval_s=1800.0,
-            shutdown_grace_s=300.0,  # a training step under way at a stop finishes (its state is not cancellable)
+            run_id=self.s.run_id, kafka=self.cfg.kafka,
+            subscription=Subscription(group_id=f"rs-trainer-{self.s.run_id}", topics=["scored", "dlq", "control"],
+                                      observed_topics=["control"]),
+            consume=Consume(batch_max_records=500, poll_timeout_s=self.s.poll_timeout_s, max_poll_interval_s=1800.0),
+            handling=Handling(shutdown_grace_s=300.0),  # a training step under way at a stop finishes (its state is not cancellable)
+            delivery=Delivery(commit="by_service"),
         )
 
     # ----------------------------------------------------------------- hooks

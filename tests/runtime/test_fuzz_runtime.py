@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from runtime.bus import Consumer, Producer
 from runtime.deadletter import dead_letter_for
 from runtime.records import Record
-from runtime.runner import Runner, ServiceSettings
+from runtime.runner import Consume, Delivery, Handling, Runner, ServiceSettings, Subscription
 from schemas import events as ev
 from schemas.config import KafkaSettings, parse_config
 from schemas.topics import topic_name
@@ -76,8 +76,9 @@ async def test_a_burst_of_hostile_records_never_takes_the_reward_router_down(
     cfg = parse_config("rollout: {group_size: 1}\ntrain: {batch_size: 1}")
     group = f"rs-reward-{run_id}"
     runner = Runner(RewardRouter(RewardSettings(run_id=run_id, config=cfg)), ServiceSettings(
-        group_id=group, run_id=run_id, topics=["generations"], kafka=kafka, transactional=True,
-        transactional_id=group, batch_max_records=64, max_concurrency=4, poll_timeout_s=0.2))
+        run_id=run_id, kafka=kafka, subscription=Subscription(group_id=group, topics=["generations"]),
+        consume=Consume(batch_max_records=64, poll_timeout_s=0.2), handling=Handling(max_concurrency=4),
+        delivery=Delivery(transactional=True, transactional_id=group)))
     job = asyncio.create_task(runner.run(install_signal_handlers=False))
 
     async def settled(n: int) -> None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import msgspec
 import pytest
@@ -21,19 +23,25 @@ from runtime.bus import (
     TopicPartition,
     next_offsets,
 )
+from runtime.loops import BatchLoop, RecordLoop
 from runtime.runner import (
     BatchContext,
     BatchService,
+    Consume,
     Context,
     Counters,
+    Delivery,
     FunctionService,
+    Handling,
     Runner,
     Service,
     ServiceSettings,
+    Subscription,
     derive_event_id,
     publish,
     run_service,
 )
+from runtime.txn_loop import TxnLoop
 from schemas.config import KafkaSettings
 from schemas.events import DeadLetter, Generation, Pause, RolloutTask, ScoredSample
 from schemas.topics import topic_name
@@ -92,17 +100,19 @@ class Rollout(Service):
         ctx.emit("generations", generate(t))
 
 
-def settings(kafka: KafkaSettings, run_id: str, **kw: object) -> ServiceSettings:
-    base: dict[str, object] = {
-        "group_id": f"svc-{run_id}",
-        "run_id": run_id,
-        "topics": ["tasks"],
-        "kafka": kafka,
-        "poll_timeout_s": 0.2,
-        "shutdown_grace_s": 5.0,
-    }
-    base.update(kw)
-    return ServiceSettings(**base)  # type: ignore[arg-type]
+def settings(kafka: KafkaSettings, run_id: str, *, subscription: Mapping[str, Any] = {},
+             consume: Mapping[str, Any] = {}, handling: Mapping[str, Any] = {},
+             delivery: Mapping[str, Any] = {}) -> ServiceSettings:
+    """A test service's settings: group ``svc-<run>`` on the run's ``tasks``, 0.2 s polls, a 5 s
+    grace; each group's fields given override those."""
+    return ServiceSettings(
+        run_id=run_id,
+        kafka=kafka,
+        subscription=Subscription(**{"group_id": f"svc-{run_id}", "topics": ["tasks"], **subscription}),
+        consume=Consume(**{"poll_timeout_s": 0.2, **consume}),
+        handling=Handling(**{"shutdown_grace_s": 5.0, **handling}),
+        delivery=Delivery(**delivery),
+    )
 
 
 async def run_until(runner: Runner, cond: Callable[[Counters], bool], timeout_s: float = 20.0) -> Counters:
@@ -167,7 +177,7 @@ async def test_consume_handle_produce_commit(kafka: KafkaSettings, run_id: str, 
     metas = await publish(kafka, None, "tasks", tasks)  # logical name, run from the events
     assert len(metas) == n
     svc = Rollout()
-    s = settings(kafka, run_id, max_concurrency=4, batch_max_records=16)
+    s = settings(kafka, run_id, handling={"max_concurrency": 4}, consume={"batch_max_records": 16})
     counters = await run_until(Runner(svc, s), lambda c: c.processed >= n)
     assert counters == Counters(processed=n, emitted=n)
     gens = await read_topic(kafka, topic_name(run_id, "generations"), n)
@@ -177,22 +187,70 @@ async def test_consume_handle_produce_commit(kafka: KafkaSettings, run_id: str, 
     assert all(r.key == r.event.task.sample_id.encode() for r in gens)  # registry key
     # everything handled is committed: the group is at the end of every partition
     tasks_t = topic_name(run_id, "tasks")
-    await assert_committed_to_end(kafka, s.group_id, tasks_t, 4)
+    await assert_committed_to_end(kafka, s.subscription.group_id, tasks_t, 4)
 
 
-async def test_settings_are_strict_and_validated() -> None:
-    with pytest.raises(ValueError, match="exactly one of topics"):
-        ServiceSettings(group_id="g")
-    with pytest.raises(ValueError, match="need run_id"):
-        ServiceSettings(group_id="g", topics=["tasks"])
-    with pytest.raises(ValueError, match="max_concurrency"):
-        ServiceSettings(group_id="g", topic_pattern="^rs\\..*", max_concurrency=0)
+PATTERN = Subscription(group_id="g", topic_pattern="^rs\\..*")
+
+
+BAD_SETTINGS: list[tuple[Callable[[], object], str]] = [
+    (lambda: ServiceSettings(subscription=Subscription(group_id="g")),
+     "set exactly one of subscription.topics / subscription.topic_pattern"),
+    (lambda: ServiceSettings(subscription=Subscription(group_id="g", topics=["x"], topic_pattern="x")),
+     "set exactly one of subscription.topics / subscription.topic_pattern"),
+    (lambda: ServiceSettings(subscription=Subscription(group_id="g", topics=["tasks"])), "logical topic names need run_id"),
+    (lambda: ServiceSettings(subscription=Subscription(group_id="g", topic_pattern="x", observed_topics=["tasks"])),
+     "logical topic names need run_id"),
+    (lambda: ServiceSettings(subscription=Subscription(group_id=None, topic_pattern="x"),
+                             delivery=Delivery(transactional=True)),
+     "delivery.transactional needs a subscription.group_id and delivery.commit='after_effect'"),
+    (lambda: ServiceSettings(subscription=PATTERN, delivery=Delivery(transactional=True, commit="by_service")),
+     "delivery.transactional needs a subscription.group_id and delivery.commit='after_effect'"),
+    (lambda: Subscription(group_id="", topic_pattern="x"), "Subscription.group_id must not be empty, got ''"),
+    (lambda: Handling(max_concurrency=0), "Handling.max_concurrency must be >= 1, got 0"),
+    (lambda: Handling(handler_retries=-1), "Handling.handler_retries must be >= 0, got -1"),
+    (lambda: Consume(fetch_min_bytes=0), "Consume.fetch_min_bytes must be >= 1, got 0"),
+    (lambda: Consume(fetch_max_wait_ms=-1), "Consume.fetch_max_wait_ms must be >= 0, got -1"),
+    (lambda: Consume(poll_timeout_s=-0.5), "Consume.poll_timeout_s must be >= 0, got -0.5"),
+    (lambda: Consume(session_timeout_s=0), "Consume.session_timeout_s must be > 0, got 0"),
+    (lambda: Delivery(txn_interval_s=-1.0), "Delivery.txn_interval_s must be >= 0, got -1.0"),
+    (lambda: Delivery(dedupe_capacity=0), "Delivery.dedupe_capacity must be >= 1, got 0"),
+]
+
+
+@pytest.mark.parametrize(("make", "error"), BAD_SETTINGS, ids=[e for _, e in BAD_SETTINGS])
+def test_bad_settings_are_refused_with_one_line(make: Callable[[], object], error: str) -> None:
+    with pytest.raises(ValueError, match=f"^(ServiceSettings: )?{re.escape(error)}$"):
+        make()
+
+
+def test_decoded_settings_are_strict_and_bounded() -> None:
+    # decoded settings: msgspec applies the same bounds, and no unknown field passes
     with pytest.raises(msgspec.ValidationError, match="unknown field"):
-        msgspec.convert({"group_id": "g", "topic_pattern": "x", "bogus": 1}, ServiceSettings)
-    with pytest.raises(ValueError, match="fetch_min_bytes must be >= 1"):
-        ServiceSettings(group_id="g", topic_pattern="^rs\\..*", fetch_min_bytes=0)
-    with pytest.raises(ValueError, match="fetch_max_wait_ms must be >= 0"):
-        ServiceSettings(group_id="g", topic_pattern="^rs\\..*", fetch_max_wait_ms=-1)
+        msgspec.convert({"subscription": {"group_id": "g", "topic_pattern": "x"}, "bogus": 1}, ServiceSettings)
+    with pytest.raises(msgspec.ValidationError, match="unknown field"):
+        msgspec.convert({"subscription": {"group_id": "g", "topic_pattern": "x", "max_concurrency": 2}}, ServiceSettings)
+    with pytest.raises(msgspec.ValidationError, match=r">= 1 - at `\$.handling.max_concurrency`"):
+        msgspec.convert({"subscription": {"group_id": "g", "topic_pattern": "x"}, "handling": {"max_concurrency": 0}},
+                        ServiceSettings)
+    decoded = msgspec.convert({"subscription": {"group_id": "g", "topic_pattern": "x"}, "consume": {"poll_timeout_s": 1}},
+                              ServiceSettings)
+    assert decoded.consume.poll_timeout_s == 1 and decoded.handling == Handling() and decoded.runtime_commits
+
+
+def test_the_service_kind_and_the_settings_pick_the_loop() -> None:
+    """Per record, batched or transactional: one loop each, holding the runner's one Kafka I/O."""
+    kafka = KafkaSettings(bootstrap="127.0.0.1:9")  # never connected
+    plain = ServiceSettings(subscription=PATTERN, kafka=kafka)
+    exactly_once = ServiceSettings(subscription=PATTERN, kafka=kafka, delivery=Delivery(transactional=True))
+    for service, s, kind in [(Rollout(), plain, RecordLoop), (Collect(), plain, BatchLoop),
+                             (Scorer(), exactly_once, TxnLoop)]:
+        runner = Runner(service, s)
+        assert type(runner.loop) is kind and runner.loop.io is runner.io
+        assert runner.producer is runner.io.producer and runner.consumer is runner.io.consumer
+        assert (runner.io.transactional_id or "").startswith("g.") == (kind is TxnLoop)
+    with pytest.raises(ValueError, match="collect: transactional mode takes a record handler, not handle_batch"):
+        Runner(Collect(), exactly_once)
 
 
 async def test_fetch_settings_reach_the_consumer() -> None:
@@ -201,7 +259,7 @@ async def test_fetch_settings_reach_the_consumer() -> None:
     from services.recorder import FETCH_MAX_WAIT_MS, FETCH_MIN_BYTES, Recorder, RecorderSettings
 
     default = Runner(FunctionService("f", lambda rec, ctx: asyncio.sleep(0)),
-                     ServiceSettings(group_id="g", topic_pattern="^rs\\..*"))
+                     ServiceSettings(subscription=PATTERN))
     assert (default.consumer._kwargs["fetch_min_bytes"], default.consumer._kwargs["fetch_max_wait_ms"]) == (1, 100)
     recorder = Recorder(RecorderSettings(dsn="chdb:///nowhere"))
     runner = Runner(recorder, recorder.service_settings())
@@ -247,7 +305,7 @@ async def test_handler_error_is_retried_then_dead_lettered(
 ) -> None:
     await publish(kafka, None, "tasks", [task(run_id, 1), task(run_id, 2)])
     svc = Rollout(fail_on={"p1"})
-    s = settings(kafka, run_id, handler_retries=2, retry_backoff_s=0.01)
+    s = settings(kafka, run_id, handling={"handler_retries": 2, "retry_backoff_s": 0.01})
     counters = await run_until(Runner(svc, s), lambda c: c.processed + c.failed >= 2)
     assert counters == Counters(processed=1, failed=1, dead_lettered=1, emitted=1)
     assert svc.calls == 1 + 3  # p2 once, p1 three times
@@ -290,7 +348,7 @@ async def test_crash_before_commit_redelivers_but_effect_stays_single(
 
     # A: the runtime's handling, but the process "dies" between the ack and the commit
     a_runner = Runner(Rollout(), s)
-    async with a_runner.producer, Consumer(kafka, group_id=s.group_id, topics=[tasks_t]) as a:
+    async with a_runner.producer, Consumer(kafka, group_id=s.subscription.group_id, topics=[tasks_t]) as a:
         recs: list[Record] = []
         deadline = time.monotonic() + 15
         while not recs and time.monotonic() < deadline:
@@ -301,7 +359,7 @@ async def test_crash_before_commit_redelivers_but_effect_stays_single(
         for o in ctx.outputs:
             await (await a_runner.producer.send_raw(o.topic, o.value, o.key))
         # no commit: leave abruptly
-    assert await committed(kafka, s.group_id, tasks_t, 4) == dict.fromkeys(range(4))
+    assert await committed(kafka, s.subscription.group_id, tasks_t, 4) == dict.fromkeys(range(4))
 
     # B: a fresh instance of the service in the same group
     b = Rollout()
@@ -315,7 +373,7 @@ async def test_crash_before_commit_redelivers_but_effect_stays_single(
     effects = [r for r in gens if not dedupe.check_and_add(r.event.event_id)]
     assert len(effects) == 1  # ... and is one effect by event_id
     assert effects[0].event.event_id == derive_event_id(t.event_id, "rollout", 0)
-    await assert_committed_to_end(kafka, s.group_id, tasks_t, 4)
+    await assert_committed_to_end(kafka, s.subscription.group_id, tasks_t, 4)
 
 
 # --------------------------------------------------------------------------- graceful stop
@@ -327,7 +385,7 @@ async def test_stop_finishes_in_flight_handlers_and_commits(
     n = 6
     await publish(kafka, None, "tasks", [task(run_id, i) for i in range(n)])
     svc = Rollout(delay_s=0.8)
-    s = settings(kafka, run_id, max_concurrency=n, shutdown_grace_s=5.0)
+    s = settings(kafka, run_id, handling={"max_concurrency": n, "shutdown_grace_s": 5.0})
     runner = Runner(svc, s)
     job = asyncio.create_task(runner.run(install_signal_handlers=False))
     deadline = time.monotonic() + 15
@@ -339,7 +397,7 @@ async def test_stop_finishes_in_flight_handlers_and_commits(
     counters = await asyncio.wait_for(job, 15)
     assert counters == Counters(processed=n, emitted=n)
     tasks_t = topic_name(run_id, "tasks")
-    await assert_committed_to_end(kafka, s.group_id, tasks_t, 4)
+    await assert_committed_to_end(kafka, s.subscription.group_id, tasks_t, 4)
     assert len(await read_topic(kafka, topic_name(run_id, "generations"), n)) == n
 
 
@@ -351,7 +409,7 @@ async def test_stop_after_grace_cancels_and_leaves_work_uncommitted(
     t = task(run_id, 1)
     await publish(kafka, None, "tasks", [t])
     slow = Rollout(delay_s=30)
-    s = settings(kafka, run_id, shutdown_grace_s=0.3)
+    s = settings(kafka, run_id, handling={"shutdown_grace_s": 0.3})
     runner = Runner(slow, s)
     job = asyncio.create_task(runner.run(install_signal_handlers=False))
     deadline = time.monotonic() + 15
@@ -369,11 +427,7 @@ async def test_stop_after_grace_cancels_and_leaves_work_uncommitted(
 
 
 async def test_unreachable_kafka_raises_bus_error() -> None:
-    s = ServiceSettings(
-        group_id="g",
-        topic_pattern="^rs\\..*",
-        kafka=KafkaSettings(bootstrap="127.0.0.1:1", connect_timeout_s=1.0),
-    )
+    s = ServiceSettings(subscription=PATTERN, kafka=KafkaSettings(bootstrap="127.0.0.1:1", connect_timeout_s=1.0))
     t0 = time.monotonic()
     with pytest.raises(BusError, match=r"^cannot reach Kafka at 127.0.0.1:1 within 1 s"):
         await run_service(
@@ -409,9 +463,8 @@ async def test_transactional_service_scores_each_generation_once(
     async with Producer(kafka) as p:
         await (await p.send_raw(topic_name(run_id, "generations"), b"\x00junk", b"k"))
     scorer = Scorer()
-    s = settings(
-        kafka, run_id, topics=["generations"], transactional=True, batch_max_records=10, max_concurrency=4
-    )
+    s = settings(kafka, run_id, subscription={"topics": ["generations"]}, delivery={"transactional": True},
+                 consume={"batch_max_records": 10}, handling={"max_concurrency": 4})
     counters = await run_until(Runner(scorer, s), lambda c: c.processed + c.failed >= n + 1)
     assert counters == Counters(processed=n, failed=1, dead_lettered=1, emitted=n)
 
@@ -421,7 +474,7 @@ async def test_transactional_service_scores_each_generation_once(
     assert all(r.key == r.event.generation.task.group_id.encode() for r in scored)
     assert len(await read_topic(kafka, topic_name(run_id, "dlq"), 1)) == 1
     gens_t = topic_name(run_id, "generations")
-    await assert_committed_to_end(kafka, s.group_id, gens_t, 4)
+    await assert_committed_to_end(kafka, s.subscription.group_id, gens_t, 4)
     # a restart of the service finds nothing left to do
     again = Scorer()
     stop = asyncio.Event()
@@ -446,9 +499,8 @@ async def test_transactional_work_cut_off_by_a_stop_is_done_once_by_the_next_ins
             if rec.event.task.prompt_id == "p2":
                 await asyncio.sleep(30)
 
-    s = settings(
-        kafka, run_id, topics=["generations"], transactional=True, shutdown_grace_s=0.3, max_concurrency=3
-    )
+    s = settings(kafka, run_id, subscription={"topics": ["generations"]}, delivery={"transactional": True},
+                 handling={"shutdown_grace_s": 0.3, "max_concurrency": 3})
     slow = SlowScorer()
     runner = Runner(slow, s)
     job = asyncio.create_task(runner.run(install_signal_handlers=False))
@@ -472,7 +524,7 @@ async def test_transactional_work_cut_off_by_a_stop_is_done_once_by_the_next_ins
     assert again.calls <= 1 + second.revocations
     scored = await read_topic(kafka, topic_name(run_id, "scored"), 3)
     assert sorted(r.event.generation.task.prompt_id for r in scored) == ["p0", "p1", "p2"]
-    await assert_committed_to_end(kafka, s.group_id or "", topic_name(run_id, "generations"), 4)
+    await assert_committed_to_end(kafka, s.subscription.group_id or "", topic_name(run_id, "generations"), 4)
 
 
 async def test_records_after_a_slow_one_of_their_partition_are_committed_at_once(
@@ -495,15 +547,16 @@ async def test_records_after_a_slow_one_of_their_partition_are_committed_at_once
             if rec.event.task.prompt_id == "p0":
                 await asyncio.wait_for(gate.wait(), 30)
 
-    s = settings(kafka, run_id, topics=["generations"], transactional=True, max_concurrency=8,
-                 shutdown_grace_s=0.3, txn_interval_s=0.05)
+    s = settings(kafka, run_id, subscription={"topics": ["generations"]},
+                 delivery={"transactional": True, "txn_interval_s": 0.05},
+                 handling={"max_concurrency": 8, "shutdown_grace_s": 0.3})
     runner = Runner(FirstSlow(), s)
     job = asyncio.create_task(runner.run(install_signal_handlers=False))
     try:
         early = await read_topic(kafka, topic_name(run_id, "scored"), 5, timeout_s=10.0)
         assert sorted(r.event.generation.task.prompt_id for r in early) == ["p1", "p2", "p3", "p4", "p5"]
         assert not job.done() and not gate.is_set()
-        async with Consumer(kafka, group_id=s.group_id, topics=[gens_t]) as c:
+        async with Consumer(kafka, group_id=s.subscription.group_id, topics=[gens_t]) as c:
             got = await c.committed_with_metadata({TopicPartition(gens_t, 1)})
         assert got == {TopicPartition(gens_t, 1): (base, "rs-ahead1:1-5")}
     finally:
@@ -521,8 +574,8 @@ async def test_records_after_a_slow_one_of_their_partition_are_committed_at_once
     assert again.calls <= 1 + second.revocations  # p0 (again only if a rebalance cut it off); never p1..p5
     scored = await read_topic(kafka, topic_name(run_id, "scored"), 7, timeout_s=3.0)
     assert sorted(r.event.generation.task.prompt_id for r in scored) == [f"p{i}" for i in range(6)]
-    await assert_committed_to_end(kafka, s.group_id or "", gens_t, 4)
-    async with Consumer(kafka, group_id=s.group_id, topics=[gens_t]) as c:
+    await assert_committed_to_end(kafka, s.subscription.group_id or "", gens_t, 4)
+    async with Consumer(kafka, group_id=s.subscription.group_id, topics=[gens_t]) as c:
         got = await c.committed_with_metadata({TopicPartition(gens_t, 1)})
     assert got == {TopicPartition(gens_t, 1): (metas[-1].offset + 1, "")}
 
@@ -543,8 +596,9 @@ async def test_finished_records_do_not_wait_out_a_long_transaction_interval(
             await super().handle(rec, ctx)
             finished.append(time.monotonic())
 
-    s = settings(kafka, run_id, topics=["generations"], transactional=True, max_concurrency=4,
-                 txn_interval_s=4.0, poll_timeout_s=5.0)
+    s = settings(kafka, run_id, subscription={"topics": ["generations"]},
+                 delivery={"transactional": True, "txn_interval_s": 4.0}, handling={"max_concurrency": 4},
+                 consume={"poll_timeout_s": 5.0})
     runner = Runner(SlowScorer(), s)
     job = asyncio.create_task(runner.run(install_signal_handlers=False))
     try:
@@ -581,8 +635,8 @@ async def test_a_slow_record_does_not_hold_back_the_other_partitions(
                 slow_part.append(rec.partition)
                 await asyncio.sleep(6)
 
-    s = settings(kafka, run_id, topics=["generations"], transactional=True, batch_max_records=12,
-                 max_concurrency=8, shutdown_grace_s=10)
+    s = settings(kafka, run_id, subscription={"topics": ["generations"]}, delivery={"transactional": True},
+                 consume={"batch_max_records": 12}, handling={"max_concurrency": 8, "shutdown_grace_s": 10})
     runner = Runner(OneSlow(), s)
     job = asyncio.create_task(runner.run(install_signal_handlers=False))
     try:
@@ -610,7 +664,7 @@ async def test_rebalance_between_two_instances_loses_nothing(
     tasks = [task(run_id, i) for i in range(n)]
     await publish(kafka, None, "tasks", tasks[: n // 2])
     # session 6 s (the broker's minimum) => heartbeats every 2 s, so the rebalance is prompt
-    s = settings(kafka, run_id, max_concurrency=2, batch_max_records=5, session_timeout_s=6.0)
+    s = settings(kafka, run_id, handling={"max_concurrency": 2}, consume={"batch_max_records": 5, "session_timeout_s": 6.0})
     a_svc, b_svc = Rollout(delay_s=0.1), Rollout(delay_s=0.1)
     a, b = Runner(a_svc, s), Runner(b_svc, s)
     a_job = asyncio.create_task(a.run(install_signal_handlers=False))
@@ -638,7 +692,7 @@ async def test_rebalance_between_two_instances_loses_nothing(
     assert a.revocations >= 1  # A really gave partitions up
     assert ca.processed + cb.processed >= n  # redelivery after a failed commit may add a few
     tasks_t = topic_name(run_id, "tasks")
-    await assert_committed_to_end(kafka, s.group_id, tasks_t, 4)
+    await assert_committed_to_end(kafka, s.subscription.group_id, tasks_t, 4)
 
 
 async def test_pattern_subscription_routes_dead_letters_to_the_records_run(
@@ -657,10 +711,9 @@ async def test_pattern_subscription_routes_dead_letters_to_the_records_run(
         ctx.emit("control", Pause(run_id=run_id, reason="x"))
 
     s = ServiceSettings(
-        group_id=f"rec-{run_id}",
-        topic_pattern=rf"^rs\.{run_id}\.tasks$",
+        subscription=Subscription(group_id=f"rec-{run_id}", topic_pattern=rf"^rs\.{run_id}\.tasks$"),
         kafka=kafka,
-        poll_timeout_s=0.2,
+        consume=Consume(poll_timeout_s=0.2),
     )
     counters = await run_until(
         Runner(FunctionService("recorder", handle), s), lambda c: c.processed + c.failed >= 2
@@ -701,15 +754,14 @@ async def test_busy_instance_stays_in_group_past_max_poll_interval(
     t = task(run_id, 1)
     await publish(kafka, None, "tasks", [t, task(run_id, 2)])
     svc = Rollout(delay_s=1.6)
-    s = settings(
-        kafka, run_id, max_concurrency=1, batch_max_records=1, max_poll_interval_s=1.0, session_timeout_s=6.0
-    )
+    s = settings(kafka, run_id, handling={"max_concurrency": 1},
+                 consume={"batch_max_records": 1, "max_poll_interval_s": 1.0, "session_timeout_s": 6.0})
     runner = Runner(svc, s)
     counters = await run_until(runner, lambda c: c.processed >= 2, timeout_s=20)
     assert counters == Counters(processed=2, emitted=2)
     assert runner.revocations == 0  # never left the group, so never lost its partitions
     assert sorted(svc.started) == ["g1/0", "g2/0"]
-    await assert_committed_to_end(kafka, s.group_id, topic_name(run_id, "tasks"), 4)
+    await assert_committed_to_end(kafka, s.subscription.group_id, topic_name(run_id, "tasks"), 4)
 
 
 async def test_sigterm_stops_gracefully(kafka: KafkaSettings, run_id: str, topics: list[str]) -> None:
@@ -728,7 +780,7 @@ async def test_sigterm_stops_gracefully(kafka: KafkaSettings, run_id: str, topic
     os.kill(os.getpid(), signal.SIGTERM)
     counters = await asyncio.wait_for(job, 10)
     assert counters == Counters(processed=1, emitted=1)
-    await assert_committed_to_end(kafka, s.group_id, topic_name(run_id, "tasks"), 4)
+    await assert_committed_to_end(kafka, s.subscription.group_id, topic_name(run_id, "tasks"), 4)
     # the runtime's handlers are gone again: SIGTERM is handled as before the service ran
     assert signal.getsignal(signal.SIGTERM) == before
 
@@ -743,7 +795,7 @@ async def test_stop_does_not_start_fetched_records(
         for t in tasks:
             await p.send_and_wait(topic_name(run_id, "tasks"), t, key="same")
     svc = Rollout(delay_s=0.5)
-    s = settings(kafka, run_id, max_concurrency=1, batch_max_records=10)
+    s = settings(kafka, run_id, handling={"max_concurrency": 1}, consume={"batch_max_records": 10})
     runner = Runner(svc, s)
     job = asyncio.create_task(runner.run(install_signal_handlers=False))
     deadline = time.monotonic() + 15
@@ -776,7 +828,7 @@ async def test_dead_letters_name_sample_and_group(kafka: KafkaSettings, run_id: 
         await (await p.send_raw(scored_t, b"\xc1 junk", "g9"))
     await publish(kafka, None, "tasks", [good])
     svc = Rollout(fail_on={"p1"})
-    s = settings(kafka, run_id, topics=["tasks", "scored"])
+    s = settings(kafka, run_id, subscription={"topics": ["tasks", "scored"]})
     counters = await run_until(Runner(svc, s), lambda c: c.failed >= 4)
     assert counters == Counters(failed=4, dead_lettered=4)
     letters = {(d.stage, d.sample_id, d.group_id) for d in
@@ -828,7 +880,7 @@ async def test_batch_handler_commits_after_its_outputs_and_dead_letters_rejects(
     async with Producer(kafka) as p:
         await (await p.send_raw(topic_name(run_id, "tasks"), b"\xc1", "g99/0"))
     svc = Collect(reject={"p3"})
-    s = settings(kafka, run_id, batch_max_records=8)
+    s = settings(kafka, run_id, consume={"batch_max_records": 8})
     runner = Runner(svc, s)
     counters = await run_until(runner, lambda c: c.processed + c.failed >= n + 1)
     assert counters == Counters(processed=n - 1, failed=2, dead_lettered=2, emitted=n - 1)
@@ -839,7 +891,7 @@ async def test_batch_handler_commits_after_its_outputs_and_dead_letters_rejects(
                                                  if t.prompt_id != "p3"}
     dlq = {(r.event.stage, r.event.sample_id) for r in await read_topic(kafka, topic_name(run_id, "dlq"), 2)}
     assert dlq == {("handle", "g3/0"), ("decode", "g99/0")}
-    await assert_committed_to_end(kafka, s.group_id, topic_name(run_id, "tasks"), 4)
+    await assert_committed_to_end(kafka, s.subscription.group_id, topic_name(run_id, "tasks"), 4)
 
 
 async def test_failing_batch_handler_stops_the_service_uncommitted(
@@ -849,7 +901,7 @@ async def test_failing_batch_handler_stops_the_service_uncommitted(
     s = settings(kafka, run_id)
     with pytest.raises(RuntimeError, match="store is down"):
         await asyncio.wait_for(Runner(Collect(fail=True), s).run(install_signal_handlers=False), 20)
-    assert await committed(kafka, s.group_id, topic_name(run_id, "tasks"), 4) == dict.fromkeys(range(4))
+    assert await committed(kafka, s.subscription.group_id, topic_name(run_id, "tasks"), 4) == dict.fromkeys(range(4))
 
 
 async def test_commit_by_service_resumes_at_the_services_positions(
@@ -862,7 +914,7 @@ async def test_commit_by_service_resumes_at_the_services_positions(
         for i in range(6):
             await p.send_and_wait(tasks_t, task(run_id, i), key="same")
     tp = next(iter(await _partition_of(kafka, tasks_t, "same")))
-    s = settings(kafka, run_id, commit="by_service")
+    s = settings(kafka, run_id, delivery={"commit": "by_service"})
 
     class Saver(Collect):
         async def on_tick(self, runner: Runner) -> None:
@@ -873,7 +925,7 @@ async def test_commit_by_service_resumes_at_the_services_positions(
 
     first = Saver()
     await asyncio.wait_for(Runner(first, s).run(install_signal_handlers=False), 30)
-    assert await committed(kafka, s.group_id, tasks_t, 4) == {**dict.fromkeys(range(4)), tp.partition: 2}
+    assert await committed(kafka, s.subscription.group_id, tasks_t, 4) == {**dict.fromkeys(range(4)), tp.partition: 2}
 
     class Resume(Collect):
         async def on_assigned(self, runner: Runner, tps: set[TopicPartition]) -> None:
@@ -884,7 +936,7 @@ async def test_commit_by_service_resumes_at_the_services_positions(
     counters = await run_until(Runner(again, s), lambda c: c.processed >= 2)
     assert [r.event.prompt_id for b in again.batches for r in b] == ["p4", "p5"]
     assert counters.processed == 2
-    assert await committed(kafka, s.group_id, tasks_t, 4) == {**dict.fromkeys(range(4)), tp.partition: 2}
+    assert await committed(kafka, s.subscription.group_id, tasks_t, 4) == {**dict.fromkeys(range(4)), tp.partition: 2}
 
 
 async def _partition_of(kafka: KafkaSettings, topic: str, key: str) -> set[TopicPartition]:
@@ -900,15 +952,15 @@ async def test_no_group_reads_everything_each_start_and_commits_nothing(
     kafka: KafkaSettings, run_id: str, topics: list[str]
 ) -> None:
     await publish(kafka, None, "tasks", [task(run_id, i) for i in range(5)])
-    s = settings(kafka, run_id, group_id=None, topics=["tasks", "dlq"])
+    s = settings(kafka, run_id, subscription={"group_id": None, "topics": ["tasks", "dlq"]})
     for _ in range(2):
         svc = Collect()
         runner = Runner(svc, s)
         await run_until(runner, lambda c: c.processed >= 5)
         assert sorted(r.event.prompt_id for b in svc.batches for r in b) == [f"p{i}" for i in range(5)]
         assert svc.assigned == set()  # no group: no rebalance hooks
-    with pytest.raises(ValueError, match="transactional needs a group_id"):
-        settings(kafka, run_id, group_id=None, transactional=True)
+    with pytest.raises(ValueError, match=r"transactional needs a subscription\.group_id"):
+        settings(kafka, run_id, subscription={"group_id": None}, delivery={"transactional": True})
 
 
 async def test_idle_tick_can_stop_the_service(kafka: KafkaSettings, run_id: str, topics: list[str]) -> None:
@@ -937,13 +989,15 @@ async def test_undecodable_records_to_the_handler_or_left_to_their_owner(
     async with Producer(kafka) as p:
         await (await p.send_raw(topic_name(run_id, "tasks"), b"\xc1", "g8/0"))
     raw = Collect()
-    counters = await run_until(Runner(raw, settings(kafka, run_id, handle_undecodable=True, dedupe=False,
-                                                    group_id=f"raw-{run_id}")), lambda c: c.processed >= 3)
+    s = settings(kafka, run_id, subscription={"group_id": f"raw-{run_id}"}, handling={"handle_undecodable": True},
+                 delivery={"dedupe": False})
+    counters = await run_until(Runner(raw, s), lambda c: c.processed >= 3)
     assert counters.processed == 3 and counters.failed == 0 and counters.duplicates == 0
     got = [r for b in raw.batches for r in b]
     assert sum(r.event is None and r.error is not None for r in got) == 1
     observer = Collect()
-    counters = await run_until(Runner(observer, settings(kafka, run_id, group_id=None, observed_topics=["tasks"])),
+    observing = settings(kafka, run_id, subscription={"group_id": None, "observed_topics": ["tasks"]})
+    counters = await run_until(Runner(observer, observing),
                                lambda c: c.processed + c.ignored + c.duplicates >= 3)
     assert counters == Counters(processed=1, duplicates=1, ignored=1, emitted=1)
     assert await read_topic(kafka, topic_name(run_id, "dlq"), 1, timeout_s=1.0) == []
@@ -970,7 +1024,7 @@ async def test_outputs_are_sent_again_through_an_outage(kafka: KafkaSettings, ru
 
     n = 6
     await publish(kafka, None, "tasks", [task(run_id, i) for i in range(n)])
-    runner = Runner(Rollout(), settings(kafka, run_id, max_concurrency=2))
+    runner = Runner(Rollout(), settings(kafka, run_id, handling={"max_concurrency": 2}))
     runner.producer.send_raw = flaky(runner.producer.send_raw, 4, KafkaConnectionError)  # type: ignore[method-assign]
     counters = await run_until(runner, lambda c: c.processed >= n)
     assert counters == Counters(processed=n, emitted=n)
@@ -1001,7 +1055,8 @@ async def test_a_failed_transaction_is_done_again_with_a_new_producer(
     n = 8
     gens = [generate(task(run_id, i)) for i in range(n)]
     await publish(kafka, None, "generations", gens)
-    s = settings(kafka, run_id, topics=["generations"], transactional=True, batch_max_records=n)
+    s = settings(kafka, run_id, subscription={"topics": ["generations"]}, delivery={"transactional": True},
+                 consume={"batch_max_records": n})
     runner = Runner(Scorer(), s)
     first = runner.producer
     first.send_offsets_to_transaction = flaky(  # type: ignore[method-assign]
@@ -1011,7 +1066,7 @@ async def test_a_failed_transaction_is_done_again_with_a_new_producer(
     assert runner.producer is not first  # renewed: the same transactional id fenced the old one
     scored = await read_topic(kafka, topic_name(run_id, "scored"), n)  # read_committed: once each
     assert sorted(r.event.generation.event_id for r in scored) == sorted(g.event_id for g in gens)
-    await assert_committed_to_end(kafka, s.group_id, topic_name(run_id, "generations"), 4)
+    await assert_committed_to_end(kafka, s.subscription.group_id, topic_name(run_id, "generations"), 4)
 
 
 async def test_a_producer_the_broker_no_longer_accepts_is_replaced(

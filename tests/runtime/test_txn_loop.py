@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from runtime.bus import TopicPartition
 from runtime.offsets import AHEAD_MAX_CHARS, decode_ahead, encode_ahead
-from runtime.runner import Context, Record, Runner, Service, ServiceSettings
+from runtime.runner import Context, Delivery, Record, Runner, Service, ServiceSettings, Subscription
+from runtime.txn_loop import TxnLoop
 from schemas.config import KafkaSettings
 
 TP = TopicPartition("rs.plan.generations", 0)
@@ -18,21 +19,23 @@ class Nothing(Service):
         raise AssertionError("not run")
 
 
-def runner(finished: list[int], last: int) -> Runner:
-    """A transactional runner that read offsets ``0 .. last`` of ``TP`` and finished ``finished``."""
+def finished_loop(finished: list[int], last: int) -> TxnLoop:
+    """The loop of a transactional runner that read offsets ``0 .. last`` of ``TP`` and finished ``finished``."""
     kafka = KafkaSettings(bootstrap="127.0.0.1:9")  # never connected: the plan needs no broker
-    r = Runner(Nothing(), ServiceSettings(group_id="g", run_id="plan", topics=["generations"], kafka=kafka,
-                                          transactional=True, commit="after_effect"))
+    r = Runner(Nothing(), ServiceSettings(run_id="plan", kafka=kafka,
+                                          subscription=Subscription(group_id="g", topics=["generations"]),
+                                          delivery=Delivery(transactional=True, commit="after_effect")))
+    assert isinstance(r.loop, TxnLoop)  # the settings pick the exactly-once loop
     for o in range(last + 1):
-        r._offsets.add(TP, o)
+        r.loop.offsets.add(TP, o)
     for o in finished:
-        r._offsets.done(TP, o)
-        r._txn_done[(TP, o)] = ([], None, None)
-    return r
+        r.loop.offsets.done(TP, o)
+        r.loop.done[(TP, o)] = ([], None, None)
+    return r.loop
 
 
 def test_every_finished_record_goes_in_when_the_ahead_list_fits() -> None:
-    r = runner([0, 1, 3, 4, 5, 9], last=10)  # 2 is unfinished: 3, 4, 5 and 9 are ahead of it
+    r = finished_loop([0, 1, 3, 4, 5, 9], last=10)  # 2 is unfinished: 3, 4, 5 and 9 are ahead of it
     keys, offsets, ahead = r._txn_plan(None)
     assert [o for _, o in keys] == [0, 1, 3, 4, 5, 9]
     assert offsets == {TP: (2, "rs-ahead1:1-3,7")}
@@ -42,7 +45,7 @@ def test_every_finished_record_goes_in_when_the_ahead_list_fits() -> None:
 def test_the_ahead_list_stops_at_the_first_record_that_would_overflow_it() -> None:
     finished = list(range(1, 4000, 2))  # every other record after the unfinished offset 0
     assert len(encode_ahead(0, set(finished))) > AHEAD_MAX_CHARS
-    keys, offsets, ahead = runner(finished, last=4000)._txn_plan(None)
+    keys, offsets, ahead = finished_loop(finished, last=4000)._txn_plan(None)
     taken = [o for _, o in keys]
     pos, metadata = offsets[TP]
     assert pos == 0 and len(metadata) <= AHEAD_MAX_CHARS

@@ -126,9 +126,9 @@ def test_simulated_reward_latency_needs_a_mean_and_a_finite_tail() -> None:
 def test_delivery_picks_transactions_or_the_at_least_once_loop() -> None:
     cfg = parse_raw({})
     strict = service_settings(RewardSettings(run_id="r", config=cfg))
-    assert strict.transactional and strict.transactional_id == "rs-reward-r"
+    assert strict.delivery.transactional and strict.delivery.transactional_id == "rs-reward-r"
     loose = service_settings(RewardSettings(run_id="r", config=parse_raw({"reward": {"delivery": "at_least_once"}})))
-    assert not loose.transactional and loose.transactional_id == ""
-    assert loose.deterministic_output_ids and loose.commit == "after_effect"  # copies after a crash share ids
+    assert not loose.delivery.transactional and loose.delivery.transactional_id == ""
+    assert loose.delivery.deterministic_output_ids and loose.delivery.commit == "after_effect"  # copies after a crash share ids
     with pytest.raises(ConfigError, match="delivery"):
         parse_raw({"reward": {"delivery": "twice"}})

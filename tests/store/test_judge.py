@@ -137,9 +137,10 @@ def test_typed_rows_carry_the_judge_fields() -> None:
 
 def test_the_recorder_subscribes_to_judge_requests() -> None:
     settings = Recorder(RecorderSettings(run_id="jgrun", dsn="chdb:///unused")).service_settings()
-    assert topic_name("jgrun", "judge.requests") in settings.topics and not settings.topic_pattern
+    assert topic_name("jgrun", "judge.requests") in settings.subscription.topics and not settings.subscription.topic_pattern
     every_run = Recorder(RecorderSettings(run_id="", dsn="chdb:///unused")).service_settings()
-    assert not every_run.topics and re.match(every_run.topic_pattern, topic_name("jgrun", "judge.requests"))
+    assert not every_run.subscription.topics and re.match(every_run.subscription.topic_pattern,
+                                                            topic_name("jgrun", "judge.requests"))
 
 
 def test_the_judge_columns_are_stored(recorded: tuple[Any, str]) -> None:
