@@ -67,13 +67,13 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
-from safetensors.torch import load_file
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from rollout.model_init import encode_prompt, eos_token_ids, load_model, load_tokenizer, use_chat_template
 from rollout.sampling import SamplingParams, sample_next
 from rollout.slot_decoder import SlotDecoder, slot_support
+from weights import copy_weights_, read_weights
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 _FEED_DONE = object()  # end-of-stream marker on a generate() call's queue
@@ -141,40 +141,6 @@ class Engine(Protocol):
     async def load_weights(self, ref: str | Path, version: int | None = None) -> None:
         """Swap in the weights at ``ref`` (a directory of safetensors) and record ``version``."""
         ...
-
-
-# --------------------------------------------------------------------------- weights
-
-
-def read_weights(ref: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the ``*.safetensors`` files in directory ``ref`` (or of that one file)."""
-    path = Path(ref)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
-
-
-@torch.no_grad()
-def copy_weights_(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy ``state`` into ``model``'s parameters in place (shapes must match).
-
-    Keys the model does not have are an error; parameters missing from ``state`` are allowed
-    only when they are tied to (the same tensor as) a parameter that ``state`` does have.
-    """
-    params = dict(model.named_parameters(remove_duplicate=False))
-    unknown = sorted(set(state) - set(params))
-    if unknown:
-        raise KeyError(f"weights have keys the model lacks: {unknown[:5]}")
-    loaded = {id(params[k]) for k in state}
-    missing = [k for k, p in params.items() if k not in state and id(p) not in loaded]
-    if missing:
-        raise KeyError(f"weights lack parameters of the model: {missing[:5]}")
-    for key, value in state.items():
-        params[key].copy_(value.to(params[key].dtype))
 
 
 # --------------------------------------------------------------------------- KV batch
@@ -544,15 +510,15 @@ class TorchEngine:
         """Copy the safetensors weights in ``ref`` into the live model between two engine
         steps; ``version`` defaults to the current version + 1."""
         state = await asyncio.to_thread(read_weights, ref)
-        await asyncio.get_running_loop().run_in_executor(self._thread, self._swap, state, version)
+        await asyncio.get_running_loop().run_in_executor(self._thread, self._swap, state, version, str(ref))
 
     def load_weights_sync(self, ref: str | Path, version: int | None = None) -> None:
         """Blocking variant of :meth:`load_weights` (for synchronous callers)."""
-        self._swap(read_weights(ref), version)
+        self._swap(read_weights(ref), version, str(ref))
 
-    def _swap(self, state: dict[str, torch.Tensor], version: int | None) -> None:
+    def _swap(self, state: dict[str, torch.Tensor], version: int | None, ref: str) -> None:
         with self._step_lock:
-            copy_weights_(self.model, state)
+            copy_weights_(self.model, state, f"weights at {ref}")
             self.policy_version = self.policy_version + 1 if version is None else version
 
     @torch.inference_mode()

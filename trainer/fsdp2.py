@@ -40,9 +40,7 @@ number of ranks, but not with ``train.strategy: torch`` (whose ``optimizer.pt`` 
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -62,15 +60,8 @@ from transformers import AutoModelForCausalLM
 
 from schemas.config import RunConfig
 from trainer.batch import TrainSample
-from trainer.strategy import (
-    EXTREME_METRICS,
-    TorchStrategy,
-    ValueModel,
-    _replace_dir,
-    read_weights,
-    strategy_kwargs,
-    weights_sha256,
-)
+from trainer.strategy import EXTREME_METRICS, TorchStrategy, ValueModel, strategy_kwargs
+from weights import publish_dir, read_weights, weights_sha256
 
 __all__ = ["FSDP2Strategy", "merge_rank_metrics", "tied_aliases"]
 
@@ -162,13 +153,9 @@ class FSDP2Strategy(TorchStrategy):
         box: list[Any] = [None]
         if self.rank == 0:
             try:
-                tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-                if tmp.exists():
-                    shutil.rmtree(tmp)
-                tmp.parent.mkdir(parents=True, exist_ok=True)
-                write(tmp)
-                checksum = weights_sha256(tmp) if any(tmp.glob("*.safetensors")) else ""
-                _replace_dir(tmp, final)
+                with publish_dir(final) as tmp:
+                    write(tmp)
+                    checksum = weights_sha256(tmp) if any(tmp.glob("*.safetensors")) else ""
                 box[0] = ("ok", checksum)
             except Exception as e:  # the other ranks must not wait for a directory that never comes
                 box[0] = ("error", f"{type(e).__name__}: {e}")

@@ -53,19 +53,15 @@ A critic works as without LoRA (``value_head``: the value loss also trains the a
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
-import os
 import random
-import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from schemas.config import AlgorithmConfig, RunConfig, TrainConfig, resolve_dtype
@@ -75,6 +71,15 @@ from trainer.batch import TokenBatch, TrainSample, collate, merge_rows, segment_
 from trainer.logprobs import token_logprobs
 from trainer.losses import entropy_from_logits, masked_mean
 from trainer.sft import SFTExample, sft_warmup
+from weights import (
+    copy_state_,
+    copy_weights_,
+    load_weights_into,
+    publish_dir,
+    read_weights,
+    weights_match,
+    weights_sha256,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -126,46 +131,6 @@ class Strategy(Protocol):
 # --------------------------------------------------------------------------- pure helpers
 
 
-def weights_sha256(path: str | Path) -> str:
-    """sha256 (hex) over the bytes of the ``*.safetensors`` files of ``path``, in name order."""
-    digest = hashlib.sha256()
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with f.open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
-def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the ``*.safetensors`` files of directory ``path`` (on the CPU)."""
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    if not state:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
-    return state
-
-
-@torch.no_grad()
-def load_weights_into(model: torch.nn.Module, path: str | Path | None = None,
-                      state: dict[str, torch.Tensor] | None = None) -> None:
-    """Load the safetensors files of directory ``path`` (or ``state``) into ``model`` in place.
-
-    Parameters absent from the files are allowed only when tied to one that is present.
-    """
-    if state is None:
-        assert path is not None
-        state = read_weights(path)
-    result = model.load_state_dict(state, strict=False)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded = {id(params[k]) for k in state if k in params}
-    missing = [k for k in result.missing_keys if k in params and id(params[k]) not in loaded]
-    if result.unexpected_keys or missing:
-        raise KeyError(
-            f"weights do not fit the model: unexpected {result.unexpected_keys[:5]}, missing {missing[:5]}"
-        )
-
-
 def _is_lora_key(key: str) -> bool:
     return any(part.startswith("lora_") for part in key.split("."))
 
@@ -174,46 +139,6 @@ def _plain_key(key: str) -> str:
     """The plain model's name of a peft-injected model's state key (``q_proj.base_layer.weight``
     → ``q_proj.weight``)."""
     return key.replace(".base_layer.", ".")
-
-
-def _untied_missing(missing: Iterable[str], present: Iterable[str], targets: dict[str, torch.Tensor]) -> list[str]:
-    """The keys of ``missing`` whose tensor is not shared with (tied to) one of ``present``."""
-    have = {targets[k].data_ptr() for k in present if k in targets}
-    return [k for k in missing if targets[k].data_ptr() not in have]
-
-
-@torch.no_grad()
-def _copy_state_(targets: dict[str, torch.Tensor], state: dict[str, torch.Tensor], where: str) -> None:
-    """Copy ``state`` into the tensors ``targets`` (same names and shapes) in place; a target
-    missing from ``state`` is allowed only when tied to one that is present."""
-    unknown = sorted(set(state) - set(targets))
-    missing = _untied_missing(sorted(set(targets) - set(state)), state, targets)
-    bad = [k for k in state if k in targets and tuple(state[k].shape) != tuple(targets[k].shape)]
-    if unknown or missing or bad:
-        raise KeyError(f"{where} does not fit the model: unexpected {unknown[:5]}, missing {missing[:5]}, "
-                       f"wrong shape {bad[:5]}")
-    for key, value in state.items():
-        targets[key].copy_(value.to(device=targets[key].device, dtype=targets[key].dtype))
-
-
-def _dir_equals(path: str | Path, targets: dict[str, torch.Tensor]) -> bool:
-    """Whether the safetensors files of ``path`` hold exactly the values of ``targets`` (bitwise;
-    targets absent from the files must be tied to present ones). Reads one tensor at a time."""
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
-    seen: list[str] = []
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as fh:
-            for key in fh.keys():
-                if key not in targets:
-                    return False
-                t = targets[key]
-                v = fh.get_tensor(key)
-                if v.shape != t.shape or v.dtype != t.dtype or not torch.equal(v.to(t.device), t):
-                    return False
-                seen.append(key)
-    return not _untied_missing(sorted(set(targets) - set(seen)), seen, targets)
 
 
 def _lora_layers(model: torch.nn.Module) -> dict[str, Any]:
@@ -272,13 +197,6 @@ class _AdaptersDisabled(torch.nn.Module):
                 return model(**kwargs)
         finally:
             model.train(was_training)
-
-
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Move the finished directory ``tmp`` to ``final`` (replacing an older one)."""
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
 
 
 def strategy_kwargs(cfg: RunConfig, device: str) -> dict[str, Any]:
@@ -460,7 +378,7 @@ class TorchStrategy:
             str(self.model_dir), dtype=self.dtype, local_files_only=True, attn_implementation="sdpa"
         )
         torch.nn.Module.to(ref, self.device)
-        load_weights_into(ref, state={k: v.detach() for k, v in state.items()})
+        copy_weights_(ref, {k: v.detach() for k, v in state.items()})
         return self._freeze(ref)
 
     def _check_reference(self) -> None:
@@ -469,7 +387,7 @@ class TorchStrategy:
         if self._ref_checked or not isinstance(self.ref_model, _AdaptersDisabled):
             return
         assert self._ref_path is not None
-        if not _dir_equals(self._ref_path, self._plain_state(merged=False)):
+        if not weights_match(self._ref_path, self._plain_state(merged=False)):
             self.ref_model = self._plain_copy(read_weights(self._ref_path))
         self._ref_checked = True
 
@@ -847,15 +765,10 @@ class TorchStrategy:
 
         With LoRA these are the merged weights under the plain model's parameter names (the
         adapted modules' ``W + scale · B @ A``), computed without touching the training state."""
-        final = Path(path)
-        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        self._write_hf_dir(tmp, merged=True)
-        checksum = weights_sha256(tmp)
-        _replace_dir(tmp, final)
-        return final, checksum
+        with publish_dir(path) as tmp:
+            self._write_hf_dir(tmp, merged=True)
+            checksum = weights_sha256(tmp)
+        return Path(path), checksum
 
     def save_checkpoint(self, path: str | Path) -> Path:
         """Weights (HF dir under ``model/``), optimizer state, the critic (and its optimizer), the
@@ -864,30 +777,25 @@ class TorchStrategy:
         With LoRA ``model/`` holds the base weights (plain names; the warm-up's folded adapters
         included), ``adapter.safetensors`` the adapters and ``optimizer.pt`` their AdamW state; the
         policy is their merge (as :meth:`export_weights` writes it)."""
-        final = Path(path)
-        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        if self.lora:
-            self._write_hf_dir(tmp / "model", merged=False)
-            save_file({k: p.detach().contiguous() for k, p in self._adapter_params().items()},
-                      str(tmp / "adapter.safetensors"))
-        else:
-            self.export_weights(tmp / "model")
-        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        if self.critic is not None and self.critic_optimizer is not None:
-            torch.save({"model": self.critic.state_dict(), "optimizer": self.critic_optimizer.state_dict()},
-                       tmp / "critic.pt")
-        (tmp / "algo_state.msgpack").write_bytes(msgspec.msgpack.encode(self.algo_state))
-        state: dict[str, Any] = {
-            "step": self.step,
-            "torch_rng": torch.get_rng_state(),
-            "python_rng": random.getstate(),
-        }
-        torch.save(state, tmp / "trainer_state.pt")
-        _replace_dir(tmp, final)
-        return final
+        with publish_dir(path) as tmp:
+            if self.lora:
+                self._write_hf_dir(tmp / "model", merged=False)
+                save_file({k: p.detach().contiguous() for k, p in self._adapter_params().items()},
+                          str(tmp / "adapter.safetensors"))
+            else:
+                self.export_weights(tmp / "model")
+            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            if self.critic is not None and self.critic_optimizer is not None:
+                torch.save({"model": self.critic.state_dict(), "optimizer": self.critic_optimizer.state_dict()},
+                           tmp / "critic.pt")
+            (tmp / "algo_state.msgpack").write_bytes(msgspec.msgpack.encode(self.algo_state))
+            state: dict[str, Any] = {
+                "step": self.step,
+                "torch_rng": torch.get_rng_state(),
+                "python_rng": random.getstate(),
+            }
+            torch.save(state, tmp / "trainer_state.pt")
+        return Path(path)
 
     def load_checkpoint(self, path: str | Path) -> int:
         """Restore weights, optimizer, RNG states and step from :meth:`save_checkpoint`; return the
@@ -935,6 +843,6 @@ class TorchStrategy:
         current = self._plain_state(merged=False)
         if not all(k in current and torch.equal(v.to(current[k].device), current[k]) for k, v in base.items()):
             self._base_changing()
-            _copy_state_(targets, base, f"{root / 'model'}")
-        _copy_state_(dict(self._adapter_params()), load_file(str(root / "adapter.safetensors")),
-                     f"{root / 'adapter.safetensors'}")
+            copy_state_(targets, base, f"weights at {root / 'model'}")
+        adapter = root / "adapter.safetensors"
+        copy_state_(dict(self._adapter_params()), read_weights(adapter), f"adapters at {adapter}")

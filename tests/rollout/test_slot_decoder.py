@@ -8,9 +8,10 @@ import torch
 
 from rollout import engine as engine_module
 from rollout import slot_decoder
-from rollout.engine import TorchEngine, copy_weights_
+from rollout.engine import TorchEngine
 from rollout.model_init import load_model
 from rollout.slot_decoder import SlotDecoder, fuse_linears, slot_support
+from weights import copy_weights_
 
 VOCAB = 40
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import random
 import shutil
 import warnings
@@ -68,7 +67,8 @@ from trainer.megatron.convert import (
     tp_dim,
 )
 from trainer.sft import SFTExample, sft_batch, sft_loss
-from trainer.strategy import TorchStrategy, _replace_dir, read_weights, weights_sha256
+from trainer.strategy import TorchStrategy
+from weights import copy_state_, publish_dir, read_weights, replace_dir, weights_sha256
 
 SEED = 1234
 """Seed of megatron-core's model-parallel RNG tracker (used only by dropout, which is off)."""
@@ -249,14 +249,7 @@ class MegatronStrategy(TorchStrategy):
     def _load_hf_state(self, gpt: torch.nn.Module, hf: dict[str, torch.Tensor]) -> None:
         """Load this rank's shard of the HF state ``hf`` into ``gpt`` (every parameter must be set)."""
         shard = hf_to_mcore(hf, self.shape, self.tp_rank, self.tp, fused_norm=self.transformer_engine)
-        params = dict(gpt.named_parameters())
-        missing = sorted(set(params) - set(shard))
-        unknown = sorted(set(shard) - set(params))
-        bad = [k for k in shard if k in params and tuple(params[k].shape) != tuple(shard[k].shape)]
-        if missing or unknown or bad:
-            raise KeyError(f"HF → megatron: missing {missing[:5]}, unexpected {unknown[:5]}, wrong shape {bad[:5]}")
-        for k, v in shard.items():
-            params[k].copy_(v.to(dtype=params[k].dtype))
+        copy_state_(dict(gpt.named_parameters()), shard, "HF weights converted to megatron")
 
     def _hf_state(self) -> dict[str, torch.Tensor] | None:
         """The current weights under HF names (on the CPU), gathered over the TP group, on DP
@@ -414,13 +407,9 @@ class MegatronStrategy(TorchStrategy):
         checksum = ""
         if dist.get_rank() == 0:
             assert state is not None
-            tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-            self._write_hf(tmp, state)
-            checksum = weights_sha256(tmp)
-            _replace_dir(tmp, final)
+            with publish_dir(final) as tmp:
+                self._write_hf(tmp, state)
+                checksum = weights_sha256(tmp)
         self._barrier()
         return final, checksum
 
@@ -449,7 +438,7 @@ class MegatronStrategy(TorchStrategy):
                         "tensor_parallel": self.tp}, tmp / "trainer_state.pt")
         self._barrier()
         if rank0:
-            _replace_dir(tmp, final)
+            replace_dir(tmp, final)
         self._barrier()
         return final
 
