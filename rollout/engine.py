@@ -1,55 +1,23 @@
 """Generation engines behind one :class:`Engine` protocol, and :class:`TorchEngine`.
 
-``TorchEngine`` is a compact continuous-batching loop over a transformers causal LM:
+``TorchEngine`` is a continuous-batching loop over a transformers causal LM on the CPU or one GPU.
+At most ``max_batch`` sequences run together; one engine step admits waiting requests into free
+slots (one batched prefill) and runs one decode step for every row, and a row that finished (EOS,
+a stop string or ``max_new_tokens``) leaves right after it. Llama-family models
+(:func:`rollout.slot_decoder.slot_support`) run through :class:`SlotDecoder`, any other causal LM
+through :class:`HFDecoder` (transformers' forward over a ``DynamicCache`` whose rows we edit;
+``decoder="hf"`` forces it).
 
-* **Two decoders.** For Llama-family models (``llama``, ``qwen2``:
-  :func:`rollout.slot_decoder.slot_support`) the batch runs through :class:`SlotDecoder`, the
-  engine's own forward over a preallocated per-slot KV cache (see :mod:`rollout.slot_decoder`;
-  1.3-2x the throughput of the other path on 2 CPU cores, bench/README.md). Any other causal LM runs
-  through :class:`HFDecoder`, transformers' own forward, described next. ``decoder="hf"`` forces it.
-  On a CUDA device the slot decoder replays each decode step as a CUDA graph (``cuda_graphs``,
-  on by default), one launch in place of one per op.
-* **Slots.** At most ``max_batch`` sequences run together in one padded batch with one KV cache
-  (for :class:`HFDecoder`, a transformers ``DynamicCache`` whose per-layer ``(B, heads, L, head_dim)``
-  tensors we edit). Rows are right-aligned: each row's tokens occupy the last columns of the cache,
-  left padding is masked out by the 2-D attention mask, and every row gets explicit
-  ``position_ids`` (its own token count), so a row computes exactly what it would compute alone.
-* **No batch barrier.** One engine step = admit waiting requests into free slots (one batched,
-  left-padded prefill; the prefill's KV rows are left-padded to the running cache's length and
-  concatenated in) + one decode step for every row. A row that finished (EOS or
-  ``max_new_tokens``) is evicted right after the step that finished it. Admission is batched:
-  while rows run, waiting requests are prefilled once they fill a quarter of ``max_batch`` free
-  slots (or every free slot), or after :attr:`TorchEngine.ADMIT_WAIT_STEPS` decode steps, because
-  many one-row prefills cost far more than one prefill of many rows (and, on the slot decoder,
-  identical prompts and a common prefix of one admission are prefilled once: a GRPO group's
-  samples, a chat template's system turn; :attr:`TorchEngine.prompt_tokens_reused` counts what
-  that saved). Columns that are padding for every row are trimmed after eviction, so the cache
-  length stays at the longest live row. Per step, the Python work per row is one pass that
-  records the sampled token and checks EOS, stop strings and the length cap (computed once at
-  admission); the rows' sampling parameters live as tensors beside them, built once per row.
-* **Logprobs.** Per generated token, ``log_softmax(logits / T)[token]`` of the request's
-  temperature ``T``, untruncated by ``top_p`` (see :mod:`rollout.sampling`); this equals the
-  trainer's teacher-forced logprob of the same weights at the same temperature up to float
-  round-off.
-* **Hot-swap.** ``load_weights(dir)`` copies a safetensors state dict into the live parameters
-  between two engine steps (never during one) and records the new ``policy_version``. Requests
-  in flight keep their KV cache from the old weights and continue with the new ones; each
-  :class:`Completion` reports the version it started with and the version it ended with.
+Each generated token reports its behaviour logprob ``log_softmax(logits / T)[token]`` at the
+request's temperature, untruncated by ``top_p`` (:mod:`rollout.sampling`): the trainer's
+teacher-forced logprob of the same weights up to float round-off. :meth:`TorchEngine.load_weights`
+copies a published weight set into the live parameters between two steps
+(:func:`weights.copy_weights_`); requests in flight continue with the new weights, and each
+:class:`Completion` reports the version it started and ended with. All torch work runs on one
+thread of the engine's own, so the event loop stays responsive. Sampling is seeded per engine.
 
-All of the engine's torch work (loading the model, steps, weight swaps) runs on one dedicated thread
-of its own, so the event loop (Kafka clients, other requests) stays responsive, and one OpenMP team
-serves every step (a different pool thread per step ran small matmuls about 1.6× slower on 2 CPU
-cores: bench/README.md, engine.py). Sampling draws by inverse CDF (:func:`rollout.sampling.draw_inverse_cdf`). Sampling is seeded per engine (``seed``);
-greedy decoding is deterministic and does not depend on the batch composition beyond float
-round-off.
-
-Why not transformers' own continuous batching (``generate_batch`` /
-``init_continuous_batching``)? It works on CPU and returns logprobs, but those are the log of
-the *processed* distribution (after top-k/top-p truncation and renormalisation), which the
-trainer cannot recompute when ``top_p < 1``; it runs its own generation thread with a paged
-cache, and swapping weights needs pausing that thread from outside. On the tiny model on 2 CPU
-cores it was 2.9-3.8x slower than this loop (persistent, warmed-up manager; 512 sampled requests
-of 32 tokens; ``bench/learn_offline.py --engine-bench``).
+How admission, padding, prefix sharing and the swap work, and why not transformers' own
+continuous batching: docs/architecture.md, "Engines and strategies".
 """
 
 from __future__ import annotations

@@ -1,53 +1,27 @@
 """Training strategies behind one :class:`Strategy` protocol, and the single-process
 :class:`TorchStrategy`.
 
-``TorchStrategy`` holds a transformers causal LM and an AdamW optimizer, and — only when the
-config needs them — a frozen reference model (a KL term is on) and a critic (``adv_estimator:
-gae``). One optimizer step (:meth:`TorchStrategy.train_step`) over a batch of
-:class:`trainer.batch.TrainSample`:
+``TorchStrategy`` holds a transformers causal LM and an AdamW optimizer and, only when the config
+needs them, a frozen reference model (a KL term is on) and a critic (``adv_estimator: gae``). One
+optimizer step (:meth:`TorchStrategy.train_step`) over a batch of :class:`trainer.batch.TrainSample`:
+collate (right-padded); the no-grad passes the config needs (recomputed logprobs, reference
+logprobs, critic values); :meth:`TorchStrategy.prepare` (advantages, masks and weights,
+:mod:`trainer.algorithm`); per micro-batch of ``micro_batch_size`` samples, forward, the losses
+scaled by the micro-batch's share of the batch's tokens or sequences, ``backward()`` (rows whose
+gradient is exactly zero are skipped with ``skip_zero_advantage``); then clip the global gradient
+norm, ``optimizer.step()``, ``step += 1`` and adapt the KL coefficient. With the default
+``old_logprobs: behaviour`` the ratio's denominator is the rollout engine's behaviour logprob.
 
-1. collate (right-padded);
-2. a no-grad pass in micro-batches for what the config needs: the trainer's own logprobs
-   (``old_logprobs: recompute``), the reference logprobs, the critic's values;
-3. :meth:`TorchStrategy.prepare`: rewards → advantages, masks and weights
-   (:mod:`trainer.algorithm`, in the order its module doc gives);
-4. per micro-batch of ``micro_batch_size`` samples (rows ordered by length first, so each
-   micro-batch is trimmed to less padding; nothing else depends on the order): forward, the configured policy loss (+ KL
-   loss, entropy bonus, value loss), scaled by the micro-batch's share of the batch's tokens
-   (``token-mean``) or sequences (``seq-mean-*``) so the accumulated gradient is the full-batch
-   loss's; ``backward()``. Rows whose gradient is exactly zero (advantage 0 at every trained
-   token, and no loss term besides the policy loss) are left out first when
-   ``skip_zero_advantage`` is on (:meth:`TorchStrategy.gradient_rows`); the shares stay shares
-   of the whole batch;
-   A batch with windowed episodes (``TrainSample.segment_starts``, ``rollout.history_turns``) is
-   collated and its advantages computed one row per episode (turns, step rewards and GiGPO's
-   anchors are per episode), but every forward pass sees one row per turn
-   (:func:`trainer.batch.split_rows`): a turn's tokens attend only to its own window, as in
-   rollout. Micro-batches then count turn rows, and ``seq-mean-*`` modes weigh each turn as a
-   sequence;
-5. clip the global gradient norm, ``optimizer.step()`` (and the critic's), ``step += 1``; adapt the
-   KL coefficient.
+Weights are published by :meth:`TorchStrategy.export_weights` as a complete Hugging Face directory
+(config, safetensors, tokenizer) through :func:`weights.publish_dir`, with the sha256 of its
+safetensors files (:func:`weights.weights_sha256`). Checkpoints add the optimizer state, the
+critic, the algorithm state, the RNG states and the step.
 
-With the default ``old_logprobs: behaviour`` the ratio's denominator is the rollout engine's
-behaviour logprobs (so the ratio corrects for staleness directly); for exactly-on-policy samples
-it is 1 up to float round-off.
-
-Weights are published with :meth:`TorchStrategy.export_weights` as a complete Hugging Face
-directory (``config.json``, safetensors weights, tokenizer) written to a temporary sibling and
-renamed into place, so readers never see a half-written version; its sha256 covers the
-safetensors files. Checkpoints add the optimizer state, the RNG states and the step.
-
-LoRA (``lora_rank > 0``, ``train.lora_rank``): the policy is wrapped with ``peft.get_peft_model``
-(adapters on ``lora_target_modules``, ``bias="none"``); only the adapters are trainable and only
-they are in the optimizer (grad clipping, lr schedule and micro-batching are unchanged). The
-published weights are merged (``W + lora_alpha / lora_rank · B @ A`` per adapted module, computed
-aside, the training state untouched) under the plain model's own parameter names, so the rollout
-engine loads them without ``peft``. The supervised warm-up trains the adapters, then folds them
-into the base weights and re-initialises them (``B = 0``), so RL starts from the warmed-up policy
-with fresh adapters and the base weights are always the RL start: the KL reference is the policy
-with its adapters disabled (no second copy) whenever the reference weights equal the base weights.
-A critic works as without LoRA (``value_head``: the value loss also trains the adapters;
-``separate``: a copy of the policy's trunk, base frozen, its own adapters trained).
+LoRA (``train.lora_rank > 0``): the policy is wrapped with ``peft`` and only the adapters train;
+the published weights are merged (``W + lora_alpha / lora_rank · B @ A``) under the plain model's
+names, and the KL reference is the policy with its adapters disabled while the reference weights
+equal the base weights. The whole step, windowed episodes and LoRA in detail:
+docs/architecture.md, "Engines and strategies".
 """
 
 from __future__ import annotations
@@ -511,7 +485,8 @@ class TorchStrategy:
     # ----------------------------------------------------------------- one step
 
     def prepare(self, samples: list[TrainSample]) -> tuple[TokenBatch, dict[str, float]]:
-        """Collate ``samples`` and compute everything the loss needs (see the module doc, steps 1–3).
+        """Collate ``samples`` and compute everything the loss needs (steps 1–3 of the
+        step in docs/architecture.md, "The torch strategy").
 
         The returned batch's ``old_logprobs`` are the ratio's denominators, ``advantages`` are
         per token (B, L - 1) with every weight applied, ``loss_mask`` has every mask applied, and

@@ -1,3 +1,7 @@
+"""rollout.slot_decoder: its prefill, decode steps (eager, fixed-shape, CUDA graphs) and eviction
+equal the model's own forward; fused projections follow in-place weight copies; shared prompt work
+is computed once; what it cannot run is named, and the engine falls back or refuses."""
+
 from __future__ import annotations
 
 from pathlib import Path
