@@ -117,7 +117,7 @@ def batch(n: int, prompt_len: int, response_len: int, vocab: int) -> list[Any]:
 def one_strategy(a: argparse.Namespace) -> dict[str, Any]:
     from schemas.config import parse_config
     from trainer.factory import make_strategy
-    from trainer.strategy import read_weights
+    from weights import read_weights
 
     sets = [f"train.strategy={a.one}", f"model.dtype={a.dtype}", "train.lr=1e-5", "train.micro_batch_size=16",
             "algorithm.entropy_loss_coef=0.01", f"rollout.max_new_tokens={a.response_len}", "train.dist_timeout_s=300"]

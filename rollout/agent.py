@@ -3,49 +3,22 @@
 :func:`run_episode` alternates model turns and environment turns until the environment ends the
 episode or a limit is reached:
 
-* **Turn 0.** ``client.reset`` gives the first observation; the prompt is that observation rendered
-  as the first user turn (after the system prompt) through the tokenizer's chat template with the
-  assistant's generation prompt (:class:`Turns`; the same rendering as single-turn prompts).
-* **A model turn** is one engine request over the whole conversation so far (the KV cache is not
-  kept across turns; a turn re-reads its context). Its tokens are trained on (``loss_mask`` 1) with
-  their behaviour logprobs. The action sent to the environment is the turn's decoded text.
-* **An environment turn**: ``client.step`` gives the next observation; its tokens are the chat
-  template's text between the end of the model's turn and the next generation prompt (end of turn,
-  the user turn holding the observation, the assistant header). They are context only:
-  ``loss_mask`` 0, logprob 0.
-* **Limits**: ``max_turns`` model turns; ``max_tokens_per_turn`` per model turn; the whole
-  sequence (prompt + every turn) stays within ``max_context_tokens`` (and the model's
-  ``max_position_embeddings``): a turn gets at most the room
-  left, and an episode whose next observation does not fit ends (``finish="context"``).
-* **Policy versions**: every turn records the weights version it started and ended with. The
-  caller keeps weight swaps out of turns (the rollout worker holds its swap lock while a turn
-  generates); :attr:`Trajectory.versions_consistent` says whether that held.
-* **Rewards**: one per model turn (the reward the environment returned for that action), in
-  :attr:`Trajectory.step_rewards`; the episode return is their sum.
-* **Failures**: an environment error (a crash or a timeout reported by the env worker, or the
-  client raising) ends the episode with ``finish="env_error"`` and the reason in ``error``; the turns
-  played so far are kept, so the sample is recorded and accounted for, never lost.
+* turn 0: ``client.reset`` gives the first observation, rendered as the first user turn (after the
+  system prompt) through the chat template with the generation prompt (:class:`Turns`);
+* a model turn is one engine request over the conversation so far; its tokens are trained on
+  (``loss_mask`` 1, behaviour logprobs) and its decoded text is the action;
+* an environment turn: ``client.step`` gives the next observation; its tokens (the template's text
+  between the model's turn and the next generation prompt) are context only (``loss_mask`` 0);
+* limits: ``max_turns``, ``max_tokens_per_turn``, and ``max_context_tokens`` (and the model's
+  positions) for the whole sequence; an observation that does not fit ends it (``finish="context"``);
+* every turn records its weights versions and its reward (:attr:`Trajectory.step_rewards`; the
+  return is their sum); an environment error ends it (``finish="env_error"``), keeping the turns.
 
-History windows (``AgentLimits.history_turns = k``, ``rollout.history_turns``): instead of one
-growing sequence, every model turn gets a prompt of its own, re-rendered through the chat template
-from a window of the conversation: the first observation (the task) and the model's first reply,
-the last ``k`` turns (observation and reply) before the current one, and the current observation
-(:func:`window_messages`; with ``k`` large enough it is the whole conversation). The episode is then
-a concatenation of independent segments, one per model turn: the turn's prompt (``loss_mask`` 0)
-and its reply (``loss_mask`` 1); :attr:`Trajectory.segment_starts` says where each segment after
-the first begins in ``response_ids``, and the trainer scores every segment as its own sequence
-(``Generation.segment_starts``). ``max_context_tokens`` then bounds each segment (a turn's prompt
-plus its reply), not the episode, so long episodes stay cheap: a turn re-reads only its window.
-This is the step-wise formulation of verl-agent / GiGPO's ``history_length``; it differs from
-theirs in that the window's text is the environment's own observations rendered as chat turns,
-with no task-specific prompt template.
-
-Text-delta rendering (:class:`Turns`): after a model turn, the environment's tokens are found by
-rendering the conversation without and with the new observation and taking the text difference,
-so any chat template that is prefix-stable across turns works (ChatML, Llama-3 and most others).
-The model's own tokens are kept exactly as sampled (never decoded and re-encoded), so the trainer
-scores the very tokens the engine produced. A template that is not prefix-stable is refused with
-a clear error. Without a chat template, observations are appended as ``"\\n" + text + "\\n"``.
+With ``history_turns = k`` every model turn gets a prompt of its own from a window of the
+conversation (:func:`window_messages`); the episode is then one segment per turn
+(:attr:`Trajectory.segment_starts`). Turns are found by text deltas of the rendered conversation,
+so any prefix-stable chat template works; the model's tokens are kept exactly as sampled.
+Design: docs/architecture.md, "Engines and strategies" (the agent loop); docs/agentic.md.
 """
 
 from __future__ import annotations

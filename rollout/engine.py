@@ -1,55 +1,23 @@
 """Generation engines behind one :class:`Engine` protocol, and :class:`TorchEngine`.
 
-``TorchEngine`` is a compact continuous-batching loop over a transformers causal LM:
+``TorchEngine`` is a continuous-batching loop over a transformers causal LM on the CPU or one GPU.
+At most ``max_batch`` sequences run together; one engine step admits waiting requests into free
+slots (one batched prefill) and runs one decode step for every row, and a row that finished (EOS,
+a stop string or ``max_new_tokens``) leaves right after it. Llama-family models
+(:func:`rollout.slot_decoder.slot_support`) run through :class:`SlotDecoder`, any other causal LM
+through :class:`HFDecoder` (transformers' forward over a ``DynamicCache`` whose rows we edit;
+``decoder="hf"`` forces it).
 
-* **Two decoders.** For Llama-family models (``llama``, ``qwen2``:
-  :func:`rollout.slot_decoder.slot_support`) the batch runs through :class:`SlotDecoder`, the
-  engine's own forward over a preallocated per-slot KV cache (see :mod:`rollout.slot_decoder`;
-  1.3-2x the throughput of the other path on 2 CPU cores, bench/README.md). Any other causal LM runs
-  through :class:`HFDecoder`, transformers' own forward, described next. ``decoder="hf"`` forces it.
-  On a CUDA device the slot decoder replays each decode step as a CUDA graph (``cuda_graphs``,
-  on by default), one launch in place of one per op.
-* **Slots.** At most ``max_batch`` sequences run together in one padded batch with one KV cache
-  (for :class:`HFDecoder`, a transformers ``DynamicCache`` whose per-layer ``(B, heads, L, head_dim)``
-  tensors we edit). Rows are right-aligned: each row's tokens occupy the last columns of the cache,
-  left padding is masked out by the 2-D attention mask, and every row gets explicit
-  ``position_ids`` (its own token count), so a row computes exactly what it would compute alone.
-* **No batch barrier.** One engine step = admit waiting requests into free slots (one batched,
-  left-padded prefill; the prefill's KV rows are left-padded to the running cache's length and
-  concatenated in) + one decode step for every row. A row that finished (EOS or
-  ``max_new_tokens``) is evicted right after the step that finished it. Admission is batched:
-  while rows run, waiting requests are prefilled once they fill a quarter of ``max_batch`` free
-  slots (or every free slot), or after :attr:`TorchEngine.ADMIT_WAIT_STEPS` decode steps, because
-  many one-row prefills cost far more than one prefill of many rows (and, on the slot decoder,
-  identical prompts and a common prefix of one admission are prefilled once: a GRPO group's
-  samples, a chat template's system turn; :attr:`TorchEngine.prompt_tokens_reused` counts what
-  that saved). Columns that are padding for every row are trimmed after eviction, so the cache
-  length stays at the longest live row. Per step, the Python work per row is one pass that
-  records the sampled token and checks EOS, stop strings and the length cap (computed once at
-  admission); the rows' sampling parameters live as tensors beside them, built once per row.
-* **Logprobs.** Per generated token, ``log_softmax(logits / T)[token]`` of the request's
-  temperature ``T``, untruncated by ``top_p`` (see :mod:`rollout.sampling`); this equals the
-  trainer's teacher-forced logprob of the same weights at the same temperature up to float
-  round-off.
-* **Hot-swap.** ``load_weights(dir)`` copies a safetensors state dict into the live parameters
-  between two engine steps (never during one) and records the new ``policy_version``. Requests
-  in flight keep their KV cache from the old weights and continue with the new ones; each
-  :class:`Completion` reports the version it started with and the version it ended with.
+Each generated token reports its behaviour logprob ``log_softmax(logits / T)[token]`` at the
+request's temperature, untruncated by ``top_p`` (:mod:`rollout.sampling`): the trainer's
+teacher-forced logprob of the same weights up to float round-off. :meth:`TorchEngine.load_weights`
+copies a published weight set into the live parameters between two steps
+(:func:`weights.copy_weights_`); requests in flight continue with the new weights, and each
+:class:`Completion` reports the version it started and ended with. All torch work runs on one
+thread of the engine's own, so the event loop stays responsive. Sampling is seeded per engine.
 
-All of the engine's torch work (loading the model, steps, weight swaps) runs on one dedicated thread
-of its own, so the event loop (Kafka clients, other requests) stays responsive, and one OpenMP team
-serves every step (a different pool thread per step ran small matmuls about 1.6× slower on 2 CPU
-cores: bench/README.md, engine.py). Sampling draws by inverse CDF (:func:`rollout.sampling.draw_inverse_cdf`). Sampling is seeded per engine (``seed``);
-greedy decoding is deterministic and does not depend on the batch composition beyond float
-round-off.
-
-Why not transformers' own continuous batching (``generate_batch`` /
-``init_continuous_batching``)? It works on CPU and returns logprobs, but those are the log of
-the *processed* distribution (after top-k/top-p truncation and renormalisation), which the
-trainer cannot recompute when ``top_p < 1``; it runs its own generation thread with a paged
-cache, and swapping weights needs pausing that thread from outside. On the tiny model on 2 CPU
-cores it was 2.9-3.8x slower than this loop (persistent, warmed-up manager; 512 sampled requests
-of 32 tokens; ``bench/learn_offline.py --engine-bench``).
+How admission, padding, prefix sharing and the swap work, and why not transformers' own
+continuous batching: docs/architecture.md, "Engines and strategies".
 """
 
 from __future__ import annotations
@@ -67,13 +35,13 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
-from safetensors.torch import load_file
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from rollout.model_init import encode_prompt, eos_token_ids, load_model, load_tokenizer, use_chat_template
 from rollout.sampling import SamplingParams, sample_next
 from rollout.slot_decoder import SlotDecoder, slot_support
+from weights import copy_weights_, read_weights
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 _FEED_DONE = object()  # end-of-stream marker on a generate() call's queue
@@ -141,40 +109,6 @@ class Engine(Protocol):
     async def load_weights(self, ref: str | Path, version: int | None = None) -> None:
         """Swap in the weights at ``ref`` (a directory of safetensors) and record ``version``."""
         ...
-
-
-# --------------------------------------------------------------------------- weights
-
-
-def read_weights(ref: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the ``*.safetensors`` files in directory ``ref`` (or of that one file)."""
-    path = Path(ref)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
-
-
-@torch.no_grad()
-def copy_weights_(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy ``state`` into ``model``'s parameters in place (shapes must match).
-
-    Keys the model does not have are an error; parameters missing from ``state`` are allowed
-    only when they are tied to (the same tensor as) a parameter that ``state`` does have.
-    """
-    params = dict(model.named_parameters(remove_duplicate=False))
-    unknown = sorted(set(state) - set(params))
-    if unknown:
-        raise KeyError(f"weights have keys the model lacks: {unknown[:5]}")
-    loaded = {id(params[k]) for k in state}
-    missing = [k for k, p in params.items() if k not in state and id(p) not in loaded]
-    if missing:
-        raise KeyError(f"weights lack parameters of the model: {missing[:5]}")
-    for key, value in state.items():
-        params[key].copy_(value.to(params[key].dtype))
 
 
 # --------------------------------------------------------------------------- KV batch
@@ -544,15 +478,15 @@ class TorchEngine:
         """Copy the safetensors weights in ``ref`` into the live model between two engine
         steps; ``version`` defaults to the current version + 1."""
         state = await asyncio.to_thread(read_weights, ref)
-        await asyncio.get_running_loop().run_in_executor(self._thread, self._swap, state, version)
+        await asyncio.get_running_loop().run_in_executor(self._thread, self._swap, state, version, str(ref))
 
     def load_weights_sync(self, ref: str | Path, version: int | None = None) -> None:
         """Blocking variant of :meth:`load_weights` (for synchronous callers)."""
-        self._swap(read_weights(ref), version)
+        self._swap(read_weights(ref), version, str(ref))
 
-    def _swap(self, state: dict[str, torch.Tensor], version: int | None) -> None:
+    def _swap(self, state: dict[str, torch.Tensor], version: int | None, ref: str) -> None:
         with self._step_lock:
-            copy_weights_(self.model, state)
+            copy_weights_(self.model, state, f"weights at {ref}")
             self.policy_version = self.policy_version + 1 if version is None else version
 
     @torch.inference_mode()

@@ -4,28 +4,22 @@ Two kinds, one interface (``await judge.judge(prompt, response) -> Verdict``), b
 calls that arrive together:
 
 * :class:`LLMJudge` renders the rubric, the prompt and the response as one user turn (through the
-  chat template when the judge model has one), writes ``answer_prefix`` (``Score: ``) as the start of
-  the judge's answer, and reads the score from what follows, per ``score``:
-
-  - ``number``: greedy generation of at most ``max_new_tokens`` through the
-    :class:`~rollout.engine.TorchEngine`'s continuous batching; the first integer of the answer
-    must lie in ``[min_score, max_score]``; score ``(n - min) / (max - min)``.
-  - ``choice``: greedy generation; the earliest label of ``choices`` in the answer (whole word,
-    case-insensitive) gives its value.
-  - ``logprobs``: no generation. One batched forward pass (:meth:`TorchEngine.next_token_logprobs`)
-    gives the next-token distribution at the answer's first position; the score is the
-    probability-weighted mean of the labels ``min..max`` (each must be one token), normalised.
-    This is G-Eval's "probability-weighted summation" (Liu et al., 2023), computed from one
-    forward pass instead of 20 samples. When the labels hold less than ``min_label_mass`` of the
-    probability, the judge did not answer in the format: no score.
-
+  chat template when the judge model has one), writes ``answer_prefix`` (``Score: ``) as the start
+  of the judge's answer, and reads the score from what follows, per ``score``:
+  ``number`` (greedy generation through the :class:`~rollout.engine.TorchEngine`; the first
+  integer ``n`` must lie in ``[min_score, max_score]``; score ``(n - min) / (max - min)``),
+  ``choice`` (greedy generation; the earliest label of ``choices``, whole word, any case, gives
+  its value) or ``logprobs`` (no generation: one batched forward pass,
+  :meth:`TorchEngine.next_token_logprobs`, gives the probabilities of the one-token labels
+  ``min..max`` at the answer's first position; the score is their probability-weighted mean,
+  normalised, as G-Eval's; labels holding less than ``min_label_mass``: no score).
 * :class:`RewardModelJudge`: an ``AutoModelForSequenceClassification`` with one output reads the
   prompt and the response (as a user and an assistant turn of its chat template when it has one,
   else the two texts on separate lines); the output goes through ``normalize`` (``sigmoid``).
 
 A judge never raises for a bad answer: a :class:`Verdict` with ``error`` set (score 0) says why,
 and the judge service records it. A failing model (an exception in the forward pass) also
-becomes an ``error`` verdict for every response of that batch.
+becomes an ``error`` verdict for every response of that batch. docs/rewards.md has the details.
 """
 
 from __future__ import annotations

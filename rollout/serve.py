@@ -3,34 +3,21 @@
 One :class:`rollout.engine.TorchEngine` (continuous batching: concurrent requests share its decode
 steps) behind an aiohttp server. It speaks the subset of vLLM's ``/v1/completions`` dialect that the
 rollout client (:class:`rollout.server_engine.ServerEngine`) uses, so ``rollout.engine: server``
-and ``rollout.engine: vllm`` share one client.
+and ``rollout.engine: vllm`` share one client. Endpoints:
 
-Endpoints:
-
-* ``POST /v1/completions``: ``prompt`` (token ids, a list of token-id lists, a string or a list of
-  strings; strings are encoded with the tokenizer as bare text), ``max_tokens`` (16; null = up to
-  the context), ``temperature`` (1; 0 = greedy), ``top_p`` (1), ``n`` (1), ``stop`` (a string or a list),
-  ``logprobs`` (``null`` or 0: the chosen token's logprob; top alternatives are not computed, a
-  larger value is refused), ``return_tokens_as_token_ids`` (``logprobs.tokens`` as
-  ``"token_id:N"``), ``include_stop_str_in_output`` (False: ``text`` ends before the stop string;
-  token ids always end with the token that completed it), ``model`` (empty or the served name).
-  ``seed``, ``stream``, ``echo`` and any other field are refused (400, one line): sampling draws
-  from the server's one generator (``--seed``). Each choice also carries ``token_ids``,
-  ``policy_version`` and ``policy_version_end`` (weights versions when it started and finished).
-  Reported logprobs are ``log_softmax(logits / T)`` of the chosen token, untruncated by ``top_p``
-  (greedy: ``T = 1``), as :mod:`rollout.sampling` defines behaviour logprobs; vLLM's equivalent is
-  ``--logprobs-mode processed_logprobs`` with ``top_p = 1``.
-* ``POST /v1/load_weights`` ``{"path": DIR, "version": N}``: copy the safetensors weights in ``DIR``
-  (a directory the server can read) into the live model between two engine steps and report
-  ``{"policy_version": N}`` (``version`` omitted = current + 1). Requests in flight continue with the
-  new weights (their choices report both versions). Reloading the path and version already loaded
-  does nothing (several rollout workers may share one server; the last reload wins).
+* ``POST /v1/completions``: token-id or text prompts, ``max_tokens``, ``temperature`` (0 =
+  greedy), ``top_p``, ``n``, ``stop``, ``include_stop_str_in_output``, ``logprobs`` (null or 0),
+  ``return_tokens_as_token_ids``, ``model``; ``seed``, ``stream``, ``echo`` and any other field are
+  refused (400, one line). Each choice also carries ``token_ids``, ``policy_version`` and
+  ``policy_version_end``; logprobs are ``log_softmax(logits / T)`` of the chosen token,
+  untruncated by ``top_p`` (:mod:`rollout.sampling`).
+* ``POST /v1/load_weights`` ``{"path": DIR, "version": N}``: hot swap between two engine steps
+  (version omitted = current + 1; the path and version already loaded: nothing to do).
 * ``GET /v1/models``, ``GET /health`` (``{"status": "ok", "policy_version": N}``).
 
-A request that is cancelled (the client disconnects) stops being waited on; its sequences run to
-their ``max_tokens`` or EOS inside the engine (``TorchEngine`` has no abort), then are dropped.
-SIGTERM / SIGINT stop accepting connections and let requests in flight finish (up to
-``shutdown_grace_s``).
+A cancelled request stops being waited on (its sequences run on inside the engine, which has no
+abort). SIGTERM / SIGINT stop accepting connections and let requests in flight finish (up to
+``shutdown_grace_s``). Every field and default: docs/architecture.md, "Engines and strategies".
 """
 
 from __future__ import annotations

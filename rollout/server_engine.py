@@ -2,35 +2,24 @@
 ``rollstream serve`` server (``rollout.engine: server``) or a ``vllm serve`` server
 (``rollout.engine: vllm``).
 
-* **Prompts** are rendered here, with the model's tokenizer and chat template (read from the
+* **Prompts** are rendered here with the model's tokenizer and chat template (read from the
   rollout worker's model directory), exactly as :class:`~rollout.engine.TorchEngine` renders them;
-  the server gets token ids (``prompt: [ids]``), and returns token ids
-  (``return_tokens_as_token_ids``: ``logprobs.tokens`` as ``"token_id:N"``), the chosen tokens'
-  logprobs (``logprobs: 0``) and the finish reason. ``text`` is decoded here from the token ids.
-* **Sampling**: ``temperature`` (greedy = ``temperature: 0``, which reports logprobs at ``T = 1``;
-  a greedy request at another temperature is refused), ``top_p``, ``max_tokens``, ``stop`` with
-  ``include_stop_str_in_output`` (the token that completes a stop string is kept, as in the torch
-  engine). Each request is one HTTP call; the rollout worker runs up to ``rollout.max_batch`` at
-  once and the server batches them.
-* **Behaviour logprobs** must be ``log_softmax(logits / T)`` of the chosen token, untruncated
-  (:mod:`rollout.sampling`). ``rollstream serve`` reports exactly these. vLLM does with
-  ``--logprobs-mode processed_logprobs`` and ``top_p = 1`` (its default ``raw_logprobs`` ignores the
-  temperature); ``scripts/check_vllm_logprobs.py`` measures the agreement on a GPU. Not verified
-  by this project's tests (vLLM needs CUDA).
-* **Versions**: ``rollstream serve`` reports each choice's weights versions (start, end); for vLLM
-  they are this client's view: the version of its last reload when the request was sent and when
-  it came back.
-* **Weights**: ``server``: ``POST /v1/load_weights {"path", "version"}``. ``vllm`` (unverified):
-  ``POST /collective_rpc`` (dev mode, ``VLLM_SERVER_DEV_MODE=1``) with ``update_config``
-  (``model_config.model`` = the published directory) then ``reload_weights``, then
-  ``POST /reset_prefix_cache`` so no KV computed with the old weights is reused.
-* **Failures**: a server that refuses connections or answers 502/503/504 is retried with backoff
-  (0.5 s doubling to 8 s) for ``down_s`` seconds; then, like a request that takes longer than
-  ``timeout_s`` or an error answer, the request completes with ``finish_reason="error"`` and a
-  one-line ``error`` naming the server (the rollout worker dead-letters that sample: recorded, never
-  lost). Cancelling :meth:`generate` (closing it, or cancelling its task) closes the HTTP requests
-  of the unfinished completions; a ``rollstream serve`` server then stops waiting on them (their
-  sequences still run to ``max_tokens`` or EOS inside its engine).
+  the server gets and returns token ids (``return_tokens_as_token_ids``), the chosen tokens'
+  logprobs (``logprobs: 0``) and the finish reason; ``text`` is decoded here.
+* **Sampling**: ``temperature`` (greedy = 0, logprobs at ``T = 1``; greedy at another temperature is
+  refused), ``top_p``, ``max_tokens``, ``stop`` (the completing token kept, as in the torch engine).
+  One HTTP call per request; the worker runs up to ``rollout.max_batch`` at once.
+* **Behaviour logprobs** must be ``log_softmax(logits / T)``, untruncated (:mod:`rollout.sampling`):
+  ``rollstream serve`` reports these; vLLM does with ``--logprobs-mode processed_logprobs`` and
+  ``top_p = 1`` (unverified here: ``scripts/check_vllm_logprobs.py`` measures it on a GPU).
+* **Versions and weights**: ``server`` reports each choice's versions and reloads with
+  ``POST /v1/load_weights``; for ``vllm`` (unverified) the versions are this client's view, and a
+  reload is dev-mode ``/collective_rpc`` (``update_config``, ``reload_weights``) then
+  ``/reset_prefix_cache``.
+* **Failures**: refused connections and 502/503/504 are retried with backoff (0.5 s doubling to
+  8 s) for ``down_s`` seconds; then, like a timeout (``timeout_s``) or an error answer, the request
+  completes with ``finish_reason="error"`` and a one-line ``error`` naming the server. Cancelling
+  :meth:`generate` closes the HTTP requests of its unfinished completions.
 """
 
 from __future__ import annotations

@@ -1,61 +1,27 @@
 """The engine's fast path: a Llama-family forward pass of our own over a preallocated slot KV cache.
 
-:class:`rollout.engine.TorchEngine` runs a model either through transformers' own forward with a
-``DynamicCache`` (:class:`rollout.engine.HFDecoder`, any causal LM) or, for the decoder-only
-Llama-family architectures that :func:`slot_support` accepts, through :class:`SlotDecoder`:
+:class:`SlotDecoder` runs the decoder-only Llama-family models that :func:`slot_support` accepts
+(``llama``, ``qwen2``; full attention, plain q/k/v/o and gate/up/down projections) for
+:class:`rollout.engine.TorchEngine`:
 
-* **The cache is allocated once.** Keys and values of every layer live in two tensors of shape
-  ``(layers, slots, kv_heads, capacity, head_dim)``. Row ``i`` of the running batch is slot
-  ``i``; its tokens fill columns ``0 .. len_i - 1`` (left-aligned, each row at its own length).
-  A decode step writes each row's new key/value in place at column ``len_i``. transformers'
-  ``DynamicCache`` instead concatenates a new ``(B, heads, L + 1, head_dim)`` tensor per layer
-  per step, and the engine's admission and eviction copied the whole cache again (on the tiny
-  model: 36% of the engine thread's time, ``bench/README.md``).
-* **Eviction moves only the rows that fill holes.** The live rows stay in slots ``0 .. B - 1``:
-  when rows finish, the last live rows move into the freed slots (one indexed copy over all
-  layers), so the attention reads ``cache[:B, :, :L]`` without gathering. :meth:`keep` returns
-  the new order so that the engine reorders its bookkeeping the same way.
-* **Admission writes the prefill in place.** New prompts are right-padded into one batch; their
-  keys/values go straight into their slots' first columns. Pad positions compute garbage that no
-  query ever attends to (causal mask + each row's length).
-* **Prompts that an admission shares are prefilled once.** A GRPO group's samples have the same
-  prompt, and a chat template puts the same system turn before every prompt. :meth:`prefill`
-  therefore computes each distinct prompt of an admission once and copies its keys/values into
-  every slot that has it (each row still samples on its own). When the distinct prompts start
-  with a common prefix of at least :data:`MIN_SHARED_PREFIX` tokens (:func:`shared_prefix`), that
-  prefix runs once at batch 1, is written into every new slot, and the remainders attend to it.
-  Only prompts admitted together share: nothing is kept between admissions (no prefix cache).
-  On SmolLM2, whose chat template's system turn is 28 of 43 prompt tokens, it leaves more than half
-  of the prompt tokens out and prefills 64 prompts in about half the time (``bench/README.md``,
-  engine.py). The logits equal a full prefill up to float round-off
-  (``tests/rollout/test_slot_decoder.py``).
-* **The forward is the model's own math, called directly**: embedding, per layer RMSNorm →
-  q/k/v projections → rotary embedding (the model's ``rotary_emb`` module, so RoPE scaling
-  variants come for free) → SDPA over the row's valid columns (grouped-query attention without
-  repeating keys) → output projection → residual → RMSNorm → SiLU-gated MLP → residual, final
-  norm, LM head on the last position only. The weights are read from the live modules on every
-  call, so a weight swap (:meth:`TorchEngine.load_weights`) takes effect at the next step. It
-  skips transformers' per-step mask building, module hooks and cache bookkeeping; the results
-  equal transformers' forward up to float round-off (``tests/rollout/test_slot_decoder.py``).
+* keys and values of every layer live in two tensors ``(layers, slots, kv_heads, capacity,
+  head_dim)``, allocated once; row ``i`` of the batch is slot ``i``, its tokens fill columns
+  ``0 .. len_i - 1``, and a decode step writes column ``len_i`` in place;
+* eviction moves only the last live rows into the freed slots (:meth:`SlotDecoder.keep` returns
+  the new order); admission writes each distinct prompt's keys/values once into every slot that
+  has it, and a prefix common to the admission's prompts runs once (:func:`shared_prefix`);
+* the forward is the model's own math called directly (its modules' weights, its ``rotary_emb``),
+  with q/k/v and gate/up fused into one matmul each (:func:`fuse_linears`: the parameters become
+  views of the fused weight, so an in-place weight swap, :func:`weights.copy_weights_`, reaches it);
+* on a CUDA device each decode step is replayed as a CUDA graph (``cuda_graphs``; not with
+  ``dynamic`` RoPE) over a fixed number of rows (a power of two, padding rows dropped) and every
+  cache column; a failed capture falls back to eager steps.
 
-* **On a CUDA device the decode step is a CUDA graph** (``cuda_graphs``, on by default there). At
-  these model sizes a step costs the GPU microseconds and the host milliseconds: one kernel launch
-  per op, about 38 per layer (``bench/README.md``, gpu.py). A graph replays the whole step's
-  kernels in one launch. It needs fixed shapes, so a graphed step runs over a fixed number of rows
-  (the running rows rounded up to a power of two, at most ``slots``: the rows beyond them are
-  padding whose outputs are dropped) and attends over every cache column (``capacity``, masked by
-  each row's length) instead of the longest row's. One graph is captured per (rows, capacity) pair
-  the first time it is needed (its first run is an ordinary eager step), and all are dropped when
-  the cache grows. The graphs read the live weights, so an in-place weight swap
-  (:func:`rollout.engine.copy_weights_`) reaches them. A padding row's write lands in a free slot
-  at a column that a later row overwrites before it attends to it (prefill writes columns
-  ``0 .. len - 1``; decode writes column ``len`` before reading it). Not for RoPE types that
-  rescale with the sequence length (``dynamic``): those stay eager.
-
-Capacity starts at what the first prompts need (at least 64 columns) and grows by half (in
-multiples of 64 columns, one copy), up to the model's ``max_position_embeddings``, when a row needs
-more. Memory is
-``2 × layers × slots × kv_heads × capacity × head_dim`` elements of the model's dtype.
+Capacity starts at what the first prompts need (at least 64 columns) and grows by half (multiples
+of 64) up to ``max_position_embeddings``; memory is ``2 × layers × slots × kv_heads × capacity ×
+head_dim`` elements of the model's dtype. Results equal transformers' forward up to float round-off
+(``tests/rollout/test_slot_decoder.py``). Design and measurements: docs/architecture.md, "Engines
+and strategies".
 """
 
 from __future__ import annotations
@@ -116,7 +82,7 @@ def fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Te
     """One weight (and bias) for ``linears`` that share an input: their weights concatenated along
     the output dimension, each layer's parameter re-pointed at its rows of it (``param.data`` becomes
     a view). One matmul then computes all of them, and an in-place weight copy into the layers
-    (:func:`rollout.engine.copy_weights_`) updates the fused weight too: there is no copy to go stale.
+    (:func:`weights.copy_weights_`) updates the fused weight too: there is no copy to go stale.
 
     Fusing the same linears again (a second decoder on the same model) returns the first fusion:
     a new one would re-point the parameters away from the tensors the first decoder reads, and
@@ -420,7 +386,7 @@ class SlotDecoder:
                             torch.arange(self.slots, device=self.device))
         static_tokens, static_lens, _ = self._static
         # the padding rows keep whatever tokens and lengths they last had: lengths below capacity,
-        # in free slots (module doc)
+        # in free slots, at columns a later row overwrites before reading them (docs/architecture.md)
         static_tokens[:b].copy_(tokens)
         static_lens[:b].copy_(self.lens)
         n = min(self.slots, 1 << (b - 1).bit_length())  # rows the step computes

@@ -12,19 +12,22 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("schemas", "envs", "rollout", "trainer", "runtime", "infra", "store", "services", "launch", "replay", "cli")
+PACKAGES = ("schemas", "weights", "envs", "rollout", "trainer", "runtime", "infra", "store", "services", "launch",
+            "replay", "cli")
 ALLOWED: dict[str, set[str]] = {
     "schemas": set(),
+    "weights": {"schemas"},
     "envs": {"schemas"},
-    "rollout": {"schemas"},
-    "trainer": {"schemas"},
+    "rollout": {"schemas", "weights"},
+    "trainer": {"schemas", "weights"},
     "runtime": {"schemas"},
     "infra": {"schemas", "runtime"},
     "store": {"schemas"},
-    "services": {"schemas", "envs", "rollout", "trainer", "runtime", "store"},
-    "launch": {"schemas", "envs", "rollout", "trainer", "runtime", "infra", "store", "services"},
-    "replay": {"schemas", "envs", "rollout", "trainer", "runtime", "store", "services", "launch"},
-    "cli": {"schemas", "envs", "rollout", "trainer", "runtime", "infra", "store", "services", "launch", "replay"},
+    "services": {"schemas", "weights", "envs", "rollout", "trainer", "runtime", "store"},
+    "launch": {"schemas", "weights", "envs", "rollout", "trainer", "runtime", "infra", "store", "services"},
+    "replay": {"schemas", "weights", "envs", "rollout", "trainer", "runtime", "store", "services", "launch"},
+    "cli": {"schemas", "weights", "envs", "rollout", "trainer", "runtime", "infra", "store", "services", "launch",
+            "replay"},
 }
 MAX_SERVICE_MODULE_LINES = 500
 

@@ -2,47 +2,28 @@
 
 :class:`FSDP2Strategy` is a :class:`trainer.strategy.TorchStrategy` whose model is sharded with
 ``torch.distributed.fsdp.fully_shard`` (each decoder layer its own unit, then the whole model;
-parameters, gradients and the AdamW state are split along dim 0 across the ranks). Every rank of
-the default process group (started by :class:`trainer.ranks.MultiRankStrategy`) builds one and
-runs the same :class:`~trainer.strategy.Strategy` calls in the same order with the same
-arguments.
+parameters, gradients and the AdamW state split along dim 0). Every rank of the default process
+group (started by :class:`trainer.ranks.MultiRankStrategy`) builds one and runs the same
+:class:`~trainer.strategy.Strategy` calls in the same order with the same arguments.
 
-Data parallel, equal to the single-process full-batch step:
-
-* every rank gets the whole batch and runs :meth:`~trainer.strategy.TorchStrategy.prepare`
-  identically (advantages, masks, the KL coefficient and the no-grad passes are computed in full
-  on every rank, so the algorithm state stays the same everywhere);
-* the micro-batches that train anything are dealt round-robin to the ranks; each one's loss is
-  scaled by its share of the *whole* batch's tokens (or sequences) times the world size, since
-  FSDP2 averages the reduced gradients over the ranks, so the reduced gradient is the full-batch
-  one. A rank with fewer micro-batches runs a zero-weighted one so that every rank takes part in
-  the same collectives;
-* metrics are combined over the ranks as ``TorchStrategy.train_step`` combines micro-batches
-  (share-weighted sums; minimum / maximum of ``actor/ratio_min`` / ``actor/ratio_max``);
-* the global gradient norm (clipping) is computed over the sharded gradients (DTensors).
-
-Parameters keep the dtype the model is loaded in (``model.dtype``); no mixed-precision policy.
-Each rank loads the full model once, then keeps its shard.
-
-The KL reference is a plain (unsharded, frozen) copy of the model on every rank. A critic is
-replicated on every rank (not sharded) and its gradients are averaged over the ranks before its
-optimizer step. LoRA is refused by the config.
+Data parallel, equal to the single-process full-batch step: every rank prepares the whole batch
+identically; the micro-batches that train anything are dealt round-robin (:func:`deal`), each
+loss scaled by its share of the whole batch times the world size (FSDP2 averages the reduced
+gradients); a rank with fewer runs a zero-weighted one so every rank takes part in the same
+collectives; metrics are merged over the ranks (:func:`merge_rank_metrics`). Parameters keep the
+model's dtype (no mixed precision). The KL reference and a critic are replicated, not sharded;
+LoRA is refused by the config.
 
 Persistence: :meth:`FSDP2Strategy.export_weights` gathers the full state and rank 0 writes the
-same HF directory as ``TorchStrategy`` (same files, same sha256 rule); the other ranks return the
-same path and checksum. A checkpoint is written by rank 0 alone, in full: ``model/`` (HF dir),
-``optimizer.pt`` (the full AdamW state keyed by parameter name, as
-``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` gives it), ``critic.pt``,
-``algo_state.msgpack``, ``trainer_state.pt`` (step, rank 0's RNG states). Every rank reads it
-back (the ranks share the filesystem: they run on one host), so a checkpoint resumes with any
-number of ranks, but not with ``train.strategy: torch`` (whose ``optimizer.pt`` is keyed by index).
+same HF directory and sha256 as ``TorchStrategy``; a checkpoint is written in full by rank 0
+(``optimizer.pt`` keyed by parameter name) and read back by every rank, so it resumes with any
+number of ranks, but not with ``train.strategy: torch``. Design: docs/architecture.md, "Engines
+and strategies".
 """
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -62,15 +43,8 @@ from transformers import AutoModelForCausalLM
 
 from schemas.config import RunConfig
 from trainer.batch import TrainSample
-from trainer.strategy import (
-    EXTREME_METRICS,
-    TorchStrategy,
-    ValueModel,
-    _replace_dir,
-    read_weights,
-    strategy_kwargs,
-    weights_sha256,
-)
+from trainer.strategy import EXTREME_METRICS, TorchStrategy, ValueModel, strategy_kwargs
+from weights import publish_dir, read_weights, weights_sha256
 
 __all__ = ["FSDP2Strategy", "merge_rank_metrics", "tied_aliases"]
 
@@ -162,13 +136,9 @@ class FSDP2Strategy(TorchStrategy):
         box: list[Any] = [None]
         if self.rank == 0:
             try:
-                tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-                if tmp.exists():
-                    shutil.rmtree(tmp)
-                tmp.parent.mkdir(parents=True, exist_ok=True)
-                write(tmp)
-                checksum = weights_sha256(tmp) if any(tmp.glob("*.safetensors")) else ""
-                _replace_dir(tmp, final)
+                with publish_dir(final) as tmp:
+                    write(tmp)
+                    checksum = weights_sha256(tmp) if any(tmp.glob("*.safetensors")) else ""
                 box[0] = ("ok", checksum)
             except Exception as e:  # the other ranks must not wait for a directory that never comes
                 box[0] = ("error", f"{type(e).__name__}: {e}")
@@ -193,7 +163,9 @@ class FSDP2Strategy(TorchStrategy):
         return final, checksum
 
     def save_checkpoint(self, path: str | Path) -> Path:
-        """Rank 0 writes the full checkpoint (see the module doc); collective."""
+        """Rank 0 writes the full checkpoint; collective. ``model/`` (HF dir), ``optimizer.pt`` (the
+        full AdamW state keyed by parameter name, as ``get_optimizer_state_dict`` gives it),
+        ``critic.pt``, ``algo_state.msgpack``, ``trainer_state.pt`` (step, rank 0's RNG states)."""
         state = self.full_state()
         optim = get_optimizer_state_dict(self.model, self.optimizer,
                                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -1,71 +1,41 @@
 """Training strategies behind one :class:`Strategy` protocol, and the single-process
 :class:`TorchStrategy`.
 
-``TorchStrategy`` holds a transformers causal LM and an AdamW optimizer, and — only when the
-config needs them — a frozen reference model (a KL term is on) and a critic (``adv_estimator:
-gae``). One optimizer step (:meth:`TorchStrategy.train_step`) over a batch of
-:class:`trainer.batch.TrainSample`:
+``TorchStrategy`` holds a transformers causal LM and an AdamW optimizer and, only when the config
+needs them, a frozen reference model (a KL term is on) and a critic (``adv_estimator: gae``). One
+optimizer step (:meth:`TorchStrategy.train_step`) over a batch of :class:`trainer.batch.TrainSample`:
+collate (right-padded); the no-grad passes the config needs (recomputed logprobs, reference
+logprobs, critic values); :meth:`TorchStrategy.prepare` (advantages, masks and weights,
+:mod:`trainer.algorithm`); per micro-batch of ``micro_batch_size`` samples, forward, the losses
+scaled by the micro-batch's share of the batch's tokens or sequences, ``backward()`` (rows whose
+gradient is exactly zero are skipped with ``skip_zero_advantage``); then clip the global gradient
+norm, ``optimizer.step()``, ``step += 1`` and adapt the KL coefficient. With the default
+``old_logprobs: behaviour`` the ratio's denominator is the rollout engine's behaviour logprob.
 
-1. collate (right-padded);
-2. a no-grad pass in micro-batches for what the config needs: the trainer's own logprobs
-   (``old_logprobs: recompute``), the reference logprobs, the critic's values;
-3. :meth:`TorchStrategy.prepare`: rewards → advantages, masks and weights
-   (:mod:`trainer.algorithm`, in the order its module doc gives);
-4. per micro-batch of ``micro_batch_size`` samples (rows ordered by length first, so each
-   micro-batch is trimmed to less padding; nothing else depends on the order): forward, the configured policy loss (+ KL
-   loss, entropy bonus, value loss), scaled by the micro-batch's share of the batch's tokens
-   (``token-mean``) or sequences (``seq-mean-*``) so the accumulated gradient is the full-batch
-   loss's; ``backward()``. Rows whose gradient is exactly zero (advantage 0 at every trained
-   token, and no loss term besides the policy loss) are left out first when
-   ``skip_zero_advantage`` is on (:meth:`TorchStrategy.gradient_rows`); the shares stay shares
-   of the whole batch;
-   A batch with windowed episodes (``TrainSample.segment_starts``, ``rollout.history_turns``) is
-   collated and its advantages computed one row per episode (turns, step rewards and GiGPO's
-   anchors are per episode), but every forward pass sees one row per turn
-   (:func:`trainer.batch.split_rows`): a turn's tokens attend only to its own window, as in
-   rollout. Micro-batches then count turn rows, and ``seq-mean-*`` modes weigh each turn as a
-   sequence;
-5. clip the global gradient norm, ``optimizer.step()`` (and the critic's), ``step += 1``; adapt the
-   KL coefficient.
+Weights are published by :meth:`TorchStrategy.export_weights` as a complete Hugging Face directory
+(config, safetensors, tokenizer) through :func:`weights.publish_dir`, with the sha256 of its
+safetensors files (:func:`weights.weights_sha256`). Checkpoints add the optimizer state, the
+critic, the algorithm state, the RNG states and the step.
 
-With the default ``old_logprobs: behaviour`` the ratio's denominator is the rollout engine's
-behaviour logprobs (so the ratio corrects for staleness directly); for exactly-on-policy samples
-it is 1 up to float round-off.
-
-Weights are published with :meth:`TorchStrategy.export_weights` as a complete Hugging Face
-directory (``config.json``, safetensors weights, tokenizer) written to a temporary sibling and
-renamed into place, so readers never see a half-written version; its sha256 covers the
-safetensors files. Checkpoints add the optimizer state, the RNG states and the step.
-
-LoRA (``lora_rank > 0``, ``train.lora_rank``): the policy is wrapped with ``peft.get_peft_model``
-(adapters on ``lora_target_modules``, ``bias="none"``); only the adapters are trainable and only
-they are in the optimizer (grad clipping, lr schedule and micro-batching are unchanged). The
-published weights are merged (``W + lora_alpha / lora_rank · B @ A`` per adapted module, computed
-aside, the training state untouched) under the plain model's own parameter names, so the rollout
-engine loads them without ``peft``. The supervised warm-up trains the adapters, then folds them
-into the base weights and re-initialises them (``B = 0``), so RL starts from the warmed-up policy
-with fresh adapters and the base weights are always the RL start: the KL reference is the policy
-with its adapters disabled (no second copy) whenever the reference weights equal the base weights.
-A critic works as without LoRA (``value_head``: the value loss also trains the adapters;
-``separate``: a copy of the policy's trunk, base frozen, its own adapters trained).
+LoRA (``train.lora_rank > 0``): the policy is wrapped with ``peft`` and only the adapters train;
+the published weights are merged (``W + lora_alpha / lora_rank · B @ A``) under the plain model's
+names, and the KL reference is the policy with its adapters disabled while the reference weights
+equal the base weights. The whole step, windowed episodes and LoRA in detail:
+docs/architecture.md, "Engines and strategies".
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
-import os
 import random
-import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from schemas.config import AlgorithmConfig, RunConfig, TrainConfig, resolve_dtype
@@ -75,6 +45,15 @@ from trainer.batch import TokenBatch, TrainSample, collate, merge_rows, segment_
 from trainer.logprobs import token_logprobs
 from trainer.losses import entropy_from_logits, masked_mean
 from trainer.sft import SFTExample, sft_warmup
+from weights import (
+    copy_state_,
+    copy_weights_,
+    load_weights_into,
+    publish_dir,
+    read_weights,
+    weights_match,
+    weights_sha256,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -126,46 +105,6 @@ class Strategy(Protocol):
 # --------------------------------------------------------------------------- pure helpers
 
 
-def weights_sha256(path: str | Path) -> str:
-    """sha256 (hex) over the bytes of the ``*.safetensors`` files of ``path``, in name order."""
-    digest = hashlib.sha256()
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with f.open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
-def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the ``*.safetensors`` files of directory ``path`` (on the CPU)."""
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    if not state:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
-    return state
-
-
-@torch.no_grad()
-def load_weights_into(model: torch.nn.Module, path: str | Path | None = None,
-                      state: dict[str, torch.Tensor] | None = None) -> None:
-    """Load the safetensors files of directory ``path`` (or ``state``) into ``model`` in place.
-
-    Parameters absent from the files are allowed only when tied to one that is present.
-    """
-    if state is None:
-        assert path is not None
-        state = read_weights(path)
-    result = model.load_state_dict(state, strict=False)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded = {id(params[k]) for k in state if k in params}
-    missing = [k for k in result.missing_keys if k in params and id(params[k]) not in loaded]
-    if result.unexpected_keys or missing:
-        raise KeyError(
-            f"weights do not fit the model: unexpected {result.unexpected_keys[:5]}, missing {missing[:5]}"
-        )
-
-
 def _is_lora_key(key: str) -> bool:
     return any(part.startswith("lora_") for part in key.split("."))
 
@@ -174,46 +113,6 @@ def _plain_key(key: str) -> str:
     """The plain model's name of a peft-injected model's state key (``q_proj.base_layer.weight``
     → ``q_proj.weight``)."""
     return key.replace(".base_layer.", ".")
-
-
-def _untied_missing(missing: Iterable[str], present: Iterable[str], targets: dict[str, torch.Tensor]) -> list[str]:
-    """The keys of ``missing`` whose tensor is not shared with (tied to) one of ``present``."""
-    have = {targets[k].data_ptr() for k in present if k in targets}
-    return [k for k in missing if targets[k].data_ptr() not in have]
-
-
-@torch.no_grad()
-def _copy_state_(targets: dict[str, torch.Tensor], state: dict[str, torch.Tensor], where: str) -> None:
-    """Copy ``state`` into the tensors ``targets`` (same names and shapes) in place; a target
-    missing from ``state`` is allowed only when tied to one that is present."""
-    unknown = sorted(set(state) - set(targets))
-    missing = _untied_missing(sorted(set(targets) - set(state)), state, targets)
-    bad = [k for k in state if k in targets and tuple(state[k].shape) != tuple(targets[k].shape)]
-    if unknown or missing or bad:
-        raise KeyError(f"{where} does not fit the model: unexpected {unknown[:5]}, missing {missing[:5]}, "
-                       f"wrong shape {bad[:5]}")
-    for key, value in state.items():
-        targets[key].copy_(value.to(device=targets[key].device, dtype=targets[key].dtype))
-
-
-def _dir_equals(path: str | Path, targets: dict[str, torch.Tensor]) -> bool:
-    """Whether the safetensors files of ``path`` hold exactly the values of ``targets`` (bitwise;
-    targets absent from the files must be tied to present ones). Reads one tensor at a time."""
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
-    seen: list[str] = []
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as fh:
-            for key in fh.keys():
-                if key not in targets:
-                    return False
-                t = targets[key]
-                v = fh.get_tensor(key)
-                if v.shape != t.shape or v.dtype != t.dtype or not torch.equal(v.to(t.device), t):
-                    return False
-                seen.append(key)
-    return not _untied_missing(sorted(set(targets) - set(seen)), seen, targets)
 
 
 def _lora_layers(model: torch.nn.Module) -> dict[str, Any]:
@@ -272,13 +171,6 @@ class _AdaptersDisabled(torch.nn.Module):
                 return model(**kwargs)
         finally:
             model.train(was_training)
-
-
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Move the finished directory ``tmp`` to ``final`` (replacing an older one)."""
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
 
 
 def strategy_kwargs(cfg: RunConfig, device: str) -> dict[str, Any]:
@@ -460,7 +352,7 @@ class TorchStrategy:
             str(self.model_dir), dtype=self.dtype, local_files_only=True, attn_implementation="sdpa"
         )
         torch.nn.Module.to(ref, self.device)
-        load_weights_into(ref, state={k: v.detach() for k, v in state.items()})
+        copy_weights_(ref, {k: v.detach() for k, v in state.items()})
         return self._freeze(ref)
 
     def _check_reference(self) -> None:
@@ -469,7 +361,7 @@ class TorchStrategy:
         if self._ref_checked or not isinstance(self.ref_model, _AdaptersDisabled):
             return
         assert self._ref_path is not None
-        if not _dir_equals(self._ref_path, self._plain_state(merged=False)):
+        if not weights_match(self._ref_path, self._plain_state(merged=False)):
             self.ref_model = self._plain_copy(read_weights(self._ref_path))
         self._ref_checked = True
 
@@ -593,7 +485,8 @@ class TorchStrategy:
     # ----------------------------------------------------------------- one step
 
     def prepare(self, samples: list[TrainSample]) -> tuple[TokenBatch, dict[str, float]]:
-        """Collate ``samples`` and compute everything the loss needs (see the module doc, steps 1–3).
+        """Collate ``samples`` and compute everything the loss needs (steps 1–3 of the
+        step in docs/architecture.md, "The torch strategy").
 
         The returned batch's ``old_logprobs`` are the ratio's denominators, ``advantages`` are
         per token (B, L - 1) with every weight applied, ``loss_mask`` has every mask applied, and
@@ -847,15 +740,10 @@ class TorchStrategy:
 
         With LoRA these are the merged weights under the plain model's parameter names (the
         adapted modules' ``W + scale · B @ A``), computed without touching the training state."""
-        final = Path(path)
-        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        self._write_hf_dir(tmp, merged=True)
-        checksum = weights_sha256(tmp)
-        _replace_dir(tmp, final)
-        return final, checksum
+        with publish_dir(path) as tmp:
+            self._write_hf_dir(tmp, merged=True)
+            checksum = weights_sha256(tmp)
+        return Path(path), checksum
 
     def save_checkpoint(self, path: str | Path) -> Path:
         """Weights (HF dir under ``model/``), optimizer state, the critic (and its optimizer), the
@@ -864,30 +752,25 @@ class TorchStrategy:
         With LoRA ``model/`` holds the base weights (plain names; the warm-up's folded adapters
         included), ``adapter.safetensors`` the adapters and ``optimizer.pt`` their AdamW state; the
         policy is their merge (as :meth:`export_weights` writes it)."""
-        final = Path(path)
-        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        if self.lora:
-            self._write_hf_dir(tmp / "model", merged=False)
-            save_file({k: p.detach().contiguous() for k, p in self._adapter_params().items()},
-                      str(tmp / "adapter.safetensors"))
-        else:
-            self.export_weights(tmp / "model")
-        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        if self.critic is not None and self.critic_optimizer is not None:
-            torch.save({"model": self.critic.state_dict(), "optimizer": self.critic_optimizer.state_dict()},
-                       tmp / "critic.pt")
-        (tmp / "algo_state.msgpack").write_bytes(msgspec.msgpack.encode(self.algo_state))
-        state: dict[str, Any] = {
-            "step": self.step,
-            "torch_rng": torch.get_rng_state(),
-            "python_rng": random.getstate(),
-        }
-        torch.save(state, tmp / "trainer_state.pt")
-        _replace_dir(tmp, final)
-        return final
+        with publish_dir(path) as tmp:
+            if self.lora:
+                self._write_hf_dir(tmp / "model", merged=False)
+                save_file({k: p.detach().contiguous() for k, p in self._adapter_params().items()},
+                          str(tmp / "adapter.safetensors"))
+            else:
+                self.export_weights(tmp / "model")
+            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            if self.critic is not None and self.critic_optimizer is not None:
+                torch.save({"model": self.critic.state_dict(), "optimizer": self.critic_optimizer.state_dict()},
+                           tmp / "critic.pt")
+            (tmp / "algo_state.msgpack").write_bytes(msgspec.msgpack.encode(self.algo_state))
+            state: dict[str, Any] = {
+                "step": self.step,
+                "torch_rng": torch.get_rng_state(),
+                "python_rng": random.getstate(),
+            }
+            torch.save(state, tmp / "trainer_state.pt")
+        return Path(path)
 
     def load_checkpoint(self, path: str | Path) -> int:
         """Restore weights, optimizer, RNG states and step from :meth:`save_checkpoint`; return the
@@ -935,6 +818,6 @@ class TorchStrategy:
         current = self._plain_state(merged=False)
         if not all(k in current and torch.equal(v.to(current[k].device), current[k]) for k, v in base.items()):
             self._base_changing()
-            _copy_state_(targets, base, f"{root / 'model'}")
-        _copy_state_(dict(self._adapter_params()), load_file(str(root / "adapter.safetensors")),
-                     f"{root / 'adapter.safetensors'}")
+            copy_state_(targets, base, f"weights at {root / 'model'}")
+        adapter = root / "adapter.safetensors"
+        copy_state_(dict(self._adapter_params()), read_weights(adapter), f"adapters at {adapter}")

@@ -23,9 +23,10 @@ import torch
 from aiohttp import web
 from safetensors.torch import save_file
 
-from rollout.engine import GenerationRequest, TorchEngine, generate_all, read_weights
+from rollout.engine import GenerationRequest, TorchEngine, generate_all
 from rollout.sampling import SamplingParams
 from rollout.serve import Server, ServeSettings
+from weights import read_weights
 
 PROMPTS = ["12+34=", "7-3=", "99+1=", "5*6="]
 

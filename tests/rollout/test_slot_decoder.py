@@ -1,3 +1,7 @@
+"""rollout.slot_decoder: its prefill, decode steps (eager, fixed-shape, CUDA graphs) and eviction
+equal the model's own forward; fused projections follow in-place weight copies; shared prompt work
+is computed once; what it cannot run is named, and the engine falls back or refuses."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,9 +12,10 @@ import torch
 
 from rollout import engine as engine_module
 from rollout import slot_decoder
-from rollout.engine import TorchEngine, copy_weights_
+from rollout.engine import TorchEngine
 from rollout.model_init import load_model
 from rollout.slot_decoder import SlotDecoder, fuse_linears, slot_support
+from weights import copy_weights_
 
 VOCAB = 40
 

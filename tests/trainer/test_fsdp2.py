@@ -19,7 +19,8 @@ from trainer.factory import make_strategy
 from trainer.fsdp2 import deal, merge_rank_metrics
 from trainer.ranks import MultiRankStrategy
 from trainer.sft import SFTExample
-from trainer.strategy import TorchStrategy, read_weights, strategy_kwargs
+from trainer.strategy import TorchStrategy, strategy_kwargs
+from weights import read_weights
 
 TOL = 1e-5
 

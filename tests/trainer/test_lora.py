@@ -13,14 +13,14 @@ import msgspec
 import pytest
 import torch
 
-from rollout.engine import copy_weights_, read_weights
 from rollout.model_init import load_model
 from schemas.config import AlgorithmConfig, parse_config
 from trainer.batch import TrainSample, collate
 from trainer.factory import make_strategy
 from trainer.logprobs import token_logprobs
 from trainer.sft import SFTExample
-from trainer.strategy import TorchStrategy, weights_sha256
+from trainer.strategy import TorchStrategy
+from weights import copy_weights_, read_weights, weights_sha256
 
 IDS = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 11], [1, 12, 13, 14, 15, 16, 17, 18]])
 

@@ -26,7 +26,8 @@ from trainer.megatron.convert import (
     unpack_qkv,
 )
 from trainer.ranks import MultiRankStrategy
-from trainer.strategy import TorchStrategy, read_weights, weights_sha256
+from trainer.strategy import TorchStrategy
+from weights import read_weights, weights_sha256
 
 TOL = 1e-5
 

@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from trainer.batch import TrainSample, collate
 from trainer.sft import SFTExample, sft_batch, sft_loss, sft_warmup
-from trainer.strategy import Strategy, TorchStrategy, token_logprobs, weights_sha256
+from trainer.strategy import Strategy, TorchStrategy, token_logprobs
+from weights import weights_sha256
 
 
 def make_samples(n: int = 6, seed: int = 0) -> list[TrainSample]:

@@ -2,29 +2,26 @@
 
 Pure functions on state dicts (no megatron import, no process group): the strategy calls
 :func:`hf_to_mcore` once per tensor-parallel rank to build that rank's shard, and
-:func:`mcore_to_hf` on the list of every rank's shard (gathered) to get back the HF state that
-rollout loads. Both directions are exact (only copies, concatenations and views).
+:func:`mcore_to_hf` on every rank's shard (gathered) to get back the HF state that rollout
+loads. Both directions are exact (only copies, concatenations and views).
 
 Layout (``h`` hidden size, ``nh`` query heads, ``ng`` key/value heads (query groups), ``d`` head
 dim, ``f`` MLP width, ``V`` vocabulary, ``Vp`` padded vocabulary, ``tp`` tensor-parallel size):
 
-* ``linear_qkv.weight``: per query group, its ``nh / ng`` query heads then its key head then its
-  value head, ``(ng · (nh / ng + 2) · d, h)``; rank ``r`` holds groups ``r · ng / tp ..`` (column
-  parallel), so ``ng`` and ``nh`` must be multiples of ``tp``. The optional q/k/v biases
-  (Qwen2's ``attention_bias``) are packed the same way.
-* ``linear_proj`` (``o_proj``) and ``linear_fc2`` (``down_proj``): row parallel, split along the
-  input dimension (dim 1).
+* ``linear_qkv.weight``: per query group its ``nh / ng`` query heads, then its key and value
+  heads, ``(ng · (nh / ng + 2) · d, h)``; rank ``r`` holds groups ``r · ng / tp ..`` (column
+  parallel; ``ng`` and ``nh`` multiples of ``tp``). Optional q/k/v biases (Qwen2) pack the same way.
+* ``linear_proj`` (``o_proj``) and ``linear_fc2`` (``down_proj``): row parallel (split on dim 1).
 * ``linear_fc1``: ``[gate_r; up_r]``, each rank's slice of ``gate_proj`` then of ``up_proj``
   (column parallel, ``(2 · f / tp, h)``).
-* ``embedding.word_embeddings`` and ``output_layer``: vocab parallel, the vocabulary zero-padded
-  to ``Vp`` (the next multiple of ``tp``; megatron-core shards the vocabulary evenly), split along
-  dim 0. The padding rows never reach a logit the trainer uses (the strategy drops logits
-  ``V ..``) and are dropped again on the way back. With tied embeddings there is no
-  ``output_layer.weight`` (and no HF ``lm_head.weight``).
-* Norm weights are replicated. With Transformer Engine layers the pre-attention and pre-MLP
-  norms are fused into the following linear layer (``linear_qkv.layer_norm_weight``,
-  ``linear_fc1.layer_norm_weight``; ``fused_norm=True``); with the local spec they are
-  ``input_layernorm.weight`` and ``pre_mlp_layernorm.weight``.
+* ``embedding.word_embeddings`` and ``output_layer``: vocab parallel, zero-padded to ``Vp`` (the
+  next multiple of ``tp``) and split on dim 0; the padding rows never reach a logit the trainer
+  uses and are dropped on the way back. Tied embeddings: no ``output_layer.weight`` (and no HF
+  ``lm_head.weight``).
+* Norm weights are replicated. With Transformer Engine layers the pre-attention and pre-MLP norms
+  are fused into the next linear (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``;
+  ``fused_norm=True``); with the local spec they are ``input_layernorm.weight`` and
+  ``pre_mlp_layernorm.weight``.
 """
 
 from __future__ import annotations

@@ -1,47 +1,33 @@
 """``train.strategy: megatron``: :class:`MegatronStrategy`, megatron-core ``GPTModel`` with tensor
 parallelism (TP) and data parallelism (DP).
 
-Every rank of the trainer builds one ``MegatronStrategy`` after the default process group exists
-(world = ``train.ranks``; a single process without a group gets a world-1 group of its own) and
-calls the :class:`trainer.strategy.Strategy` methods collectively, in the same order with the same
-arguments; rank 0's return values are the ones used. ``train.tensor_parallel`` ranks share one
-model replica (``initialize_model_parallel(tensor_model_parallel_size=TP)``); the
-``ranks / tensor_parallel`` replicas are data parallel.
+Every rank of the trainer builds one after the default process group exists (world =
+``train.ranks``; a single process gets a world-1 group of its own) and calls the
+:class:`trainer.strategy.Strategy` methods collectively, in the same order with the same
+arguments; rank 0's return values are used. ``train.tensor_parallel`` ranks share one replica;
+the ``ranks / tensor_parallel`` replicas are data parallel. What differs from
+:class:`~trainer.strategy.TorchStrategy`:
 
-What is megatron-specific (the rest is :class:`~trainer.strategy.TorchStrategy`, unchanged):
+* **Model.** An HF Llama-family model is read once on the CPU, converted to this rank's shard
+  (:mod:`trainer.megatron.convert`) and loaded into a ``GPTModel`` (Transformer Engine layers on
+  CUDA when importable, the local spec otherwise); :class:`CausalLMView` calls it like an HF causal
+  LM with all-gathered logits, so every loss and metric is the torch strategy's own code.
+* **Step.** DP replica ``d`` runs micro-batches ``d, d + DP, ...`` with the torch strategy's
+  shares; gradients are summed over the DP group, the clipping norm counts each TP-replicated
+  parameter once, and ``torch.optim.AdamW`` steps every shard.
+* **Weights and checkpoints.** :meth:`MegatronStrategy.export_weights` gathers the TP shards,
+  converts them back and global rank 0 writes the torch strategy's HF directory and sha256. A
+  checkpoint holds ``model/`` (TP-independent), ``optimizer_tp{r}of{TP}.pt`` per TP rank,
+  ``algo_state.msgpack`` and ``trainer_state.pt``; it resumes at the same ``tensor_parallel``.
 
-* **Model.** An HF Llama-family model (``llama``, ``qwen2``) is read once on the CPU, converted to
-  this rank's shard (:mod:`trainer.megatron.convert`) and loaded into a ``GPTModel`` (Transformer
-  Engine layers on CUDA when ``transformer_engine`` is importable, the local spec otherwise; no
-  fused kernels, no dropout, no sequence parallelism). :class:`CausalLMView` calls it like an HF
-  causal LM and all-gathers the vocab-parallel logits (``(b, l, V)``, vocabulary padding dropped),
-  so every loss, logprob and metric is the torch strategy's own code. Batches are right-padded,
-  so a causal mask alone gives HF's outputs at every non-pad position (position ids ``0..l-1``).
-* **Step.** Every rank gets the whole batch and computes the (no-grad) preparation itself; DP
-  replica ``d`` runs forward/backward on micro-batches ``d, d + DP, ...`` with the same shares
-  (fractions of the full batch) as the torch strategy. Gradients are summed over the DP group
-  (one flat all-reduce), the global gradient norm counts each TP-replicated parameter once (on
-  TP rank 0) and is summed over the TP group, then
-  ``torch.optim.AdamW`` (elementwise, so sharding does not change it) steps every shard. The
-  micro-batch metrics are merged over the DP group as the torch strategy merges micro-batches.
-* **Weights out.** :meth:`MegatronStrategy.export_weights` gathers the TP shards (DP replica 0),
-  converts them back to HF names, and global rank 0 writes the same HF directory (same safetensors
-  bytes for the same weights) and sha256 as the torch strategy.
-* **Checkpoint layout** (``path/``): ``model/`` the HF directory of the weights (TP-independent),
-  ``optimizer_tp{r}of{TP}.pt`` tensor-parallel rank ``r``'s AdamW state (written by DP replica
-  0; a checkpoint resumes at the same ``tensor_parallel`` only), ``algo_state.msgpack``,
-  ``trainer_state.pt`` (step, RNG states). Written to a sibling and renamed by rank 0.
-
-Not supported (refused up front by :func:`trainer.megatron.check_megatron` or here, one line):
-a critic, LoRA, pipeline parallelism. The KL reference model is a second frozen ``GPTModel``.
-The supervised warm-up runs the whole batch on every rank (no DP split) with the TP-aware clip.
+Refused (one line): a critic, LoRA, pipeline parallelism. The KL reference is a second frozen
+``GPTModel``. Design: docs/architecture.md, "Engines and strategies"; docs/scaling.md.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import random
 import shutil
 import warnings
@@ -68,7 +54,8 @@ from trainer.megatron.convert import (
     tp_dim,
 )
 from trainer.sft import SFTExample, sft_batch, sft_loss
-from trainer.strategy import TorchStrategy, _replace_dir, read_weights, weights_sha256
+from trainer.strategy import TorchStrategy
+from weights import copy_state_, publish_dir, read_weights, replace_dir, weights_sha256
 
 SEED = 1234
 """Seed of megatron-core's model-parallel RNG tracker (used only by dropout, which is off)."""
@@ -249,14 +236,7 @@ class MegatronStrategy(TorchStrategy):
     def _load_hf_state(self, gpt: torch.nn.Module, hf: dict[str, torch.Tensor]) -> None:
         """Load this rank's shard of the HF state ``hf`` into ``gpt`` (every parameter must be set)."""
         shard = hf_to_mcore(hf, self.shape, self.tp_rank, self.tp, fused_norm=self.transformer_engine)
-        params = dict(gpt.named_parameters())
-        missing = sorted(set(params) - set(shard))
-        unknown = sorted(set(shard) - set(params))
-        bad = [k for k in shard if k in params and tuple(params[k].shape) != tuple(shard[k].shape)]
-        if missing or unknown or bad:
-            raise KeyError(f"HF → megatron: missing {missing[:5]}, unexpected {unknown[:5]}, wrong shape {bad[:5]}")
-        for k, v in shard.items():
-            params[k].copy_(v.to(dtype=params[k].dtype))
+        copy_state_(dict(gpt.named_parameters()), shard, "HF weights converted to megatron")
 
     def _hf_state(self) -> dict[str, torch.Tensor] | None:
         """The current weights under HF names (on the CPU), gathered over the TP group, on DP
@@ -414,13 +394,9 @@ class MegatronStrategy(TorchStrategy):
         checksum = ""
         if dist.get_rank() == 0:
             assert state is not None
-            tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-            self._write_hf(tmp, state)
-            checksum = weights_sha256(tmp)
-            _replace_dir(tmp, final)
+            with publish_dir(final) as tmp:
+                self._write_hf(tmp, state)
+                checksum = weights_sha256(tmp)
         self._barrier()
         return final, checksum
 
@@ -449,7 +425,7 @@ class MegatronStrategy(TorchStrategy):
                         "tensor_parallel": self.tp}, tmp / "trainer_state.pt")
         self._barrier()
         if rank0:
-            _replace_dir(tmp, final)
+            replace_dir(tmp, final)
         self._barrier()
         return final
 
