@@ -385,9 +385,9 @@ async def _run_service(name: str, cfg: Any, run: str, run_dir: Path, model_dir: 
 
         await reward.run(reward.RewardSettings(run_id=run, config=cfg), stop)
     elif name == "trainer":
-        from services import trainer_service
+        from services import trainer
 
-        await trainer_service.run(trainer_service.TrainerSettings(
+        await trainer.run(trainer.TrainerSettings(
             run_id=run, config=cfg, model_dir=model_dir, run_dir=str(run_dir)), stop)
     elif name == "recorder":
         from services import recorder

@@ -24,7 +24,6 @@ from launch.runinfo import RunInfo, probe_run
 from launch.state import pid_alive, read_state
 from schemas.config import KafkaSettings
 from schemas.errors import one_line
-from services.trainer_history import is_own_drain
 
 ORDER = ("recorder", "feeder", "reward", "judge", "env", "rollout", "trainer")
 """Services in the order the supervisor starts them (``judge``: only for domains with a judge;
@@ -84,7 +83,7 @@ def phase_of(state: dict[str, Any] | None, sup_alive: bool, info: RunInfo | None
     someone's Drain), ``failed``, ``interrupted``, or ``abandoned`` (the supervisor is gone
     before the run finished)."""
     if info is not None and info.finished is not None:
-        if info.finished.status == "stopped" or any(not is_own_drain(d.reason) for d in info.drains):
+        if info.finished.status == "stopped" or any(d.origin != "trainer" for d in info.drains):
             return "stopped"
         return "finished" if info.finished.status == "completed" else info.finished.status
     recorded = (state or {}).get("phase")

@@ -1,6 +1,6 @@
 """``rollstream stop RUN``: drain a run gracefully through its ``control`` topic.
 
-It publishes ``Drain(reason="stopped by user")`` on the run's ``control`` topic (every service
+It publishes ``Drain(reason="stopped by user", origin="user")`` on the run's ``control`` topic (every service
 of the run follows it: the feeder stops issuing tasks and, once every issued sample has an
 outcome, publishes ``RunFinished``), then, unless told not to wait, follows ``control`` and
 ``weights`` until ``RunFinished`` appears or ``timeout_s`` passes. A run that already finished
@@ -87,7 +87,8 @@ async def stop_run(kafka: KafkaSettings, bootstrap: str, run_id: str, *, reason:
             out.already_finished = True
             return out
         async with Producer(kafka, bootstrap) as producer:
-            await producer.send_and_wait(topic_name(run_id, "control"), ev.Drain(run_id=run_id, reason=reason))
+            drain = ev.Drain(run_id=run_id, reason=reason, origin="user")
+            await producer.send_and_wait(topic_name(run_id, "control"), drain)
         out.published = True
         if not wait:
             return out

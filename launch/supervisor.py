@@ -443,7 +443,8 @@ class Supervisor:
             self._wall_drained = True
             reason = f"run.max_wall_s={limit:g}s reached"
             self.console.print(f"{reason}: draining the run (no step starts now; final evaluation follows)")
-            await producer.send_and_wait(topic_name(self.run_id, "control"), ev.Drain(run_id=self.run_id, reason=reason))
+            drain = ev.Drain(run_id=self.run_id, reason=reason, origin="supervisor")
+            await producer.send_and_wait(topic_name(self.run_id, "control"), drain)
         elif elapsed > limit + WALL_GRACE_S:
             raise RunError(f"run exceeded run.max_wall_s={limit:g}s and did not finish within {WALL_GRACE_S:g}s "
                            "of the drain; stopped")

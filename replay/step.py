@@ -100,7 +100,7 @@ def replay_train_step(cfg: RunConfig, run_id: str, step: int, *, dsn: str = "", 
     """Recompute step ``step`` of run ``run_id`` (see the module doc)."""
     from launch.prepare import model_dir_of
     from launch.supervisor import run_dir_of, store_dsn_of
-    from services.trainer_service import Trainer, TrainerSettings
+    from services.trainer import Trainer, TrainerSettings
 
     run_dir = run_dir_of(cfg, run_id)
     say = progress or (lambda msg: None)
@@ -111,7 +111,7 @@ def replay_train_step(cfg: RunConfig, run_id: str, step: int, *, dsn: str = "", 
         model_dir = model_dir_of(cfg, run_dir)
         trainer = Trainer(TrainerSettings(run_id=run_id, config=cfg, model_dir=str(model_dir), run_dir=str(run_dir),
                                           device=device))
-        ckpts = [k for k in trainer.checkpoints() if k <= step]
+        ckpts = [k for k in trainer.checkpoints.steps() if k <= step]
         if not ckpts:
             raise ReplayError(f"run {run_id} has no checkpoint at or before step {step} in {run_dir / 'checkpoints'} "
                               "(runs made before per-step checkpoints cannot be replayed)")
@@ -132,7 +132,7 @@ def replay_train_step(cfg: RunConfig, run_id: str, step: int, *, dsn: str = "", 
         trainer.load_checkpoint(start)
         for k in range(start, step + 1):
             say(f"{'re-running' if k < step else 'recomputing'} step {k} ({len(batches[k])} samples)")
-            trainer.version = steps[k].policy_version
+            trainer.state.version = steps[k].policy_version
             replayed = trainer.train_batch(batches[k])
     finally:
         trainer.close()  # a multi-rank strategy's processes

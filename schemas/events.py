@@ -341,10 +341,22 @@ class Resume(Event, frozen=True, kw_only=True):
     pass
 
 
+DrainOrigin = Literal["trainer", "user", "supervisor"]
+"""Who publishes a ``Drain``: the trainer (its last step is done, or it stopped after another
+``Drain``), a user (``rollstream stop``), the supervisor (``run.max_wall_s`` reached)."""
+
+
 class Drain(Event, frozen=True, kw_only=True):
     """Finish in-flight work, take no new tasks, then stop."""
 
     reason: str = ""
+    origin: DrainOrigin = "trainer"
+    """Who published it (:data:`DrainOrigin`); every publisher sets it. (Added after v7.) The default
+    is how a ``Drain`` recorded before the field reads: as the trainer's. That keeps old runs
+    right: most of their drains are the trainer's, and for the others (``rollstream stop``, the
+    wall limit) the feeder of that run already wrote ``RunFinished(status="stopped")``, which
+    ``status`` reads first; a trainer resuming such a run still stops (a trainer ``Drain`` before
+    the last step means "drained before the restart")."""
 
 
 # --------------------------------------------------------------------------- dead letters

@@ -50,7 +50,6 @@ from runtime.runner import BatchContext, BatchService, Runner, ServiceSettings
 from runtime.settings import Consume, Subscription
 from schemas import events as ev
 from schemas.config import RunConfig, redacted_dict
-from services.trainer_history import is_own_drain
 
 log = logging.getLogger("rollstream.feeder")
 
@@ -134,7 +133,7 @@ class Feeder(BatchService):
         elif isinstance(event, ev.Drain):
             if not self.draining:
                 self.draining, self.drain_started = True, time.monotonic()
-                if not is_own_drain(event.reason):
+                if event.origin != "trainer":
                     self.stopped_by = event.reason or "drained"
         elif isinstance(event, ev.RunFinished):
             self.finished = True

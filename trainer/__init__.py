@@ -1,5 +1,5 @@
 """rollstream: trainer — algorithms as pure tensor functions, batch assembly, training strategies
-behind one ``Strategy`` protocol, checkpoints and weight export, the supervised warm-up.
+behind one ``Strategy`` protocol, checkpoints and weight export, the supervised warm-up, evaluation.
 
 Names are imported lazily (``trainer.TorchStrategy`` loads torch/transformers on first use).
 """
@@ -57,13 +57,12 @@ _EXPORTS = {
     "TokenBatch": "trainer.batch",
     "collate": "trainer.batch",
     "samples_from_scored": "trainer.batch",
-    **{name: "trainer.batch" for name in ("split_stale", "group_complete", "group_reject_reason", "select_groups",
-                                           "assemble", "Rejection")},
     "Strategy": "trainer.strategy",
     "TorchStrategy": "trainer.strategy",
     "make_strategy": "trainer.factory",
     "check_strategy": "trainer.factory",
     "SFTExample": "trainer.sft",
+    "evaluate": "trainer.evaluate",
     "sft_warmup": "trainer.sft",
 }
 

@@ -1,18 +1,4 @@
-"""Batch assembly: from scored samples to the groups of the next step, then to padded tensors.
-
-Group assembly (pure functions; :mod:`services.trainer_service` keeps the buffer and calls them):
-
-* :func:`group_complete`: a group is complete when all ``group_size`` members have arrived or
-  been dead-lettered;
-* :func:`group_reject_reason`: why a complete group cannot be trained (fewer than 2 members
-  left, or ``algorithm.dynamic_filter`` via :func:`trainer.algorithm.group_filter_reason`);
-* :func:`split_stale`: the staleness rule of docs/architecture.md (``version - policy_version >
-  max_staleness`` is ``dropped_stale``);
-* :func:`select_groups`: the complete groups of the next batch, in arrival order;
-* :func:`assemble`: the batch of the selected groups (staleness filter, then the group rules),
-  and a :class:`Rejection` for every sample left out.
-
-Tensors:
+"""Batch assembly: from scored samples to padded tensors.
 
 * :func:`samples_from_scored` turns :class:`schemas.events.ScoredSample` into
   :class:`TrainSample` (tokens, behaviour logprobs, reward, group); advantages are computed per
@@ -20,21 +6,23 @@ Tensors:
 * :func:`collate` right-pads ``prompt + response`` into one ``(B, L)`` batch and aligns the
   per-token tensors with the *targets* ``input_ids[:, 1:]`` (``(B, L - 1)``), so position ``t``
   of ``loss_mask`` / ``old_logprobs`` describes the token predicted from positions ``<= t``.
+* :func:`segment_layout`, :func:`split_rows` and :func:`merge_rows`: a windowed episode's
+  independent segments as rows of their own, and back.
+
+Which samples make a batch (groups, staleness, the group rules) is the trainer service's
+decision: :mod:`services.trainer.groups`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Container, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import NamedTuple
 
 import torch
 
-from schemas.config import AlgorithmConfig
-from schemas.events import SampleStatus, ScoredSample
-from trainer.algorithm import group_filter_reason
+from schemas.events import ScoredSample
 
 
 @dataclass(frozen=True)
@@ -219,107 +207,6 @@ def merge_rows(x: torch.Tensor, layout: Sequence[Segment], samples: int, width: 
     for r, (b, lo, hi) in enumerate(layout):
         out[b, lo : hi - 1] = x[r, : hi - lo - 1]
     return out
-
-
-# --------------------------------------------------------------------------- group assembly
-
-
-class Rejection(NamedTuple):
-    """A sample left out of a batch, with its terminal status and the reason."""
-
-    sample: ScoredSample
-    status: SampleStatus
-    reason: str
-
-
-MIN_GROUP_MEMBERS = 2
-"""Fewest members a group needs to be trained (a group baseline needs two)."""
-
-
-def group_complete(members: Sequence[ScoredSample], dead: Collection[str], group_size: int | None = None) -> bool:
-    """True when every one of the group's ``group_size`` members has arrived (``members``) or
-    been dead-lettered (``dead``: sample ids). A redundant group (``task.redundancy = r``) is complete
-    once ``group_size`` members arrived, or all ``group_size + r`` arrived or were dead-lettered.
-    ``group_size`` defaults to the members' task's;
-    without members it must be given (else the group cannot be known complete)."""
-    redundancy = members[0].generation.task.redundancy if members else 0
-    if group_size is None:
-        if not members:
-            return False
-        group_size = members[0].generation.task.group_size
-    arrived = {m.generation.task.sample_id for m in members}
-    return len(arrived) >= group_size or len(arrived | set(dead)) >= group_size + redundancy
-
-
-def group_reject_reason(members: Sequence[ScoredSample], algo: AlgorithmConfig | None, dead: int = 0) -> str | None:
-    """Why a complete group cannot be trained, or ``None`` to keep it: fewer than
-    :data:`MIN_GROUP_MEMBERS` members left (no group baseline), else ``algorithm.dynamic_filter``
-    (:func:`trainer.algorithm.group_filter_reason`). ``dead`` (members dead-lettered) only goes
-    into the reason."""
-    if len(members) < MIN_GROUP_MEMBERS:
-        lost = f" ({dead} dead-lettered)" if dead else ""
-        return f"group too small: {len(members)} member(s) left{lost}, a group baseline needs {MIN_GROUP_MEMBERS}"
-    if algo is None:
-        return None
-    return group_filter_reason(algo, [s.reward for s in members])
-
-
-def split_stale(
-    members: Sequence[ScoredSample], version: int, max_staleness: int
-) -> tuple[list[ScoredSample], list[Rejection]]:
-    """``(fresh, stale)`` by the staleness rule of docs/architecture.md: a sample generated with
-    ``policy_version`` is ``dropped_stale`` at trainer ``version`` when
-    ``version - policy_version > max_staleness``."""
-    fresh: list[ScoredSample] = []
-    stale: list[Rejection] = []
-    for s in members:
-        gap = version - s.generation.policy_version
-        if gap > max_staleness:
-            stale.append(Rejection(s, "dropped_stale", f"stale: gap {gap} > {max_staleness}"))
-        else:
-            fresh.append(s)
-    return fresh, stale
-
-
-def select_groups(
-    groups: Mapping[str, Sequence[ScoredSample]], complete: Container[str], batch_size: int
-) -> list[str] | None:
-    """The first groups of ``groups`` (its order is arrival order) that are in ``complete`` and
-    together hold at least ``batch_size`` samples, or ``None`` while there are not enough."""
-    chosen: list[str] = []
-    count = 0
-    for gid, members in groups.items():
-        if gid in complete and members:
-            chosen.append(gid)
-            count += len(members)
-            if count >= batch_size:
-                return chosen
-    return None
-
-
-def assemble(
-    groups: Sequence[Sequence[ScoredSample]],
-    version: int,
-    max_staleness: int,
-    algo: AlgorithmConfig | None = None,
-    dead: Mapping[str, int] | None = None,
-) -> tuple[list[ScoredSample], list[Rejection]]:
-    """``(batch, rejected)`` from complete groups: per group, :func:`split_stale`, then
-    :func:`group_reject_reason` on the fresh members (a rejected group's fresh members are
-    ``filtered`` with the reason). ``dead``: group id -> members dead-lettered (for the reason).
-    Every input sample is in exactly one of ``batch`` / ``rejected``; the batch keeps the order."""
-    batch: list[ScoredSample] = []
-    rejected: list[Rejection] = []
-    for members in groups:
-        fresh, stale = split_stale(members, version, max_staleness)
-        rejected += stale
-        gid = members[0].generation.task.group_id if members else ""
-        reason = group_reject_reason(fresh, algo, (dead or {}).get(gid, 0))
-        if reason is None:
-            batch += fresh
-        else:
-            rejected += [Rejection(s, "filtered", reason) for s in fresh]
-    return batch, rejected
 
 
 # --------------------------------------------------------------------------- tensors

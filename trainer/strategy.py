@@ -63,7 +63,7 @@ ADAPTER = "default"
 
 @runtime_checkable
 class Strategy(Protocol):
-    """What the services (:mod:`services.trainer_service`, and replay through it) call on a
+    """What the services (:mod:`services.trainer`, and replay through it) call on a
     training backend: exactly these members, nothing else."""
 
     step: int

@@ -101,7 +101,7 @@ def test_stop_publishes_a_drain_and_waits_for_the_run_to_finish(bootstrap: str, 
             return got
 
     drains = [x for x in asyncio.run(control()) if isinstance(x, ev.Drain)]
-    assert [d.reason for d in drains] == ["stopped by user", "stopped by user"]
+    assert [(d.reason, d.origin) for d in drains] == [("stopped by user", "user")] * 2
 
     async def finish_soon() -> None:
         await asyncio.sleep(3)

@@ -296,13 +296,32 @@ def test_phase_of_a_run() -> None:
     assert phase_of(None, False, None) == "starting"
     assert phase_of({"phase": "running"}, True, info) == "running"
     assert phase_of({"phase": "running"}, False, info) == "abandoned"  # the supervisor died
-    info.drains.append(ev.Drain(run_id="r", reason="training complete"))
+    info.drains.append(ev.Drain(run_id="r", reason="training complete", origin="trainer"))
     assert phase_of({"phase": "running"}, True, info) == "draining"
     info.finished = ev.RunFinished(run_id="r", status="completed")
     assert phase_of({"phase": "finishing"}, False, info) == "finished"
-    info.drains.append(ev.Drain(run_id="r", reason="stopped by user"))
+    assert phase_of(None, False, info) == "finished"
+    info.drains.append(ev.Drain(run_id="r", reason="stopped by user", origin="user"))
     assert phase_of(None, False, info) == "stopped"
     assert phase_of({"phase": "failed"}, False, RunInfo()) == "failed"
+
+
+def test_runs_recorded_before_drain_origin_read_as_they_did() -> None:
+    """A Drain recorded before ``Drain.origin`` decodes as the trainer's; the run's ``RunFinished``
+    (the feeder of that run told a stop from the end of training by the reason) decides."""
+    import msgspec
+
+    from launch.runinfo import RunInfo
+    from launch.status import phase_of
+    from schemas.topics import TOPICS
+
+    control = msgspec.msgpack.Decoder(TOPICS["control"].event_type)
+    for reason, status, phase in [("training complete", "completed", "finished"), ("stopped by user", "stopped", "stopped"),
+                                  ("run.max_wall_s=30s reached", "stopped", "stopped")]:
+        old = control.decode(msgspec.msgpack.encode({"kind": "Drain", "run_id": "r", "reason": reason}))
+        info = RunInfo(started=ev.RunStarted(run_id="r", config_json="{}"), drains=[old],
+                       finished=ev.RunFinished(run_id="r", status=status))
+        assert phase_of(None, False, info) == phase, reason
 
 
 def test_lifecycle_events_become_service_events_rows() -> None:

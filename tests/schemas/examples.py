@@ -50,7 +50,7 @@ def example_events() -> list[ev.Event]:
         ev.RunFinished(run_id=RUN, event_id="e-rf", ts=10.0, status="completed", summary_json="{}"),
         ev.Pause(run_id=RUN, event_id="e-p", ts=11.0, reason="debug"),
         ev.Resume(run_id=RUN, event_id="e-r", ts=12.0),
-        ev.Drain(run_id=RUN, event_id="e-d", ts=13.0, reason="end"),
+        ev.Drain(run_id=RUN, event_id="e-d", ts=13.0, reason="end", origin="user"),
         ev.DeadLetter(run_id=RUN, event_id="e-dl", ts=14.0, source_topic="rs.x.tasks", partition=0, offset=5,
                       key=b"g1/0", value=b"\xff\x00", error="decode: bad bytes", service="rollout", stage="decode",
                       sample_id="g1/0", group_id="g1"),

@@ -139,3 +139,15 @@ def test_segment_starts_added_after_v6_default_in_old_payloads() -> None:
     assert isinstance(old, ev.Generation) and old.segment_starts == []
     new = dec.decode((FIXTURES / "v7" / "Generation.msgpack").read_bytes())
     assert isinstance(new, ev.Generation) and new.segment_starts == [1] and new.loss_mask == [1, 0, 1]
+
+
+def test_drain_origin_added_after_v7_defaults_to_the_trainer_in_old_payloads() -> None:
+    """Drain.origin: a v7 Drain (before the field) reads as the trainer's (see the field's doc for
+    why), a v8 one carries who published it."""
+    dec = msgspec.msgpack.Decoder(TOPICS["control"].event_type)
+    old = dec.decode((FIXTURES / "v7" / "Drain.msgpack").read_bytes())
+    assert isinstance(old, ev.Drain) and old.origin == "trainer" and old.reason == "end"
+    new = dec.decode((FIXTURES / "v8" / "Drain.msgpack").read_bytes())
+    assert isinstance(new, ev.Drain) and new.origin == "user" and new.reason == "end"
+    with pytest.raises(msgspec.ValidationError, match="origin"):
+        dec.decode(msgspec.msgpack.encode({"kind": "Drain", "run_id": "r", "origin": "someone"}))

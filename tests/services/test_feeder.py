@@ -192,12 +192,15 @@ def test_a_group_cut_short_by_a_killed_feeder_is_completed_and_numbering_goes_on
 def test_a_drain_the_trainer_did_not_publish_ends_the_run_as_stopped() -> None:
     f = feeder(1.0)
     issue_all(f)
-    f.observe(ev.Drain(run_id="r", reason="stopped by user"))
+    f.observe(ev.Drain(run_id="r", reason="stopped by user", origin="user"))
     assert not f.can_issue() and f.stopped_by == "stopped by user"
     g = feeder(1.0)
-    g.observe(ev.Drain(run_id="r", reason="training complete"))
-    g.observe(ev.Drain(run_id="r", reason="stopped by user"))  # after the end of training: still completed
+    g.observe(ev.Drain(run_id="r", reason="training complete", origin="trainer"))
+    g.observe(ev.Drain(run_id="r", reason="stopped by user", origin="user"))  # after the end of training: still completed
     assert g.draining and g.stopped_by == ""
+    w = feeder(1.0)  # the wall limit's: stopped too; where it came from is the field, not the words
+    w.observe(ev.Drain(run_id="r", reason="trainer stopped the clock", origin="supervisor"))
+    assert w.stopped_by == "trainer stopped the clock"
 
 
 def test_multi_turn_tasks_carry_their_environment() -> None:

@@ -1,6 +1,6 @@
-"""The trainer service without Kafka: its buffer (dead letters complete groups, nothing is decided
-twice), the impossible values it rejects, one pass of its batch handler over scored samples and
-dead letters (in-memory context), and its checkpoints."""
+"""The trainer service without Kafka: the impossible values it rejects, one pass of its batch
+handler over scored samples and dead letters (in-memory context), its checkpoints, a resume that
+re-runs recorded steps, a drain, and its start. Its groups: test_trainer_groups.py."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from runtime.bus import Record, TopicPartition
+from runtime.bus import Record
 from schemas import events as ev
 from schemas.sanity import check_generation, check_scored, check_task
-from services.trainer_buffer import GroupBuffer
-from trainer.batch import group_complete
+from services.trainer.groups import group_complete
 
 
 def scored(group: str, index: int, version: int = 0, size: int = 4, reward: float = 1.0) -> ev.ScoredSample:
@@ -28,40 +27,6 @@ def scored(group: str, index: int, version: int = 0, size: int = 4, reward: floa
 def dead_letter(sample_id: str, group_id: str = "") -> ev.DeadLetter:
     return ev.DeadLetter(run_id="r", source_topic="rs.r.generations", partition=0, offset=0, key=None, value=None,
                          error="ValueError: bad", sample_id=sample_id, group_id=group_id)
-
-
-# --------------------------------------------------------------------------- the buffer
-
-
-def test_dead_letters_complete_groups_and_end_their_samples_once() -> None:
-    buf = GroupBuffer()
-    for i in range(3):
-        assert buf.add(scored("a", i))
-    assert not buf.complete("a")
-    assert buf.dead_letter("a/3", "a")  # before the sample arrived
-    assert buf.complete("a") and buf.dead_count("a") == 1
-    assert not buf.add(scored("a", 3))  # the real sample after its dead letter: ignored
-    assert not buf.dead_letter("a/3")  # a second dead letter changes nothing
-    # a dead letter for a buffered sample takes it out; the group name comes from the sample id
-    assert buf.add(scored("b", 0)) and buf.add(scored("b", 1))
-    assert buf.dead_letter("b/1")
-    assert [s.generation.task.sample_id for s in buf.groups["b"]] == ["b/0"] and buf.dead["b"] == {"b/1"}
-    # a dead letter naming no sample, or a decided one, is not counted
-    buf.decide("c/0")
-    assert not buf.dead_letter("") and not buf.dead_letter("c/0")
-    assert buf.complete_ids() == {"a"}
-    assert [len(g) for g in buf.take(["a"])] == [3] and "a" not in buf.dead
-
-
-def test_buffer_snapshot_round_trips() -> None:
-    buf = GroupBuffer()
-    buf.add(scored("a", 0))
-    buf.dead_letter("a/1")
-    buf.decide("z/0")
-    again = GroupBuffer()
-    again.restore(*buf.snapshot())
-    assert again.snapshot() == buf.snapshot() and again.dead == {"a": {"a/1"}}
-    assert again.decided == {"a/1", "z/0"}
 
 
 # --------------------------------------------------------------------------- impossible values
@@ -122,7 +87,7 @@ def record(event: ev.Event, topic: str, offset: int) -> Record:
 @pytest.fixture
 def trainer(tmp_path: Path, model_dir: Path) -> Any:
     from schemas.config import parse_config
-    from services.trainer_service import Trainer, TrainerSettings
+    from services.trainer import Trainer, TrainerSettings
 
     cfg = parse_config("rollout: {group_size: 4}\ntrain: {batch_size: 8, micro_batch_size: 8, eval_every: 0, "
                        "checkpoint_every: 0, steps: 5}\ndata: {heldout_size: 2}")
@@ -155,14 +120,14 @@ async def test_handler_trains_groups_completed_by_dead_letters(trainer: Any) -> 
     assert len(steps) == 1 and len(steps[0].sample_ids) == 11  # a, b (3 left) and e fill the batch of 8
     assert [e.policy_version for _, e in ctx.sent if isinstance(e, ev.WeightsPublished)] == [1]
     last_dlq = max(r.offset for r in recs if r.topic == "rs.r.dlq")
-    assert trainer.positions == {TopicPartition("rs.r.scored", 0): len(recs), TopicPartition("rs.r.dlq", 0): last_dlq + 1}
+    assert trainer.state.positions == {"rs.r.scored:0": len(recs), "rs.r.dlq:0": last_dlq + 1}
 
     # the real b/3 (and d/0) arriving later change nothing
     late = [record(scored("b", 3), "scored", 100), record(scored("d", 0), "scored", 101)]
     ctx2 = FakeContext(late)
     await trainer.handle_batch(late, ctx2)
     assert ctx2.sent == [] and ctx2.rejected == []
-    assert list(trainer.buffer.groups) == ["f"] and trainer.buffer.complete("f")  # f waits for a batch to fill
+    assert list(trainer.state.groups) == ["f"] and trainer.groups.complete("f")  # f waits for a batch to fill
 
 
 async def test_redundant_groups_keep_the_first_finishers_and_cancel_the_rest(trainer: Any) -> None:
@@ -188,7 +153,7 @@ async def test_redundant_groups_keep_the_first_finishers_and_cancel_the_rest(tra
     late = [record(red("a", 2, 1.0), "scored", 50)]
     ctx2 = FakeContext(late)
     await trainer.handle_batch(late, ctx2)
-    assert ctx2.sent == [] and not trainer.buffer.groups
+    assert ctx2.sent == [] and not trainer.state.groups
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -198,35 +163,36 @@ def test_checkpoint_restores_model_buffer_dead_letters_and_positions(tmp_path: P
     import torch
 
     from schemas.config import parse_config
-    from services.trainer_service import Trainer, TrainerSettings
+    from services.trainer import Trainer, TrainerSettings
 
     cfg = parse_config("rollout: {group_size: 4}\ntrain: {batch_size: 4}\ndata: {heldout_size: 2}")
     settings = TrainerSettings(run_id="r", config=cfg, model_dir=str(model_dir), run_dir=str(tmp_path / "run"))
     a = Trainer(settings)
-    a.buffer.add(scored("g", 0))
-    a.buffer.dead_letter("g/3")
-    a.decided.add("old/0")
-    a.positions[TopicPartition("rs.r.scored", 2)] = 17
-    a.version = 3
+    a.groups.add(scored("g", 0))
+    a.groups.dead_letter("g/3")
+    a.state.decided.add("old/0")
+    a.state.positions["rs.r.scored:2"] = 17
+    a.state.version = 3
     with torch.no_grad():
         next(a.strategy.model.parameters()).add_(1.0)
     a.save_checkpoint()
 
     b = Trainer(settings)
     assert b.load_checkpoint()
-    assert b.version == 3 and b.decided == {"old/0", "g/3"} and b.buffer.dead == {"g": {"g/3"}}
-    assert [s.generation.task.sample_id for s in b.buffer.groups["g"]] == ["g/0"]
-    assert b.positions == {TopicPartition("rs.r.scored", 2): 17}
+    assert b.state == a.state and b.groups.state is b.state  # the state, whole
+    assert b.state.version == 3 and b.state.decided == {"old/0", "g/3"} and b.state.dead == {"g": {"g/3"}}
+    assert [s.generation.task.sample_id for s in b.state.groups["g"]] == ["g/0"]
+    assert b.state.positions == {"rs.r.scored:2": 17}
     for pa, pb in zip(a.strategy.model.parameters(), b.strategy.model.parameters(), strict=True):
         assert torch.equal(pa, pb)
     # a redelivered sample of a decided or buffered id is ignored
-    assert not b.buffer.add(scored("g", 0)) and not b.buffer.add(scored("old", 0))
-    assert len(b.buffer.groups["g"]) == 1 and "old" not in b.buffer.groups
+    assert not b.groups.add(scored("g", 0)) and not b.groups.add(scored("old", 0))
+    assert len(b.state.groups["g"]) == 1 and "old" not in b.state.groups
 
 
 def test_reference_model_loaded_only_when_a_kl_term_is_on(tmp_path: Path, model_dir: Path) -> None:
     from schemas.config import parse_config
-    from services.trainer_service import Trainer, TrainerSettings
+    from services.trainer import Trainer, TrainerSettings
 
     for text, wants_ref in [("", False), ("algorithm: {use_kl_loss: true}", True),
                             ("algorithm: {add_token_level_kl: true}", True)]:
@@ -261,8 +227,8 @@ async def test_a_resumed_trainer_reruns_recorded_steps_and_publishes_them_once(t
     import torch
 
     from schemas.config import parse_config
-    from services.trainer_history import History
-    from services.trainer_service import Trainer, TrainerSettings
+    from services.trainer import Trainer, TrainerSettings
+    from services.trainer.history import History
 
     cfg = parse_config("rollout: {group_size: 4}\ntrain: {batch_size: 8, micro_batch_size: 8, eval_every: 0, "
                        "checkpoint_every: 0, steps: 5}\ndata: {heldout_size: 2}")
@@ -281,10 +247,10 @@ async def test_a_resumed_trainer_reruns_recorded_steps_and_publishes_them_once(t
     again = Trainer(settings)
     assert again.load_checkpoint() and again.strategy.step == 0
     again.resume_from(history)
-    assert again.replay == {0: recorded[0].sample_ids, 1: recorded[1].sample_ids}
+    assert again.replay.steps == {0: recorded[0].sample_ids, 1: recorded[1].sample_ids}
     ctx2 = FakeContext(recs[:16])  # read again from the checkpoint's positions
     await again.handle_batch(recs[:16], ctx2)
-    assert again.replayed == 2 and again.strategy.step == 2 and again.version == 2
+    assert again.replay.done == 2 and again.strategy.step == again.state.step == 2 and again.state.version == 2
     assert ctx2.sent == []  # steps, outcomes and the newest weights are all on the record already
     for pa, pb in zip(first.strategy.model.parameters(), again.strategy.model.parameters(), strict=True):
         assert torch.equal(pa, pb)
@@ -295,19 +261,68 @@ async def test_a_resumed_trainer_reruns_recorded_steps_and_publishes_them_once(t
     assert [w.policy_version for w in sent_of(ctx3, ev.WeightsPublished)] == [3]
 
 
+async def test_a_checkpoint_taken_while_re_running_keeps_the_samples_of_later_recorded_steps(
+        tmp_path: Path, model_dir: Path) -> None:
+    """A resumed trainer checkpoints after each re-run step; the samples it already read for later
+    recorded steps (the state's pool) are in that checkpoint, so a trainer resuming from it re-runs
+    those steps without reading them again."""
+    import shutil
+
+    import torch
+
+    from schemas.config import parse_config
+    from services.trainer import Trainer, TrainerSettings
+    from services.trainer.history import History
+
+    cfg = parse_config("rollout: {group_size: 4}\ntrain: {batch_size: 8, micro_batch_size: 8, eval_every: 0, "
+                       "checkpoint_every: 1, steps: 5}\ndata: {heldout_size: 2}")
+    settings = TrainerSettings(run_id="r", config=cfg, model_dir=str(model_dir), run_dir=str(tmp_path / "run"))
+    first = Trainer(settings)
+    first.save_checkpoint()
+    recs = {g: groups_of(g, 4 * k, version=k // 2) for k, g in enumerate("abcdef")}
+    ctx = FakeContext([])
+    for g in "abcdef":
+        await first.handle_batch(recs[g], ctx)
+    assert [s.step for s in sent_of(ctx, ev.TrainStep)] == [0, 1, 2]
+    history = History()
+    for _, e in ctx.sent:
+        history.observe(e)
+    for step in first.checkpoints.steps()[1:]:
+        shutil.rmtree(first.checkpoints.dir(step))  # the record is ahead of the checkpoint of step 0
+
+    again = Trainer(settings)
+    assert again.load_checkpoint()
+    again.resume_from(history)
+    quiet = FakeContext([])
+    for g in "cefab":  # step 0 is re-run (and checkpointed) once a and b are here; d, of step 1, is not
+        await again.handle_batch(recs[g], quiet)
+    assert again.state.step == 1 and again.checkpoints.steps() == [0, 1]
+    assert set(again.state.pool) == {f"{g}/{i}" for g in "cef" for i in range(4)}
+
+    third = Trainer(settings)
+    assert third.load_checkpoint() and third.state.step == 1
+    assert set(third.state.pool) == set(again.state.pool) and not third.state.groups
+    third.resume_from(history)
+    assert sorted(third.replay.steps) == [1, 2]
+    await third.handle_batch(recs["d"], quiet)
+    assert third.state.step == 3 and third.replay.done == 2 and not third.state.pool and quiet.sent == []
+    for pa, pb in zip(first.strategy.model.parameters(), third.strategy.model.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+
+
 async def test_a_user_drain_ends_training_after_the_step_under_way(trainer: Any) -> None:
     recs = groups_of("ab")
     await trainer.handle_batch(recs, FakeContext(recs))
     assert trainer.strategy.step == 1
-    drain = record(ev.Drain(run_id="r", reason="stopped by user"), "control", 0)
+    drain = record(ev.Drain(run_id="r", reason="stopped by user", origin="user"), "control", 0)
     more = [drain, *groups_of("cd", 100)]
     ctx = FakeContext(more)
     await trainer.handle_batch(more, ctx)
     assert sent_of(ctx, ev.TrainStep) == []  # no new step after the drain
     [own] = sent_of(ctx, ev.Drain)
-    assert own.reason == "trainer stopped after 1 of 5 steps: stopped by user"
+    assert own.reason == "trainer stopped after 1 of 5 steps: stopped by user" and own.origin == "trainer"
     assert [(e.split, e.step) for e in sent_of(ctx, ev.EvalResult)] == [("heldout", 1)]  # the final eval
-    assert trainer.checkpoints()[-1] == 1 and trainer.drained
+    assert trainer.checkpoints.steps()[-1] == 1 and trainer.drained
     closed = sent_of(ctx, ev.SampleOutcome)
     assert len(closed) == 8 and all(o.status == "filtered" and "run finished" in o.reason for o in closed)
     # its own drain coming back, and late samples: closed, nothing else
@@ -334,9 +349,9 @@ async def test_start_evaluates_the_same_weights_once(tmp_path: Path, model_dir: 
                                                      warmup: int) -> None:
     """Without a warm-up, ``init`` and ``heldout`` at step 0 are one evaluation published after
     the weights (rollout need not wait for it); with one, ``init`` comes first, before the weights."""
-    import services.trainer_service as ts
+    import services.trainer.service as ts
     from schemas.config import parse_config
-    from services.trainer_history import History
+    from services.trainer.history import History
 
     async def no_history(*_: Any) -> History:
         return History()
@@ -347,13 +362,13 @@ async def test_start_evaluates_the_same_weights_once(tmp_path: Path, model_dir: 
                        "data: {heldout_size: 2}")
     trainer = ts.Trainer(ts.TrainerSettings(run_id="r", config=cfg, model_dir=str(model_dir), run_dir=str(tmp_path)))
     evaluated: list[str] = []
-    real = trainer.evaluate
+    real = trainer.eval_event
 
-    async def counted(split: str) -> dict[str, float]:
+    async def counted(split: str) -> ev.EvalResult:
         evaluated.append(split)
         return await real(split)
 
-    monkeypatch.setattr(trainer, "evaluate", counted)
+    monkeypatch.setattr(trainer, "eval_event", counted)
     runner = FakeRunner()
     await trainer.on_start(runner)  # type: ignore[arg-type]
     order = [(t, getattr(e, "split", "")) for t, e in runner.sent]

@@ -4,14 +4,10 @@ A trainer that restarts from a checkpoint older than its last step (it checkpoin
 ``train.checkpoint_every`` steps; a crash can come at any point) finds on the topics what the
 earlier instance decided after that checkpoint: the ``TrainStep`` of each step it trained (with
 the batch's sample ids in training order), every ``SampleOutcome``, the evaluations, its own
-``Drain`` and the newest ``WeightsPublished``. :class:`History` keeps exactly that, and
-:func:`read_history` reads it from ``metrics``, ``control`` and ``weights`` (from the beginning
-to the ends they had when the read started).
-
-The trainer uses it so that a resume never decides anything twice (docs/architecture.md: events are facts):
-a step already on the topic is re-run from its recorded batch to rebuild the model (no second
-``TrainStep``, no second outcome), samples decided after the checkpoint stay decided, an
-evaluation, a ``Drain`` or weights already published are not published again.
+``Drain`` (``origin="trainer"``) and the newest ``WeightsPublished``. :class:`History` keeps exactly
+that, and :func:`read_history` reads it from ``metrics``, ``control`` and ``weights`` (from the
+beginning to the ends they had when the read started). :class:`Replay` is the part of it a resumed
+trainer still has to re-run: the recorded steps from its checkpoint on, and their batches' ids.
 """
 
 from __future__ import annotations
@@ -28,18 +24,7 @@ from schemas.topics import topic_name
 
 log = logging.getLogger("rollstream.trainer")
 
-__all__ = ["STOPPED_PREFIX", "TRAINING_COMPLETE", "History", "is_own_drain", "read_history"]
-
-TRAINING_COMPLETE = "training complete"
-"""Reason of the trainer's ``Drain`` after its last step."""
-STOPPED_PREFIX = "trainer stopped"
-"""Start of the reason of the trainer's ``Drain`` when it stopped early (someone drained the run)."""
-
-
-def is_own_drain(reason: str) -> bool:
-    """Whether a ``Drain`` with this reason is one a trainer published (else: a user's, e.g.
-    ``rollstream stop``)."""
-    return reason == TRAINING_COMPLETE or reason.startswith(STOPPED_PREFIX)
+__all__ = ["History", "Replay", "read_history"]
 
 
 @dataclass
@@ -55,7 +40,7 @@ class History:
     trainer_drained: bool = False
     """A trainer published its ``Drain``."""
     user_drain: ev.Drain | None = None
-    """The first ``Drain`` a trainer did not publish (``rollstream stop``)."""
+    """The first ``Drain`` a trainer did not publish (``rollstream stop``, the wall limit)."""
     finished: bool = False
     """``RunFinished`` is on ``control``."""
     weights: ev.WeightsPublished | None = None
@@ -69,7 +54,7 @@ class History:
         elif isinstance(event, ev.EvalResult):
             self.evals.add((event.split, event.step))
         elif isinstance(event, ev.Drain):
-            if is_own_drain(event.reason):
+            if event.origin == "trainer":
                 self.trainer_drained = True
             elif self.user_drain is None:
                 self.user_drain = event
@@ -86,6 +71,37 @@ class History:
             out[step] = list(self.steps[step].sample_ids)
             step += 1
         return out
+
+
+@dataclass
+class Replay:
+    """The recorded steps a resumed trainer re-runs from their batches, in order."""
+
+    steps: dict[int, list[str]] = field(default_factory=dict)
+    """Step -> its batch's sample ids in training order (steps not re-run yet)."""
+    ids: set[str] = field(default_factory=set)
+    """Every sample id of those batches (their samples wait in the state's ``pool``)."""
+    done: int = 0
+    """Steps re-run so far by this instance."""
+
+    @classmethod
+    def of(cls, history: History, step: int) -> Replay:
+        """The steps on the record from ``step`` on (:meth:`History.steps_from`)."""
+        steps = history.steps_from(step)
+        return cls(steps, {sid for ids in steps.values() for sid in ids})
+
+    def __bool__(self) -> bool:
+        """Steps are left to re-run."""
+        return bool(self.steps)
+
+    def finish(self, step: int) -> None:
+        """Step ``step`` was re-run."""
+        self.ids.difference_update(self.steps.pop(step))
+        self.done += 1
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.ids.clear()
 
 
 async def read_history(kafka: KafkaSettings, run_id: str, timeout_s: float = 120.0) -> History:

@@ -1,5 +1,7 @@
-"""TrainerCore's evaluation: the greedy accuracy, and with ``train.eval_samples`` the mean accuracy of
-sampled answers (single-turn domains) or sampled episodes (multi-turn domains)."""
+"""The trainer's evaluation as wired to rollout's engine and the run's task sources: the greedy
+accuracy, and with ``train.eval_samples`` the mean accuracy of sampled answers (single-turn domains,
+at the rollout's temperature, top-p and stop strings) or sampled episodes (multi-turn domains, in
+in-process environments). The metrics themselves: tests/trainer/test_evaluate.py."""
 
 from __future__ import annotations
 
@@ -12,18 +14,18 @@ import pytest
 import envs
 from rollout.engine import Completion, GenerationRequest
 from schemas.config import parse_config
-from services.trainer_core import TrainerCore, TrainerSettings
+from services.trainer.evaluation import Evaluation
 
 
-def core(tmp_path: Path, model_dir: Path, yaml: str) -> TrainerCore:
-    return TrainerCore(TrainerSettings(run_id="r", config=parse_config(yaml), model_dir=str(model_dir),
-                                       run_dir=str(tmp_path / "run")))
+def evaluation(model_dir: Path, yaml: str) -> Evaluation:
+    return Evaluation(parse_config(yaml), str(model_dir), device="cpu", max_batch=64)
 
 
 async def test_sampled_accuracy_is_the_mean_over_k_answers_per_problem(tmp_path: Path, model_dir: Path) -> None:
-    c = core(tmp_path, model_dir, "data: {heldout_size: 6}\ntrain: {eval_samples: 3}\n"
-                                  "rollout: {temperature: 0.7, top_p: 0.9, stop: ['=']}")
-    (_, problems, _), = c.heldout
+    c = evaluation(model_dir, "data: {heldout_size: 6}\ntrain: {eval_samples: 3}\n"
+                              "rollout: {temperature: 0.7, top_p: 0.9, stop: ['=']}")
+    (domain,) = c.domains
+    problems = domain.problems
     reference = {p.prompt_id: p.reference for p in problems}
     seen: list[GenerationRequest] = []
 
@@ -35,8 +37,8 @@ async def test_sampled_accuracy_is_the_mean_over_k_answers_per_problem(tmp_path:
             text = reference[pid] if r.params.greedy or j == "0" else "no"
             yield Completion(r.request_id, r.prompt_ids, [1], [0.0], text, "stop", 0, 0)
 
-    c.eval_engine.generate = generate  # type: ignore[method-assign]
-    metrics = await c.evaluate("heldout")
+    c.engine.generate = generate  # type: ignore[method-assign]
+    metrics = await c.run(tmp_path / "no-weights-yet", 0)
     assert metrics["eval/accuracy"] == 1.0 and metrics["eval/arith/accuracy"] == 1.0
     assert metrics["eval/accuracy_sampled"] == pytest.approx(1 / 3)
     assert metrics["eval/arith/accuracy_sampled"] == pytest.approx(1 / 3)
@@ -49,15 +51,15 @@ async def test_sampled_accuracy_is_the_mean_over_k_answers_per_problem(tmp_path:
 
 
 async def test_without_eval_samples_only_the_greedy_pass_runs(tmp_path: Path, model_dir: Path) -> None:
-    c = core(tmp_path, model_dir, "data: {heldout_size: 4}")
-    metrics = await c.evaluate("heldout")
+    c = evaluation(model_dir, "data: {heldout_size: 4}")
+    metrics = await c.run(tmp_path / "no-weights-yet", 0)
     assert set(metrics) == {"eval/accuracy", "eval/arith/accuracy", "eval/response_len"}
 
 
 async def test_sampled_episodes_play_each_held_out_room_k_times(tmp_path: Path, model_dir: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    c = core(tmp_path, model_dir, "data: {heldout_size: 4, domains: [{name: lake, source: frozenlake}]}\n"
-                                  "train: {eval_samples: 2}\nrollout: {max_turns: 3, max_new_tokens: 8}")
+    c = evaluation(model_dir, "data: {heldout_size: 4, domains: [{name: lake, source: frozenlake}]}\n"
+                              "train: {eval_samples: 2}\nrollout: {max_turns: 3, max_new_tokens: 8}")
     made: list[dict[str, Any]] = []
     make_env = envs.make_env
 
@@ -66,7 +68,7 @@ async def test_sampled_episodes_play_each_held_out_room_k_times(tmp_path: Path, 
         return make_env(name, **kwargs)
 
     monkeypatch.setattr(envs, "make_env", counting)
-    metrics = await c.evaluate("heldout")
+    metrics = await c.run(tmp_path / "no-weights-yet", 0)
     assert len(made) == 4 + 2 * 4  # one greedy episode and two sampled ones per held-out room
     assert 0 <= metrics["eval/lake/accuracy_sampled"] <= 1 and metrics["eval/accuracy_sampled"] == \
         metrics["eval/lake/accuracy_sampled"]

@@ -1,0 +1,22 @@
+"""The trainer service (``rollstream service trainer``): :func:`run` with :class:`TrainerSettings`.
+
+The service (:mod:`services.trainer.service`) is composed of its parts, one module each: its
+checkpointable state (:mod:`.state`), the groups of undecided samples and every decision about
+them (:mod:`.groups`), what earlier instances published (:mod:`.history`), checkpoints and weights
+on disk (:mod:`.checkpoint`), the evaluation wiring (:mod:`.evaluation`, over
+:mod:`trainer.evaluate`) and the supervised warm-up (:mod:`.warmup`). docs/architecture.md,
+"The trainer service", tells the whole story.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.trainer.service import Trainer, TrainerSettings
+
+__all__ = ["Trainer", "TrainerSettings", "run"]
+
+
+async def run(settings: TrainerSettings, stop: asyncio.Event | None = None) -> int:
+    """Train until the run finished (or until stopped). Returns the last step."""
+    return await Trainer(settings).run(stop)

@@ -1,0 +1,91 @@
+"""The trainer's evaluation, wired: rollout's engine and the run's task sources into :mod:`trainer.evaluate`.
+
+:class:`Evaluation` holds a local torch engine (whatever ``rollout.engine`` is), the task source of
+every domain with its held-out problems and verifier, and the agent's limits. :meth:`Evaluation.run`
+loads the weights of a version (when exported; before the warm-up the initial model is evaluated)
+and evaluates them greedily, and with ``train.eval_samples`` k > 0 also k sampled answers per
+problem at the rollout's temperature and top-p; both stop where rollout stops (``rollout.stop``).
+Single-turn answers are scored as the reward router scores them (bounded by ``reward.timeout_s``,
+off the event loop: a verifier that hangs or crashes scores 0); multi-turn problems are played as
+greedy or sampled episodes against in-process environments (no environment workers needed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import envs
+from envs.base import episode_ref
+from rollout.agent import AgentLimits, LocalEnvClient, Trajectory, run_episode
+from rollout.engine import Completion, Engine, GenerationRequest
+from rollout.factory import make_engine
+from rollout.sampling import SamplingParams
+from schemas.config import DomainConfig, RunConfig
+from trainer.evaluate import Domain, Problem, evaluate
+
+__all__ = ["Evaluation"]
+
+
+class EngineCalls:
+    """A rollout :class:`~rollout.engine.Engine` as :class:`trainer.evaluate.Engine`."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def encode(self, prompt: str, system_prompt: str | None = None) -> list[int]:
+        return self.engine.encode(prompt, system_prompt)
+
+    def generate(self, prompts: list[tuple[str, list[int]]], params: SamplingParams) -> AsyncIterator[Completion]:
+        return self.engine.generate([GenerationRequest(rid, ids, params) for rid, ids in prompts])
+
+
+class Evaluation:
+    """The evaluation engine and the held-out problems of a run (see the module doc)."""
+
+    def __init__(self, cfg: RunConfig, model_dir: str, *, device: str, max_batch: int) -> None:
+        self.cfg = cfg
+        self.engine = make_engine(cfg, model_dir, max_batch=max_batch, device=device, seed=cfg.run.seed,
+                                  policy_version=0, local=True)
+        self.sources = [envs.make_source(d.source, **d.kwargs) for d in cfg.data.domains]
+        """The task source of every domain of ``data.domains`` (the warm-up draws from them too)."""
+        ro = cfg.rollout
+        self.limits = AgentLimits(max_turns=ro.max_turns, max_tokens_per_turn=ro.max_new_tokens,
+                                  max_context_tokens=min(ro.max_context_tokens, self.engine.max_positions),
+                                  history_turns=ro.history_turns)
+        self.domains = [self._domain(d, src) for d, src in zip(cfg.data.domains, self.sources, strict=True)]
+
+    def _domain(self, d: DomainConfig, source: Any) -> Domain[SamplingParams]:
+        system = d.system_prompt or self.cfg.model.system_prompt
+        problems = source.heldout(self.cfg.data.heldout_size)
+        if envs.is_episodic(d.source):
+            async def play(p: Problem, episode_id: str, params: SamplingParams) -> Trajectory:
+                ref = episode_ref(p.reference)
+                return await run_episode(self.engine, self.engine.tokenizer, LocalEnvClient(envs.make_env),
+                                         episode_id=episode_id, env=ref.env, env_kwargs=ref.kwargs, seed=ref.seed,
+                                         params=params, limits=self.limits, system_prompt=system)
+
+            return Domain(d.name, problems, system, play=play)
+        verifier, reward = d.verifier or source.default_verifier, self.cfg.reward
+
+        async def score(text: str, reference: str) -> bool:
+            res = await asyncio.to_thread(envs.score_response, verifier, text, reference, d.verifier_kwargs,
+                                          answer=d.answer, format_reward=d.format_reward, timeout_s=reward.timeout_s,
+                                          isolation=reward.isolation)
+            return bool(res.correct)
+
+        return Domain(d.name, problems, system, score=score)
+
+    async def run(self, weights: Path, version: int) -> dict[str, float]:
+        """Every metric of an evaluation of ``version`` (its weights at ``weights`` when they exist)."""
+        if weights.exists():
+            await self.engine.load_weights(weights, version)
+        ro, k = self.cfg.rollout, self.cfg.train.eval_samples
+        greedy = SamplingParams(max_new_tokens=ro.max_new_tokens, greedy=True, stop=tuple(ro.stop))
+        sampled = None
+        if k > 0:
+            sampled = (SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
+                                      stop=tuple(ro.stop)), k)
+        return await evaluate(EngineCalls(self.engine), self.domains, greedy, sampled)
