@@ -297,7 +297,7 @@ class TorchStrategy:
             algo = msgspec.structs.replace(algo, pg_clip_low=clip_low)
         if clip_high is not None:
             algo = msgspec.structs.replace(algo, pg_clip_high=clip_high)
-        algo.validate()
+        RunConfig(algorithm=algo)  # refuses what a run config refuses: bounds and rules (ConfigError)
         self.algo = algo
         self.algo_state = alg.initial_state(algo)
         self.max_len = max_len

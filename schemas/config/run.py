@@ -1,0 +1,395 @@
+"""The whole run config (:class:`RunConfig`), its ``run`` section, and the rules a run config must
+satisfy beyond its fields' declared bounds: the rules that relate two or more values (or need a
+value to be finite, which a bound cannot say: ``inf > 0``).
+
+Each rule is a function of the whole config that returns the one line naming what is wrong, or
+``None``; :func:`check_rules` runs them in order (:data:`RULES`) and raises :class:`ConfigError`
+with the first line. :func:`check_bounds` checks the declared bounds (msgspec ``Meta``) of a config
+built in code; decoding checks them already. ``RunConfig.__post_init__`` calls both, so every way
+of building a run config (parsing, ``RunConfig(...)``, ``msgspec.structs.replace``) is checked.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from schemas.config.base import (
+    ConfigError,
+    NonEmptyStr,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    Section,
+)
+from schemas.config.explain import explain_error
+from schemas.config.infra import (
+    PLACED_SERVICES,
+    KafkaSettings,
+    PlacementConfig,
+    ServicePlacement,
+    StoreSettings,
+    TrackingConfig,
+)
+from schemas.config.tasks import (
+    REWARD_COMPONENTS,
+    DataConfig,
+    EnvWorkersConfig,
+    JudgeConfig,
+    ModelConfig,
+    RewardConfig,
+    TinyModelSpec,
+)
+from schemas.config.training import AlgorithmConfig, RolloutConfig, TrainConfig
+
+
+class RunSection(Section):
+    """Identity and bookkeeping of the run."""
+
+    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,100}$", description="1-100 characters of A-Z a-z 0-9 _ -")] = "run"
+    """Prefix of generated run ids (``<name>-<timestamp>``)."""
+    runs_dir: NonEmptyStr = "runs"
+    """Directory holding one folder per run (weights, checkpoints, logs, store, summary)."""
+    seed: int = 0
+    """Seed of every random generator of the run."""
+    max_wall_s: PositiveFloat = 3600.0
+    """Wall-time budget of ``rollstream run``, seconds (warm-up and evaluations included): once it
+    is spent the run is drained as by ``rollstream stop`` (no step starts after it; the trainer ends
+    with its final evaluation; ``summary.json`` says ``stopped``); a run still not finished 600 s
+    later is stopped as failed."""
+    max_restarts: NonNegativeInt = 3
+    """How often ``rollstream run`` restarts one service whose process exited unexpectedly (a
+    crash, a signal, or exit 0 of a service that should still be running) before the run fails;
+    0 = the first unexpected exit fails the run. A restarted service resumes from its committed
+    offsets (the trainer from its latest checkpoint)."""
+    restart_backoff_s: NonNegativeFloat = 1.0
+    """Wait before the first restart of a service, seconds; doubles with each further restart of
+    that service (1, 2, 4 ...) up to ``restart_backoff_max_s``."""
+    restart_backoff_max_s: NonNegativeFloat = 30.0
+    """Longest wait before a restart, seconds (at least ``restart_backoff_s``)."""
+    torch_threads: NonNegativeInt = 0
+    """Torch threads (``OMP_NUM_THREADS``) of each process that runs a model: the rollout workers, the
+    trainer (shared out among its ``train.ranks``), the judge workers. 0 = auto: with the local
+    launcher this machine's cores divided among those processes (at least 1 each), except with
+    ``rollout.async_ratio`` 0, where the trainer computes only while the others wait for its weights:
+    then the trainer gets every core and the others divide them; with ``--launcher ray`` each
+    process's ``placement.<service>.cpus`` (at least 1). The other services get 1. Processes
+    that each start a thread per core on a shared machine slow each other down badly (on 2 cores the
+    main example ran 1.4x faster with 1 thread each). An ``OMP_NUM_THREADS`` in ``rollstream run``'s
+    environment wins over this key."""
+    stall_after_s: PositiveFloat = 120.0
+    """``rollstream run`` and ``rollstream status`` call a run stalled when no training step
+    (new weights version) happened for this long, seconds (before the first weights version,
+    during the trainer's warm-up, five times as long), and say what they see."""
+
+
+class RunConfig(Section):
+    """A whole run."""
+
+    run: RunSection = msgspec.field(default_factory=RunSection)
+    kafka: KafkaSettings = msgspec.field(default_factory=KafkaSettings)
+    store: StoreSettings = msgspec.field(default_factory=StoreSettings)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    train: TrainConfig = msgspec.field(default_factory=TrainConfig)
+    algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
+    tracking: TrackingConfig = msgspec.field(default_factory=TrackingConfig)
+    env: EnvWorkersConfig = msgspec.field(default_factory=EnvWorkersConfig)
+    judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
+    placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
+
+    def __post_init__(self) -> None:
+        check_bounds(self)  # decoding checked them already; a constructor does not
+        check_rules(self)
+
+    @property
+    def max_inflight(self) -> int:
+        """Samples the feeder keeps outstanding: ``batch_size × (1 + async_ratio) × (1 +
+        oversample_ratio)``, times ``(group_size + group_size_redundancy) / group_size``."""
+        n, r = self.rollout.group_size, self.rollout.group_size_redundancy
+        return int(self.train.batch_size * (1 + self.rollout.async_ratio) * (1 + self.algorithm.oversample_ratio)
+                   * (n + r) / n)
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``model.dtype`` for a service on ``device``: ``auto`` = ``bfloat16`` on CUDA, ``float32`` elsewhere."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+# --------------------------------------------------------------------------- the checks
+
+Rule = Callable[[RunConfig], str | None]
+RULES: list[Rule] = []
+"""Every rule, in the order :func:`check_rules` runs them."""
+
+
+def rule(fn: Rule) -> Rule:
+    """Declare ``fn`` a rule of every run config."""
+    RULES.append(fn)
+    return fn
+
+
+def check_rules(cfg: RunConfig) -> None:
+    """:class:`ConfigError` with the line of the first rule ``cfg`` breaks."""
+    for check in RULES:
+        problem = check(cfg)
+        if problem:
+            raise ConfigError(problem)
+
+
+@functools.cache
+def _unchecked(cls: type[msgspec.Struct]) -> type[msgspec.Struct]:
+    """A Struct with the fields and declared types of ``cls`` but not its ``__post_init__``."""
+    return msgspec.defstruct(cls.__name__, [(f.name, f.type) for f in msgspec.structs.fields(cls)],
+                             kw_only=True, forbid_unknown_fields=True)
+
+
+def check_bounds(cfg: msgspec.Struct) -> None:
+    """:class:`ConfigError` naming the key unless every value of ``cfg`` (a config Struct built in
+    code) has its declared type and bounds: ``cfg`` is converted once more, as a parsed one was."""
+    raw = msgspec.to_builtins(cfg)
+    try:
+        msgspec.convert(raw, _unchecked(type(cfg)))
+    except msgspec.ValidationError as e:
+        raise ConfigError(explain_error(e, raw, type(cfg))) from None
+
+
+def _non_finite(obj: Any, prefix: str) -> str | None:
+    """The first ``key=value`` below ``obj`` (a Struct, list or dict) holding NaN or ±inf, else None."""
+    if isinstance(obj, msgspec.Struct):
+        items: Any = ((f, getattr(obj, f)) for f in obj.__struct_fields__)
+    elif isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, list):
+        items = enumerate(obj)
+    else:
+        return None
+    for name, value in items:
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{key}={value}"
+        found = _non_finite(value, key)
+        if found:
+            return found
+    return None
+
+
+def _tiny_shape(spec: TinyModelSpec, prefix: str) -> str | None:
+    if spec.hidden_size % spec.num_heads:
+        return f"{prefix}hidden_size={spec.hidden_size} must be a multiple of {prefix}num_heads={spec.num_heads}"
+    return None
+
+
+def check_tiny_spec(spec: TinyModelSpec, prefix: str = "") -> None:
+    """:class:`ConfigError` naming the key unless ``spec`` describes a model that can be built."""
+    check_bounds(spec)
+    problem = _tiny_shape(spec, prefix)
+    if problem:
+        raise ConfigError(problem)
+
+
+# --------------------------------------------------------------------------- the rules, in order
+
+
+@rule
+def finite_numbers(cfg: RunConfig) -> str | None:
+    bad = _non_finite(cfg, "")
+    return f"{bad} must be a finite number" if bad else None
+
+
+@rule
+def whole_groups(cfg: RunConfig) -> str | None:
+    if cfg.train.batch_size % cfg.rollout.group_size:
+        return (f"train.batch_size={cfg.train.batch_size} must be a multiple of "
+                f"rollout.group_size={cfg.rollout.group_size} (batches hold whole groups)")
+    return None
+
+
+@rule
+def restart_backoff(cfg: RunConfig) -> str | None:
+    r = cfg.run
+    if r.restart_backoff_max_s < r.restart_backoff_s:
+        return (f"run.restart_backoff_s={r.restart_backoff_s:g} must be <= "
+                f"run.restart_backoff_max_s={r.restart_backoff_max_s:g}")
+    return None
+
+
+@rule
+def algorithm_combinations(cfg: RunConfig) -> str | None:
+    """Impossible or meaningless combinations of ``algorithm`` keys."""
+    s, a = cfg.algorithm, "algorithm."
+    if s.adv_estimator == "gae" and s.critic == "none":
+        return f"{a}adv_estimator=gae needs a critic: set {a}critic to value_head or separate"
+    if s.adv_estimator != "gae" and s.critic != "none":
+        return f"{a}critic={s.critic} is only used by {a}adv_estimator=gae (got {s.adv_estimator}); set {a}critic=none"
+    if s.off_policy_correction != "none" and s.old_logprobs != "recompute":
+        return (f"{a}off_policy_correction={s.off_policy_correction} needs {a}old_logprobs=recompute "
+                "(the ratio π_old/μ needs recomputed logprobs)")
+    if s.off_policy_correction == "decoupled" and s.pg_variant != "ppo":
+        return f"{a}off_policy_correction=decoupled is decoupled PPO: needs {a}pg_variant=ppo"
+    if s.dual_clip_loss and s.pg_variant != "ppo":
+        return f"{a}dual_clip_loss needs {a}pg_variant=ppo (got {s.pg_variant})"
+    if s.norm_std is not None and s.norm_std_type is not None:
+        return f"{a}norm_std is the deprecated form of {a}norm_std_type: set only norm_std_type"
+    if s.adv_estimator == "dr_grpo" and s.norm_std_type not in (None, "none"):
+        return f"{a}adv_estimator=dr_grpo divides by no std: {a}norm_std_type must be none"
+    if s.difficulty_low_threshold >= s.difficulty_high_threshold:
+        return (f"{a}difficulty_low_threshold={s.difficulty_low_threshold:g} must be < "
+                f"{a}difficulty_high_threshold={s.difficulty_high_threshold:g}")
+    if s.dynamic_filter == "mean" and s.dynamic_filter_low > s.dynamic_filter_high:
+        return (f"{a}dynamic_filter_low={s.dynamic_filter_low:g} must be <= "
+                f"{a}dynamic_filter_high={s.dynamic_filter_high:g} (dynamic_filter: mean)")
+    if s.target_kl is not None and not s.add_token_level_kl:
+        return f"{a}target_kl adapts the coefficient of {a}add_token_level_kl, which is off"
+    return None
+
+
+@rule
+def domains(cfg: RunConfig) -> str | None:
+    """Unique domain names, a share for some domain, and what each domain's answer format and
+    system prompt need."""
+    ds = cfg.data.domains
+    names = [d.name for d in ds]
+    for i, d in enumerate(ds):
+        if d.name in names[:i]:
+            return f"data.domains[{i}].name={d.name!r} must be unique"
+    if not sum(d.ratio for d in ds) > 0:
+        return "data.domains: the ratios must not all be 0"
+    for i, d in enumerate(ds):
+        if d.format_reward and d.answer == "raw":
+            return (f"data.domains[{i}].format_reward={d.format_reward:g} needs data.domains[{i}].answer "
+                    "'tag', 'boxed' or 'auto' (a raw answer has no format to reward)")
+        if d.system_prompt and cfg.model.chat_template is False:
+            return (f"data.domains[{i}].system_prompt is set but model.chat_template=false "
+                    "(a system prompt needs the chat template; prepend it to the prompts instead)")
+    return None
+
+
+@rule
+def chat_template(cfg: RunConfig) -> str | None:
+    m = cfg.model
+    if m.chat_template is True and not m.path and not m.source and not m.init.chat_template:
+        return ("model.chat_template=true but the tiny model gets no chat template "
+                "(set model.init.chat_template: true, or model.chat_template: auto)")
+    if m.system_prompt and m.chat_template is False:
+        return "model.system_prompt is set but model.chat_template=false (a system prompt needs the chat template)"
+    return None
+
+
+@rule
+def trainer_layout(cfg: RunConfig) -> str | None:
+    """LoRA, ranks and tensor parallelism against the training strategy."""
+    t = cfg.train
+    if t.lora_rank and t.strategy != "torch":
+        return f"train.lora_rank={t.lora_rank} works with train.strategy='torch' only"
+    if t.ranks > 1 and t.strategy == "torch":
+        return f"train.ranks={t.ranks} needs train.strategy=fsdp2 or megatron (torch is one process)"
+    if t.ranks % t.tensor_parallel:
+        return f"train.tensor_parallel={t.tensor_parallel} must divide train.ranks={t.ranks}"
+    if t.tensor_parallel > 1 and t.strategy != "megatron":
+        return f"train.tensor_parallel={t.tensor_parallel} needs train.strategy=megatron"
+    return None
+
+
+@rule
+def wandb_project(cfg: RunConfig) -> str | None:
+    if cfg.tracking.wandb and not cfg.tracking.wandb_project:
+        return "tracking.wandb_project must not be empty (tracking.wandb is on)"
+    return None
+
+
+@rule
+def simulated_latency(cfg: RunConfig) -> str | None:
+    """A simulated latency (``reward``, ``env``) needs a mean, and a finite one for ``pareto``."""
+    for key, s in (("reward", cfg.reward), ("env", cfg.env)):
+        if s.latency != "none" and not s.latency_mean_s > 0:
+            return f"{key}.latency={s.latency!r} needs {key}.latency_mean_s > 0, got {s.latency_mean_s:g}"
+        if s.latency == "pareto" and s.latency_sigma <= 1:
+            return f"{key}.latency_sigma={s.latency_sigma:g} must be > 0 (> 1 for pareto: a finite mean)"
+    return None
+
+
+@rule
+def judges(cfg: RunConfig) -> str | None:
+    """Each judge of ``judge.models`` has a model and only the keys its kind and score use (the
+    models themselves are checked on disk by the CLI)."""
+    for name, m in cfg.judge.models.items():
+        key = f"judge.models.{name}"
+        if not name:
+            return "judge.models: a judge needs a non-empty name"
+        if not m.path:
+            return f"{key}.path is empty: a judge needs a local Hugging Face model directory"
+        if m.kind == "reward_model":
+            for field, bad in (("rubric", m.rubric), ("score", m.score), ("choices", m.choices), ("source", m.source)):
+                if bad:
+                    return (f"{key}.{field} is set but {key}.kind='reward_model' does not use it "
+                            "(a reward model reads prompt + response and has its own head); remove it")
+            continue
+        if m.min_score >= m.max_score:
+            return f"{key}: min_score={m.min_score} must be < max_score={m.max_score}"
+        if m.score == "choice" and not m.choices:
+            return f"{key}.score='choice' needs {key}.choices, e.g. {{yes: 1.0, no: 0.0}}"
+        if m.score != "choice" and m.choices:
+            return (f"{key}.choices is set but {key}.score={m.score or 'number'!r} does not use it; "
+                    "set score: choice or remove choices")
+        for label, value in m.choices.items():
+            if not label.strip():
+                return f"{key}.choices: {label!r}: {value:g} needs a non-empty label and a score in [0, 1]"
+    return None
+
+
+@rule
+def domain_rewards(cfg: RunConfig) -> str | None:
+    """A domain's ``judge`` is one of ``judge.models``; its ``rewards`` weigh components it has."""
+    for i, d in enumerate(cfg.data.domains):
+        key = f"data.domains[{i}]"
+        if d.judge and d.judge not in cfg.judge.models:
+            known = ", ".join(sorted(cfg.judge.models)) or "none defined"
+            return f"{key}.judge={d.judge!r} is not in judge.models ({known})"
+        for comp in d.rewards:
+            if comp not in REWARD_COMPONENTS:
+                return f"{key}.rewards: unknown component {comp!r}; one of {', '.join(REWARD_COMPONENTS)}"
+            if comp == "judge" and not d.judge:
+                return f"{key}.rewards weights 'judge' but the domain has no judge (set {key}.judge)"
+            if comp == "format" and d.answer == "raw":
+                return f"{key}.rewards weights 'format' but {key}.answer='raw' has no format"
+    return None
+
+
+@rule
+def placement(cfg: RunConfig) -> str | None:
+    """What Ray can reserve for a service (whether the cluster holds it is checked at the start)."""
+    for name in PLACED_SERVICES:
+        s: ServicePlacement = getattr(cfg.placement, name)
+        key = f"placement.{name}"
+        if s.gpus > 1 and s.gpus != int(s.gpus):
+            return (f"{key}.gpus={s.gpus:g} must be >= 0 and, above 1, a whole number (Ray shares a GPU "
+                    "only as a fraction below 1)")
+        for res in s.resources:
+            if not res.strip() or res in ("CPU", "GPU", "memory", "object_store_memory"):
+                return (f"{key}.resources: {res!r} is not a custom resource name (use {key}.cpus / "
+                        f"{key}.gpus for CPU and GPU)")
+    return None
+
+
+@rule
+def tiny_model(cfg: RunConfig) -> str | None:
+    """The tiny model made when no ``model.path`` or ``model.source`` is given can be built and
+    has room for a prompt and ``rollout.max_new_tokens``."""
+    if cfg.model.path or cfg.model.source:
+        return None
+    spec, tokens = cfg.model.init, cfg.rollout.max_new_tokens
+    shape = _tiny_shape(spec, "model.init.")
+    if shape or tokens < spec.max_position_embeddings:
+        return shape
+    return (f"rollout.max_new_tokens={tokens} must be < model.init.max_position_embeddings="
+            f"{spec.max_position_embeddings} (the prompt needs room too)")
