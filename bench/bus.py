@@ -46,9 +46,8 @@
    two runs through Kafka and the Kafka CPU table, without the in-process loop (which wires the
    main example's single domain only) and so without the whole-pipeline overhead line.
 
-Needs a reachable broker (``--bootstrap``, else ``$ROLLSTREAM_BOOTSTRAP``, else the local broker of
-``rollstream stack up``: :func:`common.find_broker`); creates the topics of a throwaway run and
-deletes them at the end.
+Needs a reachable broker (``--bootstrap``, else ``$ROLLSTREAM_BOOTSTRAP``, else the local one of ``rollstream
+stack up``: ``common.find_broker``); creates the topics of a throwaway run and deletes them at the end.
 Tables 1-3 take well under a minute on 2 cores. The overhead part makes two 20-step runs through
 Kafka and one in process. The defaults took 2 minutes on a quiet 2-core machine (2026-11-27); on
 a loaded one the overhead part took 16 minutes with torch's default threads and 4 minutes with

@@ -1,9 +1,9 @@
 """``rollstream run``: prepare a run and supervise its services as OS processes.
 
 1. resolve the config and the run id (the CLI, which also refuses a backend that cannot run);
-2. find Kafka (:func:`runtime.probe.find_bootstrap`: ``--bootstrap`` / ``$ROLLSTREAM_BOOTSTRAP`` /
-   ``kafka.bootstrap`` / the local broker, started if missing) and create the run's topics;
-   create ``runs/<run_id>/`` with ``config.yaml``;
+2. find Kafka (``--bootstrap`` / ``$ROLLSTREAM_BOOTSTRAP`` / ``kafka.bootstrap`` / the local
+   broker, started if missing) and create the run's topics; create ``runs/<run_id>/`` with
+   ``config.yaml``;
 3. create the tiny model (when ``model.path`` is empty) in ``runs/<run_id>/model``
    (:func:`~launch.prepare.prepare_run`; ``rollstream run --prepare-only`` stops here);
 4. start ``rollstream service <name> --run <run_id>`` for recorder, feeder, reward, judge
