@@ -28,14 +28,17 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-# Starts a dedicated local broker for the tests, runs lint + pytest, stops the broker.
+# Starts a dedicated local broker for the tests, runs lint + pytest, stops the broker. The tests see
+# no ROLLSTREAM_* variable of the caller's shell (the jar cache's aside) but the broker's address.
 test: setup lint
 	@set -euo pipefail; \
+	for var in $$(compgen -e | grep '^ROLLSTREAM_' | grep -vx ROLLSTREAM_CACHE || true); do unset "$$var"; done; \
 	$(BIN)/rollstream --home $(TEST_HOME) stack down >/dev/null 2>&1 || true; \
 	rm -rf $(TEST_HOME); \
 	$(BIN)/rollstream --home $(TEST_HOME) stack up; \
 	trap '$(BIN)/rollstream --home $(TEST_HOME) stack down' EXIT; \
-	export ROLLSTREAM_BOOTSTRAP=$$($(BIN)/python -c "from pathlib import Path; from infra.kafka.broker import local_kafka; print(local_kafka(Path('$(TEST_HOME)')).bootstrap)"); \
+	ROLLSTREAM_BOOTSTRAP=$$($(BIN)/python -c "from pathlib import Path; from infra.kafka.broker import local_bootstrap; print(local_bootstrap(Path('$(TEST_HOME)')) or exit('no broker runs in $(TEST_HOME)'))"); \
+	export ROLLSTREAM_BOOTSTRAP; \
 	echo "tests use Kafka at $$ROLLSTREAM_BOOTSTRAP"; \
 	$(BIN)/pytest $(PYTEST_ARGS)
 

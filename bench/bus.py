@@ -46,8 +46,8 @@
    two runs through Kafka and the Kafka CPU table, without the in-process loop (which wires the
    main example's single domain only) and so without the whole-pipeline overhead line.
 
-Needs a reachable broker (``--bootstrap``, else ``$ROLLSTREAM_BOOTSTRAP``, else
-127.0.0.1:9092); creates the topics of a throwaway run and deletes them at the end.
+Needs a reachable broker (``--bootstrap``, else ``$ROLLSTREAM_BOOTSTRAP``, else the local one of ``rollstream
+stack up``: ``common.find_broker``); creates the topics of a throwaway run and deletes them at the end.
 Tables 1-3 take well under a minute on 2 cores. The overhead part makes two 20-step runs through
 Kafka and one in process. The defaults took 2 minutes on a quiet 2-core machine (2026-11-27); on
 a loaded one the overhead part took 16 minutes with torch's default threads and 4 minutes with
@@ -586,7 +586,8 @@ def _fmt(x: float) -> str:
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--bootstrap", default=os.environ.get("ROLLSTREAM_BOOTSTRAP", "127.0.0.1:9092"))
+    ap.add_argument("--bootstrap", default="",
+                    help="Kafka (default: $ROLLSTREAM_BOOTSTRAP, else the local broker of `rollstream stack up`)")
     ap.add_argument("--n", type=int, default=20_000, help="small events through Kafka (large: N/10)")
     ap.add_argument("--seconds", type=float, default=1.0, help="time per codec measurement")
     ap.add_argument(
@@ -610,6 +611,13 @@ def parse_args() -> argparse.Namespace:
                     help="warmed-up model directory for the overhead part (created when missing; "
                          "default .cache/bench/warm)")
     args = ap.parse_args()
+    from common import find_broker  # bench/common.py
+
+    from runtime.probe import NO_BROKER
+
+    args.bootstrap = find_broker(args.bootstrap)
+    if args.bootstrap is None:
+        ap.error(NO_BROKER)
     if args.overhead_steps and args.overhead_steps < 3:
         ap.error(f"--overhead-steps {args.overhead_steps}: use 0 (skip) or 3 or more")
     if args.only_overhead and not args.overhead_steps:

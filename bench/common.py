@@ -8,6 +8,7 @@
   subprocess (optionally under a profiler command), failing with the tail of its output.
 * :func:`sql` — a query against a finished run's record (``rollstream sql --format json``).
 * :func:`table` — print rows as an aligned text table.
+* :func:`find_broker` — the Kafka a benchmark uses, found as every command finds it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,17 @@ if str(HERE) not in sys.path:
 
 DEFAULT_WARM = REPO / ".cache" / "bench" / "warm"
 """Where :func:`warm_model_at` keeps the warmed-up tiny model between benchmark runs (gitignored)."""
+
+
+def find_broker(given: str = "") -> str | None:
+    """The benchmark's Kafka by :func:`runtime.probe.find_bootstrap`: ``given`` (its ``--bootstrap``),
+    else ``$ROLLSTREAM_BOOTSTRAP``, else the local broker of ``rollstream stack up`` (in
+    ``$ROLLSTREAM_HOME``, else ``./.rollstream``); None when there is none (say
+    :data:`runtime.probe.NO_BROKER`)."""
+    from infra.kafka.broker import local_bootstrap
+    from runtime.probe import find_bootstrap
+
+    return find_bootstrap(given, None, local_bootstrap())
 
 
 def cpu_name() -> str:

@@ -84,9 +84,10 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import cpu_name
+from common import cpu_name, find_broker
 
 from runtime.bus import Record
+from runtime.probe import NO_BROKER
 from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import TOPICS, topic_name
@@ -496,12 +497,6 @@ def _table(rows: Sequence[tuple[str, ...]]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
-def _bootstrap(explicit: str) -> str | None:
-    from infra.kafka.broker import resolve_bootstrap
-
-    return resolve_bootstrap(explicit or None)
-
-
 async def _delete_topics(bootstrap: str, run_id: str) -> list[str]:
     from runtime.bus import TopicAdmin
 
@@ -554,7 +549,7 @@ def _main(args: argparse.Namespace, work: Path, t_all: float) -> int:
         try:
             example_wall = run_example(run, args.steps, args.warmup, runs_dir)
         finally:  # the example run's topics go, whatever happened
-            boot = _bootstrap(args.bootstrap)
+            boot = find_broker(args.bootstrap)
             if boot:
                 asyncio.run(_delete_topics(boot, run))
     prod = production(run, str(runs_dir))
@@ -575,10 +570,9 @@ def _main(args: argparse.Namespace, work: Path, t_all: float) -> int:
     e2e: dict[str, Any] | None = None
     boot = ""
     if not args.skip_e2e:
-        boot = _bootstrap(args.bootstrap) or ""
+        boot = find_broker(args.bootstrap) or ""
         if not boot:
-            print("bench/recorder.py: no Kafka broker (start one: rollstream stack up, or pass --bootstrap); "
-                  "use --skip-e2e for the store-only part", file=sys.stderr)
+            print(f"bench/recorder.py: {NO_BROKER}; or use --skip-e2e for the store-only part", file=sys.stderr)
             return 2
         print(f"end to end through Kafka at {boot}: {args.n} events...", flush=True)
         e2e = spawn("e2e", {"run_id": f"benchrec{uuid4().hex[:8]}", "n": args.n, "batch": batch, "plan": plan,

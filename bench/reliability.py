@@ -12,7 +12,8 @@ row with the error. The bad-input row runs ``tests/test_bad_input.py`` (the CLI 
     ROLLSTREAM_BOOTSTRAP=host:port .venv/bin/python bench/reliability.py [--runs 1] [--only NAME ...]
                                                                         [--runs-dir DIR] [--json OUT]
 
-``$ROLLSTREAM_BOOTSTRAP`` names the broker of the runs (never stopped); the broker-outage scenario
+``$ROLLSTREAM_BOOTSTRAP`` (else the local broker of ``rollstream stack up``: ``common.find_broker``)
+is the broker of the runs (never stopped); the broker-outage scenario
 starts, stops and restarts a broker of its own in a temporary home. The exit status is 1 when a
 scenario failed.
 """
@@ -134,9 +135,13 @@ def main() -> int:
     ap.add_argument("--no-bad-input", action="store_true", help="Skip the bad-input row.")
     args = ap.parse_args()
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # the watches' clients: retries are expected
-    bootstrap = os.environ.get("ROLLSTREAM_BOOTSTRAP", "")
+    from common import find_broker  # bench/common.py
+
+    from runtime.probe import NO_BROKER
+
+    bootstrap = find_broker()
     if not bootstrap:
-        print("error: set ROLLSTREAM_BOOTSTRAP to the broker of the runs", file=sys.stderr)
+        print(f"error: {NO_BROKER}", file=sys.stderr)
         return 1
     base = args.runs_dir or Path(tempfile.mkdtemp(prefix="rs-reliability-"))
     state: dict[str, Any] = {}

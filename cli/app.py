@@ -57,8 +57,7 @@ class UserError(RuntimeError):
 
 
 def opt(name: str) -> Any:
-    """A global option's value: ``bootstrap``, ``store``, ``home`` (None when not given) or ``debug``;
-    ``bootstrap_given``: whether ``--bootstrap`` was on the command line (not from the environment)."""
+    """A global option's value: ``bootstrap``, ``store``, ``home`` (None when not given) or ``debug``."""
     return _state.get(name)
 
 
@@ -67,6 +66,16 @@ def home() -> Path:
     from infra.kafka.broker import home_dir
 
     return home_dir(opt("home"))
+
+
+def find_broker(configured: str | None = None) -> str | None:
+    """This command's Kafka address by :func:`runtime.probe.find_bootstrap`: ``--bootstrap`` /
+    ``$ROLLSTREAM_BOOTSTRAP``, else ``configured`` (``kafka.bootstrap`` of the run's config), else
+    the local broker of ``--home``; None when there is none (say :data:`runtime.probe.NO_BROKER`)."""
+    from infra.kafka.broker import local_bootstrap
+    from runtime.probe import find_bootstrap
+
+    return find_bootstrap(opt("bootstrap"), configured, local_bootstrap(home()))
 
 
 # --------------------------------------------------------------------------- logging
@@ -203,7 +212,9 @@ def main_options(
     ctx: typer.Context,
     bootstrap: str = typer.Option(
         "", "--bootstrap", envvar="ROLLSTREAM_BOOTSTRAP",
-        help="Kafka bootstrap host:port (default: kafka.bootstrap of the config, else the local broker).",
+        help="Kafka bootstrap host:port. Every command finds Kafka in one order: --bootstrap (or ROLLSTREAM_BOOTSTRAP), "
+             "else kafka.bootstrap of the run's config, else the local broker that `rollstream stack up` or "
+             "`rollstream run` started in --home.",
     ),
     store: str = typer.Option(
         "", "--store", envvar="ROLLSTREAM_STORE",
@@ -220,8 +231,7 @@ def main_options(
     ),
 ) -> None:
     """Global options (also from ROLLSTREAM_BOOTSTRAP / ROLLSTREAM_STORE / ROLLSTREAM_HOME / ROLLSTREAM_DEBUG)."""
-    _state.update(bootstrap=bootstrap or None, store=store or None, home=home_ or None, debug=debug,
-                  bootstrap_given=getattr(ctx.get_parameter_source("bootstrap"), "name", "") == "COMMANDLINE")
+    _state.update(bootstrap=bootstrap or None, store=store or None, home=home_ or None, debug=debug)
     if ctx.invoked_subcommand != "service":  # a service logs to its stderr (see the module doc)
         log_to(home() / "logs" / "cli.log")
 

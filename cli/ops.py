@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from cli.app import UserError, app, console, friendly, home, opt, out
+from cli.app import UserError, app, console, find_broker, friendly, out
 
 
 def _run_files(run: str, runs_dir: Path) -> tuple[Path, Any, dict[str, Any] | None]:
@@ -30,15 +30,9 @@ def _run_files(run: str, runs_dir: Path) -> tuple[Path, Any, dict[str, Any] | No
 
 
 def _bootstrap(cfg: Any, state: dict[str, Any] | None) -> str | None:
-    """--bootstrap / $ROLLSTREAM_BOOTSTRAP, else the Kafka the run's supervisor used, else
-    kafka.bootstrap of the run's config, else the local broker when one runs (never started here)."""
-    explicit = opt("bootstrap") or (state or {}).get("bootstrap") or (cfg.kafka.bootstrap if cfg else "")
-    if explicit:
-        return str(explicit)
-    from infra.kafka import broker as stack
-
-    local = stack.local_kafka(home())
-    return local.bootstrap if local is not None else None
+    """The broker by :func:`cli.app.find_broker`, where the run's configured address is the Kafka
+    its supervisor used, else kafka.bootstrap of its config (never started here)."""
+    return find_broker(str((state or {}).get("bootstrap") or "") or (cfg.kafka.bootstrap if cfg else None))
 
 
 def _kafka(cfg: Any) -> Any:
@@ -121,13 +115,14 @@ def stop_cmd(
 
     from launch.state import pid_alive, read_state
     from launch.stop import NoSuchRun, StopOutcome, stop_run
+    from runtime.probe import NO_BROKER
 
     run_dir, cfg, state = _run_files(run, runs_dir)
     bootstrap = _bootstrap(cfg, state)
     if not bootstrap:
         if cfg is None and state is None:
             raise _missing(run, runs_dir, None)
-        raise UserError("no Kafka broker known for this run: give --bootstrap")
+        raise UserError(NO_BROKER)
     _unknown_run_quickly(run, runs_dir, cfg, state, bootstrap)
     steps = cfg.train.steps if cfg else None
     t0 = time.monotonic()

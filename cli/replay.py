@@ -9,7 +9,7 @@ from typing import Any
 import typer
 from rich.markup import escape
 
-from cli.app import UserError, app, console, friendly, opt, out, quiet_transformers
+from cli.app import UserError, app, console, friendly, home, opt, out, quiet_transformers
 
 replay_app = typer.Typer(
     help="Play a run's record back: re-publish it into a new run (into), re-score it with a changed "
@@ -30,10 +30,12 @@ def _check_format(fmt: str) -> None:
 def _settings(run: str, runs_dir: Path, topics: str = "", **kw: Any) -> Any:
     """Checked :class:`replay.ReplaySettings` (before any store or broker is touched)."""
     import replay as rp
+    from infra.kafka.broker import local_bootstrap
 
     try:
         settings = rp.ReplaySettings(run_id=run, runs_dir=str(runs_dir), store=opt("store") or "",
-                                     bootstrap=opt("bootstrap") or "", topics=rp.parse_topics(topics), **kw)
+                                     bootstrap=opt("bootstrap") or "", local_bootstrap=local_bootstrap(home()) or "",
+                                     topics=rp.parse_topics(topics), **kw)
         rp.check_settings(settings)
     except rp.ReplayError as e:
         raise UserError(str(e)) from None
@@ -75,6 +77,7 @@ def replay_into(
         out.print(json.dumps(summary.to_dict()), soft_wrap=True, markup=False)
     else:
         out.print(rp.into_table(summary))
+        out.print(f"kafka: {summary.bootstrap}")
         out.print(f"config: {summary.config_path}")
 
 

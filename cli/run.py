@@ -13,6 +13,7 @@ from cli.app import (
     UserError,
     app,
     console,
+    find_broker,
     friendly,
     home,
     log_to,
@@ -182,10 +183,12 @@ def with_store(cfg: Any) -> Any:
 
 
 def bootstrap_for_run(cfg: Any) -> str:
-    """--bootstrap / kafka.bootstrap / $ROLLSTREAM_BOOTSTRAP / the local broker (started if missing)."""
+    """The broker by :func:`runtime.probe.find_bootstrap` (--bootstrap / $ROLLSTREAM_BOOTSTRAP /
+    kafka.bootstrap / the local broker of --home); the local one is started when it is not running."""
     from infra.kafka import broker as stack
+    from runtime.probe import find_bootstrap
 
-    explicit = opt("bootstrap") or cfg.kafka.bootstrap
+    explicit = find_bootstrap(opt("bootstrap"), cfg.kafka.bootstrap)  # every step of the rule but the last
     if explicit:
         if cfg.kafka.security_protocol == "PLAINTEXT" and not stack.kafka_reachable(explicit, timeout_s=10):
             raise UserError(f"no Kafka broker answers at {explicit}")
@@ -329,10 +332,12 @@ def service_cmd(
     The service logs to stderr. A judge worker takes its label (part of its Kafka transactional id: give each of several judge workers its own) from ROLLSTREAM_SERVICE_LABEL, default judge. It records to / reads the store of --store / ROLLSTREAM_STORE when given (as `rollstream run` does), else store.dsn of the run's config, else <runs-dir>/<run>/store.
     """
     import asyncio
+    import os
 
     import msgspec
 
     from launch import supervisor
+    from runtime.probe import BOOTSTRAP_ENV, NO_BROKER
     from schemas.topics import check_run_id
 
     if name not in SERVICES:
@@ -349,8 +354,15 @@ def service_cmd(
     # (about 1.7 s of CPU per process, at every start and restart)
     check_backends(cfg, devices=name in DEVICE_SERVICES)
     cfg = with_store(cfg)
-    if opt("bootstrap_given"):  # --bootstrap on the command line wins over kafka.bootstrap of the run's config
-        cfg = msgspec.structs.replace(cfg, kafka=msgspec.structs.replace(cfg.kafka, bootstrap=opt("bootstrap")))
+    # The broker by the one rule (the supervisor hands its own in $ROLLSTREAM_BOOTSTRAP), handed on to
+    # this process's clients the same way; a configured address the rule overrode is replaced (the
+    # config the service records is then the one it used), an empty one stays empty.
+    bootstrap = find_broker(cfg.kafka.bootstrap)
+    if bootstrap is None:
+        raise UserError(NO_BROKER)
+    os.environ[BOOTSTRAP_ENV] = bootstrap
+    if cfg.kafka.bootstrap:
+        cfg = msgspec.structs.replace(cfg, kafka=msgspec.structs.replace(cfg.kafka, bootstrap=bootstrap))
     # the run's folder is where its config was found (the default store lives there too)
     cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, runs_dir=runs_dir))
     setup_logging(debug=bool(opt("debug")), log_file=None, stderr_level=level)

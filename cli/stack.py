@@ -6,7 +6,7 @@ from typing import Any
 
 import typer
 
-from cli.app import UserError, app, console, friendly, home, opt, out
+from cli.app import UserError, app, console, find_broker, friendly, home, opt, out
 
 stack_app = typer.Typer(help="The local stack: a Kafka broker (KRaft) and the embedded store.", no_args_is_help=True)
 app.add_typer(stack_app, name="stack")
@@ -87,8 +87,9 @@ def stack_up(
 ) -> None:
     """Start the local Kafka broker (unless --bootstrap points at a reachable one) and prepare the store."""
     from infra.kafka import broker as stack
+    from runtime.probe import find_bootstrap
 
-    explicit = opt("bootstrap")
+    explicit = find_bootstrap(opt("bootstrap"))  # the rule's steps before the local broker (no config here)
     if explicit:
         if sasl_ssl:
             raise UserError("--sasl-ssl starts a local broker; leave out --bootstrap / ROLLSTREAM_BOOTSTRAP")
@@ -132,7 +133,7 @@ def stack_status() -> None:
     """Print the bootstrap address and store DSN; exit 0 only when both answer."""
     from infra.kafka import broker as stack
 
-    bootstrap = stack.resolve_bootstrap(opt("bootstrap"), home())
+    bootstrap = find_broker()
     found = _probe(bootstrap, 5) if bootstrap else None
     kafka_ok = bool(found and found.ok)
     state = "up" if kafka_ok else f"DOWN ({found.detail})" if found is not None and found.fatal else "DOWN"

@@ -6,7 +6,7 @@ from typing import Any
 
 import typer
 
-from cli.app import UserError, app, friendly, home, opt, out
+from cli.app import UserError, app, find_broker, friendly, out
 
 topics_app = typer.Typer(help="Inspect a run's Kafka topics.", no_args_is_help=True)
 app.add_typer(topics_app, name="topics")
@@ -19,14 +19,14 @@ def _kafka_settings() -> Any:
 
 
 def bootstrap_or_fail() -> str:
-    """The broker to talk to (--bootstrap / $ROLLSTREAM_BOOTSTRAP / the local broker), checked to
-    answer within 5 s (so an unreachable one is one line, not a client timeout)."""
-    from infra.kafka import broker as stack
+    """The broker to talk to (:func:`cli.app.find_broker`), checked to answer within 5 s (so an
+    unreachable one is one line, not a client timeout)."""
+    from runtime.probe import NO_BROKER, kafka_reachable
 
-    bootstrap = stack.resolve_bootstrap(opt("bootstrap"), home())
+    bootstrap = find_broker()
     if not bootstrap:
-        raise UserError("no Kafka broker: run `rollstream stack up` or pass --bootstrap HOST:PORT")
-    if not stack.kafka_reachable(bootstrap, timeout_s=5):
+        raise UserError(NO_BROKER)
+    if not kafka_reachable(bootstrap, timeout_s=5):
         raise UserError(f"no Kafka broker answers at {bootstrap}")
     return bootstrap
 

@@ -22,6 +22,7 @@ from rich.table import Table
 from launch.healing import service_of
 from launch.runinfo import RunInfo, probe_run
 from launch.state import pid_alive, read_state
+from runtime.probe import NO_BROKER
 from schemas.config import KafkaSettings
 from schemas.errors import one_line
 
@@ -115,7 +116,7 @@ async def gather(run_id: str, run_dir: Path, *, bootstrap: str | None, kafka: Ka
         except Exception as e:
             kafka_error = one_line(e)
     else:
-        kafka_error = "no Kafka bootstrap known (give --bootstrap)"
+        kafka_error = NO_BROKER
     progress = (state or {}).get("progress") or {}
     services: dict[str, dict[str, Any]] = {}
     for label, s in sorted(((state or {}).get("services") or {}).items(),

@@ -1,7 +1,7 @@
 """``rollstream run``: prepare a run and supervise its services as OS processes.
 
 1. resolve the config and the run id (the CLI, which also refuses a backend that cannot run);
-2. find Kafka (``--bootstrap`` / ``kafka.bootstrap`` / ``$ROLLSTREAM_BOOTSTRAP`` / the local
+2. find Kafka (``--bootstrap`` / ``$ROLLSTREAM_BOOTSTRAP`` / ``kafka.bootstrap`` / the local
    broker, started if missing) and create the run's topics; create ``runs/<run_id>/`` with
    ``config.yaml``;
 3. create the tiny model (when ``model.path`` is empty) in ``runs/<run_id>/model``

@@ -112,6 +112,8 @@ class IntoSummary:
     """The new run's ``config.yaml``."""
     config_note: str = ""
     """Non-empty when the recorded config did not validate and was written as recorded."""
+    bootstrap: str = ""
+    """The Kafka the copy went to (:func:`runtime.probe.find_bootstrap`)."""
 
     @property
     def total(self) -> int:
@@ -121,7 +123,7 @@ class IntoSummary:
         return {"run_id": self.run_id, "into": self.into,
                 "steps": list(self.steps) if self.steps else None, "topics": self.published,
                 "total": self.total, "read": self.read, "config": self.config_path,
-                "config_note": self.config_note}
+                "config_note": self.config_note, "kafka": self.bootstrap}
 
 
 async def replay_into(s: ReplaySettings, progress: Progress = no_progress) -> IntoSummary:
@@ -132,7 +134,8 @@ async def replay_into(s: ReplaySettings, progress: Progress = no_progress) -> In
     """
     from aiokafka.errors import KafkaError
 
-    from runtime.bus import Producer, TopicAdmin, message_count, resolve_bootstrap
+    from runtime.bus import Producer, TopicAdmin, message_count
+    from runtime.probe import NO_BROKER, find_bootstrap
     from schemas.errors import one_line
 
     check_settings(s)
@@ -147,7 +150,9 @@ async def replay_into(s: ReplaySettings, progress: Progress = no_progress) -> In
     total = sum(sum(p.values()) for p in parts.values())
 
     kafka = s.kafka if s.kafka != KafkaSettings() else _kafka_of(cfg)
-    bootstrap = resolve_bootstrap(kafka, s.bootstrap or None)
+    bootstrap = find_bootstrap(s.bootstrap, kafka.bootstrap, s.local_bootstrap)
+    if bootstrap is None:
+        raise ReplayError(NO_BROKER)
     async with TopicAdmin(kafka, bootstrap) as admin:
         existing = {i.topic: i.partitions for i in (await admin.describe(s.into)).values()}
         if existing and (held := await message_count(kafka, bootstrap, existing)):
@@ -184,7 +189,7 @@ async def replay_into(s: ReplaySettings, progress: Progress = no_progress) -> In
         except KafkaError as e:  # a send the broker refused (size, authorization, ...)
             raise ReplayError(f"publishing into run {s.into} failed: {one_line(e)}") from None
     return IntoSummary(s.run_id, s.into, (sl.first, sl.last) if sl else None, dict(published), read,
-                       str(config_path), note)
+                       str(config_path), note, bootstrap)
 
 
 def into_table(summary: IntoSummary) -> Any:

@@ -94,7 +94,11 @@ class ReplaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``replay into``: how to reach Kafka; the default = the recorded config's ``kafka`` section (after
     ``overrides``)."""
     bootstrap: str = ""
-    """``replay into``: bootstrap address (empty = ``kafka.bootstrap`` / ``$ROLLSTREAM_BOOTSTRAP``)."""
+    """``replay into``: bootstrap address (``--bootstrap``); empty = the rest of
+    :func:`runtime.probe.find_bootstrap`: ``$ROLLSTREAM_BOOTSTRAP``, ``kafka.bootstrap``, the local broker."""
+    local_bootstrap: str = ""
+    """``replay into``: the address of the broker running in the local stack's home, the last resort
+    (the CLI gives it: :func:`infra.kafka.broker.local_bootstrap`; replay does not know the home)."""
 
     @property
     def sliced(self) -> bool:

@@ -1,6 +1,7 @@
 """Connecting to Kafka: the bootstrap address, the kwargs every aiokafka client gets, a bounded start.
 
-* :func:`resolve_bootstrap` — the address from an argument, the config or ``$ROLLSTREAM_BOOTSTRAP``.
+* :func:`resolve_bootstrap` — the address a client connects to: the one it is handed, else
+  :func:`runtime.probe.find_bootstrap`'s rule.
 * :func:`kafka_kwargs` — connection and security kwargs (SASL, TLS) of producers, consumers, admins;
   :func:`effective_settings` — the config's ``kafka`` section with the ``$ROLLSTREAM_KAFKA_*``
   environment applied; :func:`sasl_password` — where the SASL password comes from.
@@ -27,7 +28,7 @@ import msgspec
 from aiokafka.errors import KafkaConnectionError, KafkaError
 from aiokafka.helpers import create_ssl_context
 
-from runtime.probe import bootstrap_from_env, probe_async
+from runtime.probe import NO_BROKER, find_bootstrap, probe_async
 from runtime.quiet import quiet_aiokafka
 from schemas.config import REDACTED, KafkaSettings, redact_url
 from schemas.errors import one_line
@@ -80,14 +81,13 @@ class BusError(RuntimeError):
 
 
 def resolve_bootstrap(settings: KafkaSettings, bootstrap: str | None = None) -> str:
-    """The bootstrap address to use: ``bootstrap`` argument, else ``settings.bootstrap``,
-    else ``$ROLLSTREAM_BOOTSTRAP``; raises :class:`BusError` when none is set."""
-    found = bootstrap_from_env(bootstrap, settings.bootstrap)
+    """The address a client connects to: the one it is handed (the ``bootstrap`` argument, else
+    ``settings.bootstrap``; a command hands on what :func:`runtime.probe.find_bootstrap` found),
+    else that rule with nothing given (``$ROLLSTREAM_BOOTSTRAP``); :class:`BusError` when none."""
+    handed = bootstrap if bootstrap and bootstrap.strip() else settings.bootstrap
+    found = find_bootstrap(handed)
     if found is None:
-        raise BusError(
-            "no Kafka bootstrap address: set kafka.bootstrap in the config or $ROLLSTREAM_BOOTSTRAP "
-            "(or start a local broker with `rollstream stack up`)"
-        )
+        raise BusError(NO_BROKER)
     return found
 
 

@@ -1,9 +1,10 @@
 """Finding a Kafka broker and asking whether it is ready.
 
-* :func:`bootstrap_from_env` — the shared rule for the bootstrap address: the first explicit
-  value given, else ``$ROLLSTREAM_BOOTSTRAP``. :func:`runtime.bus.resolve_bootstrap`
-  (config settings) and :func:`infra.kafka.broker.resolve_bootstrap` (the local broker as a
-  last resort) both build on it.
+* :func:`find_bootstrap` — the one rule by which every command, service and bench script picks
+  its broker (docs/architecture.md, "Finding the broker"): ``--bootstrap``, else
+  ``$ROLLSTREAM_BOOTSTRAP``, else ``kafka.bootstrap`` of the config, else the local broker of the
+  stack's home. The runtime does not know that home: callers pass the local address
+  (:func:`infra.kafka.broker.local_bootstrap`). :data:`NO_BROKER` is the one line when none is found.
 * :func:`kafka_reachable` / :func:`probe_kafka` — a bounded readiness check from synchronous code:
   an aiokafka connection (TLS and SASL when the security kwargs ask for them) and one Metadata
   round trip against each address in turn. :func:`probe_async` is the same from a running loop;
@@ -27,20 +28,27 @@ from typing import Any
 
 from runtime.quiet import quiet_aiokafka
 
-__all__ = ["BOOTSTRAP_ENV", "Probe", "bootstrap_from_env", "kafka_reachable", "probe_async", "probe_kafka",
+__all__ = ["BOOTSTRAP_ENV", "NO_BROKER", "Probe", "find_bootstrap", "kafka_reachable", "probe_async", "probe_kafka",
            "split_hostport"]
 
 BOOTSTRAP_ENV = "ROLLSTREAM_BOOTSTRAP"
-"""Environment variable naming the Kafka bootstrap servers (``host:port[,host:port]``)."""
+"""Environment variable naming the Kafka bootstrap servers (``host:port[,host:port]``): the
+environment's spelling of the global ``--bootstrap`` option."""
+
+NO_BROKER = "no Kafka broker: start one with `rollstream stack up`, or pass --bootstrap / set ROLLSTREAM_BOOTSTRAP"
+"""The error line of every command that finds no broker by :func:`find_bootstrap`."""
 
 _JOIN_MARGIN_S = 0.25
 """How long past ``timeout_s`` the caller waits for the probe thread to wind down."""
 
 
-def bootstrap_from_env(*explicit: str | None) -> str | None:
-    """The first of ``explicit`` that is not blank, else ``$ROLLSTREAM_BOOTSTRAP``, stripped;
-    ``None`` when none is set."""
-    for candidate in (*explicit, os.environ.get(BOOTSTRAP_ENV)):
+def find_bootstrap(given: str | None = None, configured: str | None = None, local: str | None = None) -> str | None:
+    """The Kafka bootstrap address, in this order: ``given`` (``--bootstrap``, or the address a
+    caller was handed), else ``$ROLLSTREAM_BOOTSTRAP``, else ``configured`` (``kafka.bootstrap`` of
+    the run's config), else ``local`` (the broker ``rollstream stack up`` / ``rollstream run``
+    started in the stack's home). Blank values count as unset; the answer is stripped; ``None``
+    when there is none (then say :data:`NO_BROKER`)."""
+    for candidate in (given, os.environ.get(BOOTSTRAP_ENV), configured, local):
         if candidate and candidate.strip():
             return candidate.strip()
     return None

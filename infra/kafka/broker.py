@@ -9,8 +9,9 @@ What this module does (and nothing at import time):
   a "home" directory (``./.rollstream`` or ``$ROLLSTREAM_HOME``; its layout is described in
   :mod:`infra.kafka.home`); with ``sasl_ssl`` its client listener is SASL_SSL (SCRAM over
   TLS with a generated CA: :mod:`infra.kafka.local_security`).
-* :func:`stop_local_kafka`, :func:`local_kafka`, :func:`kafka_reachable`
-  (:mod:`runtime.probe`) and :func:`resolve_bootstrap` manage and find it.
+* :func:`stop_local_kafka`, :func:`local_kafka`, :func:`kafka_reachable` (:mod:`runtime.probe`)
+  manage it; :func:`local_bootstrap` is its address, the last step of
+  :func:`runtime.probe.find_bootstrap` (docs/architecture.md, "Finding the broker").
 
 Every failure a user can cause or fix is a :class:`StackError` whose message is one line saying
 what failed and what to do or which log to read. Every wait is bounded. POSIX only (Linux,
@@ -55,7 +56,7 @@ from infra.kafka.home import (
 )
 from infra.kafka.home import server_properties as _server_properties  # noqa: F401  (tests/test_compose.py)
 from infra.kafka.jars import CACHE_ENV, INFRA_DIR, ensure_kafka_jars, jar_cache_dir
-from runtime.probe import BOOTSTRAP_ENV, bootstrap_from_env, kafka_reachable, probe_kafka
+from runtime.probe import BOOTSTRAP_ENV, kafka_reachable, probe_kafka
 
 if TYPE_CHECKING:
     from infra.kafka.local_security import SaslSslOptions
@@ -71,8 +72,8 @@ __all__ = [
     "home_dir",
     "jar_cache_dir",
     "kafka_reachable",
+    "local_bootstrap",
     "local_kafka",
-    "resolve_bootstrap",
     "start_local_kafka",
     "stop_local_kafka",
 ]
@@ -466,12 +467,8 @@ def _unrecorded_brokers(home: Path) -> list[int]:
 # --------------------------------------------------------------------------- finding it
 
 
-def resolve_bootstrap(explicit: str | None, home: Path | None = None) -> str | None:
-    """Kafka bootstrap servers to use: ``explicit`` if given, else ``$ROLLSTREAM_BOOTSTRAP``
-    (:func:`runtime.probe.bootstrap_from_env`), else the running local broker of ``home``
-    (default :func:`home_dir`), else None."""
-    found = bootstrap_from_env(explicit)
-    if found is not None:
-        return found
+def local_bootstrap(home: Path | None = None) -> str | None:
+    """The address of the local broker running in ``home`` (default :func:`home_dir`), else None:
+    the ``local`` argument of :func:`runtime.probe.find_bootstrap`."""
     proc = local_kafka(home if home is not None else home_dir())
     return proc.bootstrap if proc else None

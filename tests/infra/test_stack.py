@@ -20,7 +20,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from infra.kafka import broker as stack
 from infra.kafka.broker import StackError
-from runtime.probe import bootstrap_from_env, split_hostport
+from runtime.probe import find_bootstrap, split_hostport
 
 
 @pytest.fixture(scope="module")
@@ -148,10 +148,13 @@ def test_start_stop_lifecycle(libs: Path, tmp_path: Path, monkeypatch: pytest.Mo
         with pytest.raises(StackError, match="already runs"):
             stack.start_local_kafka(home, port=_free_port())
 
-        assert stack.resolve_bootstrap(None, home) == proc.bootstrap
-        assert stack.resolve_bootstrap("elsewhere:9092", home) == "elsewhere:9092"
+        # the last step of the rule: the running broker of the home
+        assert stack.local_bootstrap(home) == proc.bootstrap
+        assert find_bootstrap(None, None, stack.local_bootstrap(home)) == proc.bootstrap
+        assert find_bootstrap("elsewhere:9092", None, stack.local_bootstrap(home)) == "elsewhere:9092"
+        assert find_bootstrap(None, "configured:9092", stack.local_bootstrap(home)) == "configured:9092"
         monkeypatch.setenv(stack.BOOTSTRAP_ENV, "fromenv:9092")
-        assert stack.resolve_bootstrap(None, home) == "fromenv:9092"
+        assert find_bootstrap(None, "configured:9092", stack.local_bootstrap(home)) == "fromenv:9092"
         monkeypatch.delenv(stack.BOOTSTRAP_ENV)
 
         # A real client round trip, transactions and consumer groups included.
@@ -162,7 +165,7 @@ def test_start_stop_lifecycle(libs: Path, tmp_path: Path, monkeypatch: pytest.Mo
     assert not stack.kafka_reachable(proc.bootstrap, timeout_s=2)
     assert not (home / "kafka" / "state.json").exists()
     assert stack.local_kafka(home) is None
-    assert stack.resolve_bootstrap(None, home) is None
+    assert stack.local_bootstrap(home) is None
     assert not stack._pid_alive(proc.pid)
     assert stack.stop_local_kafka(home) is False
 
@@ -308,16 +311,22 @@ def test_split_hostport() -> None:
     assert split_hostport("no-port") is None and split_hostport("h:port") is None
 
 
-def test_bootstrap_rule_is_shared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # explicit value, else $ROLLSTREAM_BOOTSTRAP, stripped: the rule of both resolve_bootstrap
-    assert bootstrap_from_env(None, "  ") is None
-    assert bootstrap_from_env(" a:1 ", "b:1") == "a:1"
+def test_the_bootstrap_rule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # --bootstrap, else $ROLLSTREAM_BOOTSTRAP, else kafka.bootstrap, else the local broker; blanks
+    # count as unset, answers are stripped (docs/architecture.md, "Finding the broker")
+    assert find_bootstrap() is None and find_bootstrap(" ", "\t", "") is None
+    assert find_bootstrap(" a:1 ", "c:1", "l:1") == "a:1"
+    assert find_bootstrap(None, " c:1 ", "l:1") == "c:1"
+    assert find_bootstrap("  ", "", " l:1 ") == "l:1"
     monkeypatch.setenv(stack.BOOTSTRAP_ENV, " env:1 ")
-    assert bootstrap_from_env(None, "") == "env:1"
-    assert stack.resolve_bootstrap(None, tmp_path) == "env:1"
-    assert stack.resolve_bootstrap(" arg:1 ", tmp_path) == "arg:1"
+    assert find_bootstrap(" a:1 ", "c:1", "l:1") == "a:1"
+    assert find_bootstrap(None, "c:1", "l:1") == "env:1"  # the environment's spelling of --bootstrap
+    monkeypatch.setenv(stack.BOOTSTRAP_ENV, " ")
+    assert find_bootstrap(None, "c:1", "l:1") == "c:1"
     monkeypatch.delenv(stack.BOOTSTRAP_ENV)
-    assert stack.resolve_bootstrap(None, tmp_path) is None  # no local broker in this home
+    assert stack.local_bootstrap(tmp_path) is None  # no local broker in this home
+    monkeypatch.setenv(stack.HOME_ENV, str(tmp_path))
+    assert stack.local_bootstrap() is None  # the default home: $ROLLSTREAM_HOME
 
 
 def test_home_and_cache_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

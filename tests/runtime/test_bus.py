@@ -348,7 +348,7 @@ def test_resolve_bootstrap_argument_then_config_then_env(monkeypatch: pytest.Mon
     assert resolve_bootstrap(KafkaSettings(bootstrap="cfg:1"), "  ") == "cfg:1"
     assert resolve_bootstrap(KafkaSettings()) == "env:1"
     monkeypatch.delenv("ROLLSTREAM_BOOTSTRAP")
-    with pytest.raises(BusError, match="no Kafka bootstrap address"):
+    with pytest.raises(BusError, match="no Kafka broker: start one with `rollstream stack up`"):
         resolve_bootstrap(KafkaSettings())
 
 
