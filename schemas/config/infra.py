@@ -16,8 +16,8 @@ class KafkaSettings(Section):
     """How to reach Kafka. Security settings pass straight through to aiokafka."""
 
     bootstrap: str = ""
-    """``host:port[,host:port]``; empty = the local broker started by ``rollstream stack up``
-    (or ``$ROLLSTREAM_BOOTSTRAP``)."""
+    """``host:port[,host:port]``; ``--bootstrap`` / ``$ROLLSTREAM_BOOTSTRAP`` override it; empty = the
+    local broker started by ``rollstream stack up`` (docs/architecture.md, "Finding the broker")."""
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     """Kafka ``security.protocol``."""
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = "PLAIN"
