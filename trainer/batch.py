@@ -1,6 +1,6 @@
 """Batch assembly: from scored samples to the groups of the next step, then to padded tensors.
 
-Group assembly (pure functions; :mod:`services.trainer_service` keeps the buffer and calls them):
+Group assembly (pure functions; the trainer service keeps the buffer and calls them):
 
 * :func:`group_complete`: a group is complete when all ``group_size`` members have arrived or
   been dead-lettered;
