@@ -4,35 +4,36 @@ The building blocks are the pure functions of :mod:`trainer.advantages` and :mod
 this module composes them in a fixed order for a collated :class:`trainer.batch.TokenBatch`
 (``B`` samples, ``T = L − 1`` target positions, ``mask`` (B, T) 1 on trained tokens):
 
-1. **rewards** (B,): ``clip`` to ±``reward_clip`` → ``× reward_scale + reward_shift``;
-2. **KL in the reward** (``add_token_level_kl``): per-token ``−β·kl_t`` for the token-level
-   estimators (``reinforce``, ``gae``); outcome estimators get ``r − β·Σ_t kl_t``;
-3. **normalisation** by ``norm_mean_type`` / ``norm_std_type`` (``batch``, ``group``, ``running``,
-   ``none``; unset = the estimator's own: ``grpo`` group/group, ``dr_grpo`` group/none, others
-   none/none), then ``whiten_rewards``;
-4. **the estimator** → advantages (B, T) (outcome ones broadcast over the sample's tokens);
-5. ``whiten_advantages`` over the trained tokens, then ``advantage_clip``;
-6. **masks**: ``max_len_mask``, ``difficulty_mask``, ``error_max_len_clip`` (and ``masked_is`` in
-   :func:`off_policy`);
-7. **weights** ≥ 0 multiply the advantages (so they scale each token's loss exactly, for every
-   loss that is linear in ``A``): ``difficulty_loss_weight``, ``length_loss_weight``, and the
-   ``tis`` / ``decoupled`` importance weights.
+1. **rewards** (B,): clip, scale, shift (:func:`shape_rewards`);
+2. **KL in the reward** (``add_token_level_kl``): per token for the token-level estimators,
+   ``r − β·Σ_t kl_t`` for the others;
+3. **normalisation** (:func:`resolved_norm`, :func:`normalize`), then ``whiten_rewards``;
+4. **the estimator** named by ``adv_estimator`` → advantages (B, T);
+5. ``whiten_advantages``, ``advantage_clip``;
+6. **masks** (:func:`data_masks`, and ``masked_is`` in :func:`off_policy`);
+7. **weights** ≥ 0 multiplied into the advantages (:func:`loss_weights`, importance weights);
+8. **the policy loss** named by ``pg_variant`` (:func:`policy_loss`).
 
-:class:`AlgoState` is what carries over between steps (the adaptive KL coefficient and the
-running reward statistics); it is saved in checkpoints.
+Estimators and policy losses are registered by name (:mod:`trainer.registry`); the built-in ones
+are the short adapters at the end of this module. :class:`AlgoState` carries over between steps
+(adaptive KL coefficient, running reward statistics) and is checkpointed. The narrative:
+docs/algorithms.md ("Order of operations") and docs/architecture.md ("Algorithms").
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import msgspec
 import torch
 
-from schemas.config import AlgorithmConfig
+from schemas.config import AlgorithmConfig, NormType
 from trainer import advantages as A
 from trainer import losses as L
+from trainer import registry
+from trainer.registry import Estimate, EstimatorInput
+
+Tensor = torch.Tensor
 
 
 class AlgoState(msgspec.Struct, kw_only=True):
@@ -77,13 +78,12 @@ def group_filter_reason(cfg: AlgorithmConfig, rewards: list[float]) -> str | Non
 
 # --------------------------------------------------------------------------- rewards
 
-Norm = Literal["batch", "group", "running", "none"]
+Norm = NormType
 
 
 def resolved_norm(cfg: AlgorithmConfig) -> tuple[Norm, Norm]:
     """``(norm_mean_type, norm_std_type)`` in effect (the estimator's defaults when unset)."""
-    defaults: dict[str, tuple[Norm, Norm]] = {"grpo": ("group", "group"), "dr_grpo": ("group", "none")}
-    mean, std = defaults.get(cfg.adv_estimator, ("none", "none"))
+    mean, std = registry.estimator(cfg.adv_estimator).norm
     if cfg.norm_std is False and cfg.norm_std_type is None:  # deprecated spelling of norm_std_type: none
         std = "none"
     return cfg.norm_mean_type or mean, cfg.norm_std_type or std
@@ -229,13 +229,13 @@ def compute_advantages(
 
     rewards, group_ids (B,); mask (B, T); values (B, T) for ``gae``; kl (B, T) the per-token
     KL(π ‖ π_ref) estimate when ``add_token_level_kl`` is on; ``step_rewards`` / ``state_hashes``
-    per sample (multi-turn: one per agent turn; GiGPO's anchors, :func:`step_anchors`). Returns ``(advantages (B, T),
-    returns (B, T) or None, metrics)``; advantages are 0 on masked positions.
+    per sample (multi-turn: one per agent turn; GiGPO's anchors, :func:`step_anchors`). Returns
+    ``(advantages (B, T), returns (B, T) or None, metrics)``; advantages are 0 on masked positions.
     """
+    est = registry.estimator(cfg.adv_estimator)
     m = (mask > 0).float()  # (B, T)
     r = shape_rewards(cfg, rewards)  # (B,)
     metrics: dict[str, float] = {}
-    token_level = cfg.adv_estimator in ("reinforce", "gae")
     beta = state.kl_coef if cfg.add_token_level_kl else 0.0
     if cfg.add_token_level_kl:
         if kl is None:
@@ -243,49 +243,17 @@ def compute_advantages(
         seq_kl = (kl * m).sum(dim=1)  # (B,)
         metrics["actor/reward_kl"] = float(seq_kl.mean())
         metrics["actor/kl_coef"] = beta
-        if not token_level:
+        if not est.token_level:
             r = r - beta * seq_kl
     mean_type, std_type = resolved_norm(cfg)
     r = normalize(r, group_ids, mean_type, std_type, state)
     if cfg.whiten_rewards:
         r = A.whiten(r, torch.ones_like(r))
-    returns = None
-    est = cfg.adv_estimator
-    if est in ("grpo", "dr_grpo"):
-        adv = r.unsqueeze(1) * m  # (B, T)
-    elif est == "rloo":
-        adv = A.rloo_advantages(r, group_ids).unsqueeze(1) * m
-    elif est == "raft":
-        keep = A.raft_advantages(r, group_ids, cfg.raft_top_k or None, cfg.raft_min_reward)  # (B,)
-        metrics["raft/kept_frac"] = float(keep.mean()) if keep.numel() else 0.0
-        adv = keep.unsqueeze(1) * m
-    elif est == "reinforce":
-        adv = A.reinforce_plus_plus_advantages(
-            r, m, kl=kl if cfg.add_token_level_kl else None, kl_coef=beta, gamma=cfg.gamma,
-            group_ids=group_ids if cfg.reinforce_baseline else None)
-    elif est == "gae":
-        if values is None:
-            raise ValueError("adv_estimator=gae needs the critic's values")
-        last = (m * torch.arange(m.shape[1])).argmax(dim=1)  # (B,) last trained position
-        tok_r = torch.zeros_like(m).scatter_(1, last.unsqueeze(1), (r * (m.sum(1) > 0)).unsqueeze(1))  # (B, T)
-        if cfg.add_token_level_kl and kl is not None:
-            tok_r = tok_r - beta * kl * m
-        adv, returns = A.gae_advantages(tok_r, values, m, cfg.gamma, cfg.lam)
-        if not cfg.whiten_advantages:  # PPO whitens GAE advantages; the knob below does it once
-            adv = A.whiten(adv, m)
-    else:  # step_reinforce, gigpo
-        step_r, episodes, steps, turns = _step_rows(r, m, step_rewards)
-        ep_group = group_ids[episodes]  # (S,)
-        if est == "gigpo":
-            anchors = step_anchors(episodes, steps, state_hashes)  # (S,)
-            step_adv = A.gigpo_advantages(step_r, episodes, steps, ep_group, anchors, cfg.step_reward_gamma,
-                                          cfg.episode_reward_weight, cfg.step_reward_weight)
-        else:
-            ret = A.step_reinforce_returns(step_r, episodes, steps, cfg.step_reward_gamma)  # (S,)
-            ep_ret = torch.zeros(r.shape[0]).index_add_(0, episodes, step_r)  # (B,)
-            a_ep = A.normalize_rewards(ep_ret, group_ids, "group", "group")[episodes]  # (S,)
-            step_adv = cfg.episode_reward_weight * a_ep + cfg.step_reward_weight * A.whiten(ret, torch.ones_like(ret))
-        adv = _broadcast_steps(step_adv, episodes, steps, turns)
+    out = est.fn(cfg, EstimatorInput(r=r, group_ids=group_ids, mask=m, kl=kl if cfg.add_token_level_kl else None,
+                                     kl_coef=beta, values=values, step_rewards=step_rewards,
+                                     state_hashes=state_hashes))
+    metrics.update(out.metrics)
+    adv = out.advantages  # (B, T)
     if cfg.whiten_advantages:
         adv = A.whiten(adv, m)
     if cfg.advantage_clip is not None:
@@ -293,7 +261,7 @@ def compute_advantages(
     with torch.no_grad():
         metrics["rollout/advantage_mean"] = L._mmean(adv, m)
         metrics["rollout/advantage_abs_mean"] = L._mmean(adv.abs(), m)
-    return adv, returns, metrics
+    return adv, out.returns, metrics
 
 
 # --------------------------------------------------------------------------- masks and weights
@@ -393,21 +361,7 @@ def policy_loss(
     max_len: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The configured ``pg_variant`` with ``loss_agg_mode``.  (B, T) tensors -> (loss, metrics)."""
-    agg = cfg.loss_agg_mode
-    v = cfg.pg_variant
-    if v == "ppo":
-        return L.ppo_loss(logprobs, old_logprobs, advantages, mask, cfg.clip_low, cfg.clip_high,
-                          cfg.dual_clip_loss, cfg.dual_clip_c, agg, max_len=max_len)
-    if v == "gspo":
-        return L.gspo_loss(logprobs, old_logprobs, advantages, mask, cfg.clip_low, cfg.clip_high, agg, max_len=max_len)
-    if v == "topr":
-        return L.topr_loss(logprobs, old_logprobs, advantages, mask, "sequence", agg, max_len=max_len)
-    if v == "cispo":
-        return L.cispo_loss(logprobs, old_logprobs, advantages, mask, cfg.clip_low, cfg.clip_high, agg, max_len=max_len)
-    loss, metrics = L.pg_loss(logprobs, advantages, mask, agg, max_len=max_len)
-    with torch.no_grad():
-        metrics.update(L._ratio_metrics(torch.exp(logprobs - old_logprobs), logprobs - old_logprobs, mask))
-    return loss, metrics
+    return registry.loss(cfg.pg_variant)(cfg, logprobs, old_logprobs, advantages, mask, max_len)
 
 
 def sample_advantages(cfg: AlgorithmConfig, rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -416,7 +370,120 @@ def sample_advantages(cfg: AlgorithmConfig, rewards: torch.Tensor, group_ids: to
     the sample's last token with no KL and no critic (``gae``: values 0)."""
     mask = torch.ones(rewards.shape[0], 1)
     state = initial_state(cfg)
-    values = torch.zeros_like(mask) if cfg.adv_estimator == "gae" else None
-    kl = torch.zeros_like(mask) if cfg.add_token_level_kl else None
-    adv, _, _ = compute_advantages(cfg, state, rewards, group_ids, mask, values=values, kl=kl)
+    zeros = torch.zeros_like(mask)  # (B, 1) the critic's values and the KL, for the estimators that read them
+    adv, _, _ = compute_advantages(cfg, state, rewards, group_ids, mask, values=zeros, kl=zeros)
     return adv[:, 0]
+
+
+# --------------------------------------------------------------------------- advantage estimators by name
+# One function each: (cfg, x) -> Estimate, advantages (B, T) 0 on masked positions (outcome
+# estimators broadcast one value per sample over its trained tokens).
+
+
+@registry.advantage_estimator("grpo", norm=("group", "group"))
+def _grpo(cfg: AlgorithmConfig, x: EstimatorInput) -> Estimate:
+    """GRPO: the group-normalised reward (step 3 does the normalisation)."""
+    return Estimate(x.r.unsqueeze(1) * x.mask)  # (B, T)
+
+
+@registry.advantage_estimator("dr_grpo", norm=("group", "none"))
+def _dr_grpo(cfg: AlgorithmConfig, x: EstimatorInput) -> Estimate:
+    """Dr. GRPO: the group-centred reward, no std division (step 3)."""
+    return Estimate(x.r.unsqueeze(1) * x.mask)  # (B, T)
+
+
+@registry.advantage_estimator("rloo")
+def _rloo(cfg: AlgorithmConfig, x: EstimatorInput) -> Estimate:
+    return Estimate(A.rloo_advantages(x.r, x.group_ids).unsqueeze(1) * x.mask)  # (B, T)
+
+
+@registry.advantage_estimator("raft")
+def _raft(cfg: AlgorithmConfig, x: EstimatorInput) -> Estimate:
+    keep = A.raft_advantages(x.r, x.group_ids, cfg.raft_top_k or None, cfg.raft_min_reward)  # (B,)
+    kept_frac = float(keep.mean()) if keep.numel() else 0.0
+    return Estimate(keep.unsqueeze(1) * x.mask, metrics={"raft/kept_frac": kept_frac})
+
+
+@registry.advantage_estimator("reinforce", token_level=True)
+def _reinforce(cfg: AlgorithmConfig, x: EstimatorInput) -> Estimate:
+    return Estimate(A.reinforce_plus_plus_advantages(
+        x.r, x.mask, kl=x.kl, kl_coef=x.kl_coef, gamma=cfg.gamma,
+        group_ids=x.group_ids if cfg.reinforce_baseline else None))
+
+
+@registry.advantage_estimator("gae", token_level=True)
+def _gae(cfg: AlgorithmConfig, x: EstimatorInput) -> Estimate:
+    """GAE over token rewards: the outcome on the last trained token, ``−β·kl_t`` on every one."""
+    if x.values is None:
+        raise ValueError("adv_estimator=gae needs the critic's values")
+    m = x.mask  # (B, T)
+    last = (m * torch.arange(m.shape[1])).argmax(dim=1)  # (B,) last trained position
+    tok_r = torch.zeros_like(m).scatter_(1, last.unsqueeze(1), (x.r * (m.sum(1) > 0)).unsqueeze(1))  # (B, T)
+    if x.kl is not None:
+        tok_r = tok_r - x.kl_coef * x.kl * m
+    adv, returns = A.gae_advantages(tok_r, x.values, m, cfg.gamma, cfg.lam)
+    if not cfg.whiten_advantages:  # PPO whitens GAE advantages; the knob does it once (step 5)
+        adv = A.whiten(adv, m)
+    return Estimate(adv, returns)
+
+
+@registry.advantage_estimator("step_reinforce")
+def _step_reinforce(cfg: AlgorithmConfig, x: EstimatorInput) -> Estimate:
+    """Per turn: the episode's group advantage plus the whitened discounted return of the turn."""
+    step_r, episodes, steps, turns = _step_rows(x.r, x.mask, x.step_rewards)  # (S,) ×3, (B, T)
+    ret = A.step_reinforce_returns(step_r, episodes, steps, cfg.step_reward_gamma)  # (S,)
+    ep_ret = torch.zeros(x.r.shape[0]).index_add_(0, episodes, step_r)  # (B,)
+    a_ep = A.normalize_rewards(ep_ret, x.group_ids, "group", "group")[episodes]  # (S,)
+    step_adv = cfg.episode_reward_weight * a_ep + cfg.step_reward_weight * A.whiten(ret, torch.ones_like(ret))
+    return Estimate(_broadcast_steps(step_adv, episodes, steps, turns))
+
+
+@registry.advantage_estimator("gigpo")
+def _gigpo(cfg: AlgorithmConfig, x: EstimatorInput) -> Estimate:
+    step_r, episodes, steps, turns = _step_rows(x.r, x.mask, x.step_rewards)  # (S,) ×3, (B, T)
+    anchors = step_anchors(episodes, steps, x.state_hashes)  # (S,)
+    step_adv = A.gigpo_advantages(step_r, episodes, steps, x.group_ids[episodes], anchors, cfg.step_reward_gamma,
+                                  cfg.episode_reward_weight, cfg.step_reward_weight)  # (S,)
+    return Estimate(_broadcast_steps(step_adv, episodes, steps, turns))
+
+
+# --------------------------------------------------------------------------- policy losses by name
+# One function each: (cfg, logprobs, old_logprobs, advantages, mask, max_len), all (B, T) -> (loss, metrics).
+
+
+@registry.policy_loss("ppo")
+def _ppo(cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+         max_len: int | None) -> tuple[Tensor, dict[str, float]]:
+    return L.ppo_loss(logprobs, old_logprobs, advantages, mask, cfg.clip_low, cfg.clip_high, cfg.dual_clip_loss,
+                      cfg.dual_clip_c, cfg.loss_agg_mode, max_len=max_len)
+
+
+@registry.policy_loss("gspo")
+def _gspo(cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+          max_len: int | None) -> tuple[Tensor, dict[str, float]]:
+    return L.gspo_loss(logprobs, old_logprobs, advantages, mask, cfg.clip_low, cfg.clip_high, cfg.loss_agg_mode,
+                       max_len=max_len)
+
+
+@registry.policy_loss("topr")
+def _topr(cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+          max_len: int | None) -> tuple[Tensor, dict[str, float]]:
+    return L.topr_loss(logprobs, old_logprobs, advantages, mask, "sequence", cfg.loss_agg_mode, max_len=max_len)
+
+
+@registry.policy_loss("cispo")
+def _cispo(cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+           max_len: int | None) -> tuple[Tensor, dict[str, float]]:
+    return L.cispo_loss(logprobs, old_logprobs, advantages, mask, cfg.clip_low, cfg.clip_high, cfg.loss_agg_mode,
+                        max_len=max_len)
+
+
+@registry.policy_loss("pg")
+def _pg(cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+        max_len: int | None) -> tuple[Tensor, dict[str, float]]:
+    """Plain policy gradient, with the ratio diagnostics of the other losses."""
+    loss, metrics = L.pg_loss(logprobs, advantages, mask, cfg.loss_agg_mode, max_len=max_len)
+    with torch.no_grad():
+        log_ratio = logprobs - old_logprobs  # (B, T)
+        metrics.update(L._ratio_metrics(torch.exp(log_ratio), log_ratio, mask))
+    return loss, metrics

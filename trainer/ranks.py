@@ -1,35 +1,24 @@
 """Multi-rank training (``train.strategy: fsdp2 | megatron`` over ``train.ranks`` processes).
 
-:class:`MultiRankStrategy` is the :class:`~trainer.strategy.Strategy` the trainer service holds:
+:class:`MultiRankStrategy` is the :class:`~trainer.strategy.Strategy` the trainer service holds;
 its process is rank 0 (the only one that consumes ``scored``, commits and publishes). On
-construction it
+construction it opens a ``TCPStore`` on a free localhost port, starts ranks ``1 .. N-1`` as
+subprocesses (``python -m trainer.rank_worker``: the config as JSON on stdin, secrets redacted;
+``MASTER_ADDR`` / ``MASTER_PORT`` / ``RANK`` / ``WORLD_SIZE``; on the CPU ``OMP_NUM_THREADS =
+cpu_count // N``), joins the default process group (``gloo`` on the CPU, ``nccl`` on CUDA,
+timeout ``train.dist_timeout_s``) and builds its local strategy with :func:`rank_strategy`, as
+every worker does.
 
-1. opens a ``TCPStore`` on a free localhost port and starts ranks ``1 .. N-1`` as subprocesses
-   (``python -m trainer.rank_worker``; the config as JSON on their stdin, secrets redacted; env
-   ``MASTER_ADDR`` / ``MASTER_PORT`` / ``RANK`` / ``WORLD_SIZE``; on the CPU
-   ``OMP_NUM_THREADS = cpu_count // N``);
-2. initialises the default process group (``gloo`` on the CPU, ``nccl`` on CUDA; collectives time
-   out after ``train.dist_timeout_s``) and builds its own local strategy with
-   :func:`rank_strategy`, as every worker does.
+Every protocol call is published as a command (pickled into the store under a sequence number)
+that every rank runs in the same order with the same arguments (the whole batch); a barrier ends
+it and rank 0 returns its own result. A lock serialises calls. Workers poll the store for the
+next command (not a collective), so an idle trainer does not time them out.
 
-Every protocol call (``warmup``, ``init_reference``, ``init_critic``, ``train_step``,
-``save_checkpoint``, ``load_checkpoint``, ``export_weights``) is published as a command (pickled
-into the store under a sequence number) and run by every rank's local strategy in the same order
-with the same arguments (so every rank gets the whole batch); a barrier ends it, and rank 0
-returns its own result. Calls are serialised by a lock (the service calls from the event loop
-thread and from ``asyncio.to_thread``). The workers wait for the next command by polling the
-store, not in a collective, so a trainer idle for longer than ``dist_timeout_s`` (waiting for
-rollouts) does not time them out.
-
-Failures do not hang rank 0: a worker whose call raises writes its one-line error to the store
-and exits; rank 0's pending collective then fails (or times out after ``dist_timeout_s``) and it
-raises :class:`RankError` with that line. After any failure the strategy is closed (workers
-killed, process group destroyed): the service exits and its supervisor restarts it from the last
-checkpoint. Workers exit by themselves when rank 0's process dies (they watch their parent pid).
-
-Devices: on the CPU every rank uses ``cpu``; on CUDA rank ``r`` uses ``cuda:(i + r)`` where
-``cuda:i`` is the trainer's device (``cuda`` = ``cuda:0``); fewer GPUs than that is refused with
-a :class:`~schemas.config.ConfigError` before any process starts.
+A worker whose call raises writes its one-line error to the store and exits; rank 0 then raises
+:class:`RankError` with that line, and after any failure the strategy is closed (the supervisor
+restarts the service from its checkpoint). Workers exit when rank 0's process dies. On CUDA rank
+``r`` uses ``cuda:(i + r)`` (``cuda:i`` the trainer's device); too few GPUs is a
+:class:`~schemas.config.ConfigError` before any process starts. User view: docs/scaling.md.
 """
 
 from __future__ import annotations

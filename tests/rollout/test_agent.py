@@ -16,6 +16,7 @@ from rollout.engine import TorchEngine
 from rollout.model_init import init_tiny_model
 from rollout.sampling import SamplingParams
 from schemas.config import TinyModelSpec
+from tests.floats import assert_close
 from trainer.batch import TrainSample, collate
 from trainer.strategy import TorchStrategy
 
@@ -82,7 +83,8 @@ async def test_tokens_are_the_rendered_conversation_with_model_tokens_masked_in(
     batch = collate([TrainSample(traj.prompt_ids, traj.response_ids, traj.logprobs, traj.loss_mask, 1.0,
                                  group_id="g")], strategy.pad_id)
     mask = batch.loss_mask.bool()
-    assert torch.allclose(strategy.logprobs(batch)[mask], batch.old_logprobs[mask], atol=1e-4)
+    # the engine's cached decode steps and the trainer's one pass round differently (terms: the hidden size)
+    assert_close(strategy.logprobs(batch)[mask], batch.old_logprobs[mask], strategy.model.config.hidden_size)
     assert traj.versions == [(0, 0)] * 3 and traj.versions_consistent
 
 
@@ -243,7 +245,8 @@ async def test_a_windowed_episode_is_one_segment_per_turn_each_scored_on_its_own
     rows = split_rows(collate([sample], strategy.pad_id), layout)
     mask_rows = rows.loss_mask.bool()
     assert int(mask_rows.sum()) == sum(traj.loss_mask)
-    assert torch.allclose(strategy.logprobs(rows)[mask_rows], rows.old_logprobs[mask_rows], atol=1e-4)
+    # each window's decode steps vs its row in the trainer's pass: rounding only (terms: the hidden size)
+    assert_close(strategy.logprobs(rows)[mask_rows], rows.old_logprobs[mask_rows], strategy.model.config.hidden_size)
     # read as one sequence instead, later turns would see tokens their window does not hold
     whole = collate([sample], strategy.pad_id)
     late = whole.loss_mask.bool().clone()

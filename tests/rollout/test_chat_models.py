@@ -22,6 +22,7 @@ from rollout.model_init import (
 )
 from rollout.sampling import SamplingParams
 from schemas.config import TinyModelSpec
+from tests.floats import assert_close
 from trainer.batch import TrainSample, collate
 from trainer.strategy import TorchStrategy
 
@@ -107,4 +108,5 @@ async def test_engine_and_trainer_logprobs_agree_on_chat_prompts(chat_dir: Path)
     batch = collate([TrainSample(c.prompt_ids, c.token_ids, c.logprobs, [1] * len(c.token_ids), 0.0, group_id="g")
                      for c in done], strategy.pad_id)
     mask = batch.loss_mask.bool()
-    assert torch.allclose(strategy.logprobs(batch)[mask], batch.old_logprobs[mask], atol=1e-4)
+    # the engine's cached decode steps and the trainer's one pass round differently (terms: the hidden size)
+    assert_close(strategy.logprobs(batch)[mask], batch.old_logprobs[mask], strategy.model.config.hidden_size)

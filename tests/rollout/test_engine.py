@@ -10,6 +10,7 @@ import torch
 from rollout import engine as engine_module
 from rollout.engine import Completion, Engine, GenerationRequest, TorchEngine, generate_all
 from rollout.sampling import SamplingParams
+from tests.floats import assert_close
 
 PROMPTS = ["12+34=", "7-3=", "99+1=", "5*6=", "123-45=", "8+8="]
 GREEDY = SamplingParams(max_new_tokens=12, greedy=True)
@@ -60,7 +61,8 @@ async def test_logprobs_match_teacher_forced_forward(model_dir: Path, temperatur
     done = await generate_all(engine, requests(engine, params))
     for c in done:
         expected = teacher_forced_logprobs(engine.model, c, temperature)
-        assert torch.allclose(torch.tensor(c.logprobs), expected, atol=1e-4), c.request_id
+        # cached decode steps vs one unpadded pass: rounding only (terms: the hidden size)
+        assert_close(torch.tensor(c.logprobs), expected, engine.model.config.hidden_size)
 
 
 async def test_finished_slots_are_refilled_while_others_run(model_dir: Path, decoder: str) -> None:
@@ -286,7 +288,8 @@ async def test_a_groups_copies_are_prefilled_once_and_sampled_apart(model_dir: P
     # the slot decoder computes each distinct prompt once; transformers' path computes every row
     assert engine.prompt_tokens_reused == (3 * lens[0] + 3 * lens[1] if decoder == "slots" else 0)
     for c in done:  # each copy's logprobs are its own tokens' under the model
-        torch.testing.assert_close(torch.tensor(c.logprobs), teacher_forced_logprobs(engine.model, c, 1.0),
-                                   atol=1e-4, rtol=0)
+        # shared prompt work and cached steps vs one unpadded pass: rounding only (terms: the hidden size)
+        assert_close(torch.tensor(c.logprobs), teacher_forced_logprobs(engine.model, c, 1.0),
+                     engine.model.config.hidden_size)
     copies = [tuple(c.token_ids) for c in done[0::2]]
     assert len(set(copies)) > 1  # the copies sampled apart, not one sample copied four times

@@ -19,6 +19,7 @@ import torch
 from rollout.engine import Engine, GenerationRequest, TorchEngine, generate_all
 from rollout.sampling import SamplingParams
 from rollout.server_engine import ServerDown, ServerEngine
+from tests.floats import assert_close
 
 PROMPTS = ["12+34=", "7-3=", "99+1=", "5*6=", "123-45=", "8+8="]
 GREEDY = SamplingParams(max_new_tokens=12, greedy=True)
@@ -72,7 +73,8 @@ async def test_generates_what_the_torch_engine_generates(server: str, model_dir:
         for g, w in zip(got, want, strict=True):
             assert g.error == "" and g.token_ids == w.token_ids and g.text == w.text
             assert g.finish_reason == w.finish_reason and g.prompt_ids == w.prompt_ids
-            assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-5)
+            # another engine instance, other batches: rounding only (terms: the hidden size)
+            assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), local.model.config.hidden_size)
             assert g.policy_version == g.policy_version_end == 0  # the server's version
         # sampled: well-formed behaviour logprobs, a stream of requests joining while others run
         sampled = SamplingParams(max_new_tokens=10, temperature=0.8)
@@ -250,4 +252,5 @@ async def test_a_multi_turn_episode_through_the_server(tmp_path: Path) -> None:
     batch = collate([TrainSample(traj.prompt_ids, traj.response_ids, traj.logprobs, traj.loss_mask, 1.0,
                                  group_id="g")], strategy.pad_id)
     mask = batch.loss_mask.bool()
-    assert torch.allclose(strategy.logprobs(batch)[mask], batch.old_logprobs[mask], atol=1e-4)
+    # the server's cached decode steps and the trainer's one pass round differently (terms: the hidden size)
+    assert_close(strategy.logprobs(batch)[mask], batch.old_logprobs[mask], strategy.model.config.hidden_size)

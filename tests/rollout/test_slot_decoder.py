@@ -15,6 +15,7 @@ from rollout import slot_decoder
 from rollout.engine import TorchEngine
 from rollout.model_init import load_model
 from rollout.slot_decoder import SlotDecoder, fuse_linears, slot_support
+from tests.floats import assert_close
 from weights import copy_weights_
 
 VOCAB = 40
@@ -41,7 +42,9 @@ def qwen2() -> Any:
 
 
 def reference_logits(model: Any, seq: list[int]) -> torch.Tensor:
-    """transformers' own forward over the whole sequence, unpadded: the last position's logits (V,)."""
+    """transformers' own forward over the whole sequence, unpadded: the last position's logits (V,).
+    The slot decoder's logits equal them up to float32 rounding in another order (cache, padding,
+    fused projections): ``tests.floats.assert_close`` with the hidden size as the number of terms."""
     with torch.inference_mode():
         return model(input_ids=torch.tensor([seq])).logits[0, -1]
 
@@ -63,7 +66,7 @@ def test_prefill_decode_and_eviction_equal_the_models_own_forward(
     def check(logits: torch.Tensor) -> None:
         assert logits.shape == (len(seqs), VOCAB)
         for row, seq in enumerate(seqs):
-            torch.testing.assert_close(logits[row], reference_logits(model, seq), atol=1e-5, rtol=1e-5)
+            assert_close(logits[row], reference_logits(model, seq), model.config.hidden_size)
 
     def admit(lengths: list[int]) -> None:
         prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lengths]
@@ -71,7 +74,7 @@ def test_prefill_decode_and_eviction_equal_the_models_own_forward(
             logits = dec.prefill(prompts)
         seqs.extend(prompts)
         for i, seq in enumerate(prompts):  # the new rows' logits after their last prompt token
-            torch.testing.assert_close(logits[i], reference_logits(model, seq), atol=1e-5, rtol=1e-5)
+            assert_close(logits[i], reference_logits(model, seq), model.config.hidden_size)
 
     def step() -> None:
         tokens = torch.randint(1, VOCAB, (len(seqs),), generator=g)
@@ -161,7 +164,7 @@ def test_a_failed_graph_capture_falls_back_to_eager_steps(monkeypatch: pytest.Mo
             logits = dec.decode(tokens)
             for seq, t, row in zip(seqs, tokens.tolist(), logits, strict=True):
                 seq.append(t)
-                torch.testing.assert_close(row, reference_logits(model, seq), atol=1e-5, rtol=1e-5)
+                assert_close(row, reference_logits(model, seq), model.config.hidden_size)
     assert not dec.cuda_graphs and not dec._static_shapes
     assert [r.message for r in caplog.records if "capture failed" in r.message] != []
 
@@ -187,7 +190,7 @@ def test_two_decoders_on_one_model_both_follow_weight_copies() -> None:
     with torch.inference_mode():
         got = [d.prefill([prompt])[0] for d in (first, second)]
     for logits in got:
-        torch.testing.assert_close(logits, reference_logits(model, prompt), atol=1e-5, rtol=1e-5)
+        assert_close(logits, reference_logits(model, prompt), model.config.hidden_size)
 
 
 def test_support_names_what_it_cannot_run() -> None:
@@ -228,7 +231,7 @@ def test_a_dynamic_rope_is_computed_per_call(model_dir: Path) -> None:
     with torch.inference_mode():
         logits = dec.prefill([[1, 5, 6]])
     assert dec._rope_table is None
-    torch.testing.assert_close(logits[0], reference_logits(model, [1, 5, 6]), atol=1e-5, rtol=1e-5)
+    assert_close(logits[0], reference_logits(model, [1, 5, 6]), model.config.hidden_size)
 
 
 @pytest.mark.parametrize("make", [llama, lambda: llama(kv_heads=2), qwen2], ids=["llama", "llama-gqa", "qwen2"])
@@ -260,7 +263,7 @@ def test_shared_prompt_work_is_computed_once_and_equals_the_models_own_forward(
         with torch.inference_mode():
             logits = dec.prefill(prompts)
         for i, seq in enumerate(prompts):
-            torch.testing.assert_close(logits[i], reference_logits(model, seq), atol=1e-5, rtol=1e-5)
+            assert_close(logits[i], reference_logits(model, seq), model.config.hidden_size)
         seqs.extend(list(p) for p in prompts)
         if prompts[0] is a:
             assert calls == [(1, 6), (2, 3)]  # the prefix once, then a's and b's remainders (b's padded)
@@ -277,7 +280,7 @@ def test_shared_prompt_work_is_computed_once_and_equals_the_models_own_forward(
             for seq, t in zip(seqs, tokens.tolist(), strict=True):
                 seq.append(t)
             for row, seq in enumerate(seqs):
-                torch.testing.assert_close(logits[row], reference_logits(model, seq), atol=1e-5, rtol=1e-5)
+                assert_close(logits[row], reference_logits(model, seq), model.config.hidden_size)
 
 
 def test_shared_prefix_leaves_each_prompt_its_last_token_and_skips_short_ones(monkeypatch: pytest.MonkeyPatch) -> None:

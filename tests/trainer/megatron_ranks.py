@@ -27,7 +27,8 @@ from trainer.sft import SFTExample
 
 LR = 1e-3
 """(Adam's first step maps a gradient element at round-off level, |g| ≈ eps = 1e-8, to an update of up
-to ``LR``: the weights of two exact-in-math implementations can differ by ~``LR`` × 3e-3 there.)"""
+to ``LR``: the weights of two exact-in-math implementations can differ by ~``LR`` × 3e-3 there, so
+the test compares whole updates by their norm, tests/floats.py.)"""
 GRAD_CLIP = 0.02
 """Below the step's gradient norm: the clip is active."""
 MICRO = 3

@@ -15,6 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.config import AlgorithmConfig, ConfigError, parse_config
+from tests.floats import assert_same_update, gradient_terms, rounding_tol
+from tests.trainer.test_registry import config_choices
 from trainer import algorithm as alg
 from trainer.advantages import grpo_advantages_reference, whiten
 from trainer.batch import TrainSample, collate
@@ -45,7 +47,7 @@ def samples(n_groups: int = 3, n: int = 4, seed: int = 0, turns: int = 1) -> lis
     return out
 
 
-ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce", "gae", "raft", "step_reinforce", "gigpo"]
+ESTIMATORS = sorted(config_choices("adv_estimator"))  # every one the config accepts (= the registry's)
 
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
@@ -64,7 +66,7 @@ def test_every_estimator_takes_a_finite_step(model_dir: Path, estimator: str) ->
         assert "loss/value" in metrics and metrics["critic/grad_norm"] > 0
 
 
-@pytest.mark.parametrize("variant", ["ppo", "gspo", "topr", "cispo", "pg"])
+@pytest.mark.parametrize("variant", sorted(config_choices("pg_variant")))
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
 def test_micro_batching_equals_one_batch_for_every_loss_and_aggregation(model_dir: Path, variant: str, agg: str) -> None:
     cfg = algo(pg_variant=variant, loss_agg_mode=agg, old_logprobs="recompute" if variant == "gspo" else "behaviour")
@@ -73,10 +75,14 @@ def test_micro_batching_equals_one_batch_for_every_loss_and_aggregation(model_di
     b = TorchStrategy(model_dir, lr=1.0, micro_batch_size=5, algo=cfg, max_len=16)
     for s in (a, b):  # plain SGD: the parameter change is the gradient (Adam's first step is ~sign(g))
         s.optimizer = torch.optim.SGD(s.model.parameters(), lr=1.0)
+    before = {k: v.detach().clone() for k, v in a.model.named_parameters()}
     ma, mb = a.train_step(batch), b.train_step(batch)
     assert ma["actor/grad_norm"] == pytest.approx(mb["actor/grad_norm"], rel=1e-4)
-    for (k, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
-        assert torch.allclose(pa, pb, atol=1e-6), k
+    after_a = {k: v.detach() for k, v in a.model.named_parameters()}
+    after_b = {k: v.detach() for k, v in b.model.named_parameters()}
+    # micro-batches sum the gradient in another order: the updates agree to its rounding
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in batch]
+    assert_same_update(before, after_a, after_b, gradient_terms(a.model.config, lengths))
 
 
 def test_grpo_advantages_on_tokens_match_the_loop() -> None:
@@ -292,8 +298,11 @@ def test_decoupled_ppo_on_stale_samples_reports_is_stats(model_dir: Path) -> Non
     stale = [  # behaviour logprobs far below the current policy's: far off-policy
         TrainSample(x.prompt_ids, x.response_ids, [-8.0] * len(x.response_ids), x.loss_mask, x.reward,
                     x.sample_id, x.group_id) for x in samples()]
+    lp = s.logprobs(collate(stale, s.pad_id))
     metrics = s.train_step(stale)
-    assert metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # ratio vs the proximal policy
+    # ratio vs the proximal policy: 1 up to the rounding of two logprob passes (terms: the hidden size)
+    lp_tol = rounding_tol(float(lp.abs().max()), s.model.config.hidden_size)
+    assert metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=lp_tol)
     assert metrics["offpolicy/is_ratio_max"] > 1.5 and metrics["offpolicy/truncated_frac"] > 0
 
 

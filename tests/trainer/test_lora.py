@@ -15,6 +15,7 @@ import torch
 
 from rollout.model_init import load_model
 from schemas.config import AlgorithmConfig, parse_config
+from tests.floats import assert_close
 from trainer.batch import TrainSample, collate
 from trainer.factory import make_strategy
 from trainer.logprobs import token_logprobs
@@ -106,7 +107,7 @@ def test_export_is_merged_under_the_plain_names(model_dir: Path, tmp_path: Path)
     s.model.eval()
     want = logits(s.model)
     got = logits(engine_model)
-    assert (got - want).abs().max() < 1e-5
+    assert_close(got, want, engine_model.config.hidden_size)  # W + BA merged vs Wx + B(Ax): other roundings
     assert (base_logits - want).abs().max() > 1e-3  # the adapters matter: the merge is really in there
 
 
@@ -151,7 +152,7 @@ def test_reference_is_the_base_with_adapters_disabled(model_dir: Path) -> None:
         want = token_logprobs(plain(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits,
                               batch.input_ids, s.temperature)
     mask = batch.loss_mask.bool()
-    assert torch.allclose(ref[mask], want[mask], atol=1e-6)
+    assert_close(ref[mask], want[mask], plain.config.hidden_size)  # micro-batched vs one pass: other blocking
     assert (s.logprobs(batch)[mask] - want[mask]).abs().max() > 1e-3  # while the policy moved away
     assert s.model.training  # the reference pass left the policy in training mode
     assert s.train_step(samples(seed=3))["actor/kl"] > 0
@@ -186,7 +187,8 @@ def test_reference_dir_after_warmup_and_on_resume(model_dir: Path, tmp_path: Pat
     want = load_model(model_dir)
     copy_weights_(want, read_weights(ref_dir))
     mask = batch.loss_mask.bool()
-    assert torch.allclose(c.logprobs(batch, c.ref_model)[mask], c.logprobs(batch, want)[mask], atol=1e-6)
+    # two models with the same weights, in separate passes
+    assert_close(c.logprobs(batch, c.ref_model)[mask], c.logprobs(batch, want)[mask], want.config.hidden_size)
 
 
 def test_warmup_trains_the_adapters_then_folds_them(model_dir: Path) -> None:
