@@ -15,6 +15,7 @@ Importing this module has no side effects.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -85,8 +86,9 @@ class _Client(AsyncClient, Generic[RawT]):
     def started(self) -> bool:
         return self._started and not self._stopped
 
+    @abc.abstractmethod
     def _make_raw(self) -> RawT:
-        raise NotImplementedError
+        """The aiokafka client to start."""
 
     def _after_start(self, raw: RawT) -> None:
         """Called once the client is connected (the consumer subscribes here)."""

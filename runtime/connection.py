@@ -14,6 +14,7 @@ Importing this module has no side effects.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import os
@@ -243,14 +244,16 @@ async def start_bounded(
     )
 
 
-class AsyncClient:
+class AsyncClient(abc.ABC):
     """A client that ``async with`` starts on entry and stops on exit (subclasses define both)."""
 
+    @abc.abstractmethod
     async def start(self) -> Self:
-        raise NotImplementedError
+        """Connect; return the client."""
 
+    @abc.abstractmethod
     async def stop(self) -> None:
-        raise NotImplementedError
+        """Close (idempotently)."""
 
     async def __aenter__(self) -> Self:
         return await self.start()
