@@ -8,12 +8,17 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
+import sys
+import types
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from envs import TaskSource, make_env, make_source
-from envs.base import episode_ref
+from envs import TaskSource, make_env, make_source, registry
+from envs.base import MAX_DRAWS, episode_ref
+from envs.gym_text import EpisodeSource
 
 
 def drawn(src: TaskSource) -> tuple[list[str], list[str], list[Any]]:
@@ -91,3 +96,70 @@ def test_single_turn_sources_draw_the_pinned_problems(source: str, kwargs: dict[
     record = [[p.prompt_id, p.prompt, p.reference, p.verifier, src.demonstration(p, random.Random(0)),
                src.is_heldout(p)] for p in problems]
     assert digest(record) == pinned
+
+
+class CountingRandom(random.Random):
+    """A ``Random`` that counts the seeds drawn from it."""
+
+    draws = 0
+
+    def randrange(self, *args: Any, **kwargs: Any) -> int:
+        self.draws += 1
+        return super().randrange(*args, **kwargs)
+
+
+@pytest.mark.parametrize("source", ["tool_use", "webshop", "instruct", "arith", "code"])
+def test_a_source_whose_every_draw_is_held_out_gives_up_after_max_draws(source: str) -> None:
+    src = make_source(source, heldout_fraction=1 - 1e-12)  # valid, but (almost) nothing left to train on
+    rng = CountingRandom(0)
+    with pytest.raises(RuntimeError, match=rf"^{source}: every one of {MAX_DRAWS} draws was held out") as e:
+        src.sample(rng)
+    assert "\n" not in str(e.value) and "heldout_fraction" in str(e.value)
+    if source in ("tool_use", "webshop", "instruct"):  # a seed per draw
+        assert rng.draws == MAX_DRAWS
+
+
+@pytest.mark.parametrize("source", ["tool_use", "webshop"])
+def test_heldout_of_a_source_with_no_held_out_layout_gives_up_after_its_bound(
+        source: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = make_source(source, heldout_fraction=0.5)
+    assert isinstance(src, EpisodeSource)
+    looked: list[int] = []
+
+    def one_layout(seed: int) -> str:  # every seed the same task, and that one is not held out
+        looked.append(seed)
+        return "every seed alike"
+
+    monkeypatch.setattr(src, "layout", one_layout)
+    assert not src.is_heldout_seed(0)
+    looked.clear()
+    with pytest.raises(ValueError, match=rf"^{source}: only 0 held-out problems found, 2 asked") as e:
+        src.heldout(2)
+    assert "\n" not in str(e.value)
+    assert looked == list(range(int(200 * 2 / 0.5 + 10_000)))  # seeds 0, 1, ... up to the bound, once each
+
+
+def test_the_docs_environment_is_an_episode_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The number-guessing plugin of docs/agentic.md builds on ``EpisodeSource`` as shown there
+    (its short run is ``tests/e2e/test_agentic.py``)."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "agentic.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text[text.index("This whole file ("):], re.S)
+    assert code is not None
+    module = types.ModuleType("my_envs")
+    monkeypatch.setitem(sys.modules, "my_envs", module)
+    try:
+        exec(compile(code.group(1), "docs/agentic.md", "exec"), module.__dict__)
+        src = make_source("guess", high=8)
+        assert isinstance(src, EpisodeSource)
+        held = src.heldout(5)
+        assert all(src.is_heldout(p) for p in held)
+        for p in [*held, src.sample(random.Random(0))]:
+            ref = episode_ref(p.reference)
+            assert (ref.env, ref.kwargs) == ("guess", {"high": 8})
+            env = make_env("guess", prompt="", reference="", **ref.kwargs)
+            assert env.reset(ref.seed)[0] == p.prompt
+            results = [env.step(a) for a in src.demonstration(p, random.Random(0)).split("\n")]
+            assert results[-1].info["success"] and not any(r.terminated for r in results[:-1])
+    finally:
+        registry.ENVS.pop("guess", None)
+        registry.SOURCES.pop("guess", None)
