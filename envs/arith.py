@@ -20,12 +20,19 @@ with non-negative operands).
 
 from __future__ import annotations
 
-import hashlib
+import itertools
 import random
 import re
 from dataclasses import dataclass
 
-from envs.base import Problem
+from envs.base import (
+    Problem,
+    check_heldout_fraction,
+    draw_training,
+    first_heldout,
+    is_heldout_key,
+    reject_unknown,
+)
 from envs.registry import register_source
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -76,8 +83,7 @@ class ArithSource:
             raise ValueError(f"arith: ops={self.ops!r} must be a non-empty subset of '+-*'")
         if self.min_value > self.max_value:
             raise ValueError(f"arith: min_value={self.min_value} > max_value={self.max_value}")
-        if not 0 < self.heldout_fraction < 1:
-            raise ValueError(f"arith: heldout_fraction={self.heldout_fraction} must be in (0, 1)")
+        check_heldout_fraction("arith", self.heldout_fraction)
         if not 0 <= self.demo_scratchpad <= 1:
             raise ValueError(f"arith: demo_scratchpad={self.demo_scratchpad} must be in [0, 1]")
 
@@ -92,8 +98,11 @@ class ArithSource:
         return a, op, b
 
     def _heldout_key(self, key: str) -> bool:
-        digest = hashlib.sha256(f"{self.salt}|{key}".encode()).digest()
-        return int.from_bytes(digest[:8], "big") / 2**64 < self.heldout_fraction
+        return is_heldout_key(self.salt, key, self.heldout_fraction)
+
+    def _heldout_draw(self, draw: tuple[int, str, int]) -> bool:
+        a, op, b = draw
+        return self._heldout_key(f"{a}{op}{b}")
 
     @staticmethod
     def operands(problem: Problem) -> tuple[int, str, int]:
@@ -117,29 +126,16 @@ class ArithSource:
 
     def sample(self, rng: random.Random) -> Problem:
         """A uniformly drawn training problem (held-out ones are rejected and redrawn)."""
-        for _ in range(10_000):
-            a, op, b = self._draw(rng)
-            if not self._heldout_key(f"{a}{op}{b}"):
-                return self.problem(a, op, b)
-        raise RuntimeError("arith: could not draw a training problem (heldout_fraction too large?)")
+        a, op, b = draw_training("arith", lambda: self._draw(rng), self._heldout_draw)
+        return self.problem(a, op, b)
 
     def heldout(self, n: int) -> list[Problem]:
         """``n`` distinct held-out problems, always the same for the same kwargs."""
         rng = random.Random(f"{self.salt}|heldout")
-        seen: dict[str, Problem] = {}
-        attempts = 0
-        while len(seen) < n:
-            attempts += 1
-            if attempts > 200 * n / self.heldout_fraction + 10_000:
-                raise ValueError(
-                    f"arith: only {len(seen)} held-out problems found, {n} asked; widen the "
-                    "value range or raise heldout_fraction"
-                )
-            a, op, b = self._draw(rng)
-            key = f"{a}{op}{b}"
-            if key not in seen and self._heldout_key(key):
-                seen[key] = self.problem(a, op, b)
-        return list(seen.values())
+        draws = (self._draw(rng) for _ in itertools.count())
+        found = first_heldout("arith", n, self.heldout_fraction, draws, self._heldout_draw,
+                              "widen the value range or raise heldout_fraction")
+        return [self.problem(a, op, b) for a, op, b in found]
 
     def demonstration(self, problem: Problem, rng: random.Random) -> str:
         """A correct response to imitate in the warm-up (see the module doc)."""
@@ -152,8 +148,5 @@ class ArithSource:
 @register_source("arith")
 def make_arith(**kwargs: str | int | float | bool) -> ArithSource:
     """Build an :class:`ArithSource` from domain kwargs (unknown keys are an error)."""
-    allowed = set(ArithSource.__dataclass_fields__) - {"name", "default_verifier"}
-    unknown = sorted(set(kwargs) - allowed)
-    if unknown:
-        raise ValueError(f"arith: unknown kwargs {unknown}; allowed: {sorted(allowed)}")
+    reject_unknown("arith", kwargs, set(ArithSource.__dataclass_fields__) - {"name", "default_verifier"})
     return ArithSource(**kwargs)  # type: ignore[arg-type]

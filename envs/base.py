@@ -4,6 +4,11 @@ An environment is driven by ``reset()`` then ``step(action)`` until ``terminated
 ``truncated`` (the Gymnasium / GEM convention, with text observations and actions). A
 single-turn verifier is an environment with exactly one step: ``reset`` returns the prompt,
 ``step(response)`` returns the reward and terminates (:class:`envs.single_turn.SingleTurnEnv`).
+
+Every task source's split uses the helpers at the end: :func:`is_heldout_key` (a key is held out
+by its salted hash), :func:`draw_training` (at most :data:`MAX_DRAWS` draws for a training
+problem) and :func:`first_heldout` (a bounded search for the held-out problems), each failing
+with one clear error instead of looping forever.
 """
 
 from __future__ import annotations
@@ -11,8 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
+
+K = TypeVar("K", bound=Hashable)
 
 
 class StepResult(NamedTuple):
@@ -109,15 +117,60 @@ def episode_ref(reference: str) -> EpisodeRef:
                          f"{type(e).__name__}: {e}") from None
 
 
-def seed_heldout(salt: str, seed: int, fraction: float) -> bool:
-    """Whether ``seed`` is in the held-out split: ``sha256(salt|seed)`` in ``[0, 1)`` < fraction."""
-    digest = hashlib.sha256(f"{salt}|{seed}".encode()).digest()
+MAX_DRAWS = 10_000
+"""Draws a task source makes for one training problem before it gives up (every one held out)."""
+
+
+def is_heldout_key(salt: str, key: str | int, fraction: float) -> bool:
+    """Whether ``key`` is in the held-out split: ``sha256(salt|key)`` mapped to ``[0, 1)`` < fraction."""
+    digest = hashlib.sha256(f"{salt}|{key}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def reject_unknown(name: str, kwargs: Iterable[str], allowed: Iterable[str]) -> None:
+    """A ``ValueError`` naming the kwargs of ``kwargs`` that are not ``allowed``, if any."""
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise ValueError(f"{name}: unknown kwargs {unknown}; allowed: {sorted(allowed)}")
+
+
+def check_heldout_fraction(name: str, fraction: Any) -> float:
+    """``fraction`` as a float in ``(0, 1)``, else a ``ValueError`` naming it."""
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction < 1:
+        raise ValueError(f"{name}: heldout_fraction={fraction!r} must be in (0, 1)")
+    return float(fraction)
+
+
+def draw_training(name: str, draw: Callable[[], K], heldout: Callable[[K], bool]) -> K:
+    """The first of at most :data:`MAX_DRAWS` ``draw()`` that is not ``heldout``; a ``RuntimeError``
+    naming the source when every one was."""
+    for _ in range(MAX_DRAWS):
+        key = draw()
+        if not heldout(key):
+            return key
+    raise RuntimeError(f"{name}: every one of {MAX_DRAWS} draws was held out, no training problem "
+                       "(heldout_fraction too large?)")
+
+
+def first_heldout(name: str, n: int, fraction: float, candidates: Iterable[K], heldout: Callable[[K], bool],
+                  hint: str) -> list[K]:
+    """The first ``n`` distinct ``heldout`` keys among ``candidates``, looking at no more than
+    ``200 n / fraction + 10_000`` of them (else a ``ValueError`` naming the source and ``hint``)."""
+    found: dict[K, None] = {}
+    limit = 200 * n / fraction + 10_000
+    for tried, key in enumerate(candidates):
+        if len(found) >= n:
+            break
+        if tried >= limit:
+            raise ValueError(f"{name}: only {len(found)} held-out problems found, {n} asked; {hint}")
+        if key not in found and heldout(key):
+            found[key] = None
+    return list(found)
 
 
 def seed_of(problem: Problem, name: str) -> int:
     """The seed of a ``"<name>:<seed>"`` problem id."""
     prefix, _, seed = problem.prompt_id.partition(":")
-    if prefix != name or not seed.lstrip("-").isdigit():
+    if prefix != name or not (seed.isascii() and seed.isdigit()):
         raise ValueError(f"not a {name} problem id: {problem.prompt_id!r}")
     return int(seed)

@@ -1,36 +1,23 @@
 """``code``: procedurally generated small programming tasks, and the ``code_tests`` verifier.
 
-Task source ``code`` (:class:`CodeSource`): each problem asks for one Python function, from one of
-several families (:data:`FAMILIES`: digit sums in a base, filtered reversal, counting letters,
-Fibonacci-like sequences, clipping, stretching strings, polynomials, Caesar shifts, counting
-multiples), with constants drawn at random into the instruction (the base, the letters, the bounds,
-the coefficients...), so there are many distinct prompts. The prompt names the function and its
-signature, shows ``show_examples`` input/output examples (the last tests) and asks for the function in a
-```` ```python ```` block. The reference is JSON: ``{"function": name, "tests": [{"args": [...],
-"expected": value}, ...]}`` with ``n_tests`` cases (edge cases first), computed by a trusted
-Python implementation and derived deterministically from the problem. ``prompt_id`` is
-``code:<family>:<constants as JSON>``.
+Task source ``code`` (:class:`CodeSource`): each problem asks for one Python function of one of
+the :data:`FAMILIES`, with constants drawn at random into the instruction; the prompt shows
+``show_examples`` examples and asks for a ```` ```python ```` block. The reference is JSON
+``{"function": name, "tests": [{"args": [...], "expected": value}, ...]}`` (``n_tests`` cases
+computed by a trusted implementation); ``prompt_id`` is ``code:<family>:<constants as JSON>``.
+A problem is held out iff ``sha256(salt|family:constants)`` in ``[0, 1)`` is below
+``heldout_fraction``; :meth:`CodeSource.demonstration` is a correct solution.
 
-Held-out split: a problem is held out iff ``sha256(salt|family:constants)`` mapped to ``[0, 1)`` is
-below ``heldout_fraction``; training samples are redrawn until they are not held out;
-``heldout(n)`` draws from a fixed-seed generator (the same list for the same kwargs).
-:meth:`CodeSource.demonstration` returns a correct solution in a ```` ```python ```` block.
-
-Verifier ``code_tests`` (:func:`code_tests`) works for any reference of that JSON shape: it takes
-the code of the response (the last ```` ```python ```` block, else the last fenced block, else the
-whole response), runs it once in :mod:`envs.sandbox` as ``solution.py`` under a harness that
-imports it, calls the function on every test's arguments and prints the *outputs* (JSON) after a
-per-run random marker. The verifier compares them with the expected values itself, in the
-trusted process -- the expected values never enter the sandbox, so printing a fake result line
-(or patching the harness from the solution) cannot produce a pass without producing the right
-outputs. Reward 1 iff every test passes; components ``passed`` (fraction of tests passed) and
-``correct``. Keep its ``timeout_s`` (default 3 s) below ``reward.timeout_s`` (default 5 s): the
-sandbox adds about 0.05 s to each call.
+Verifier ``code_tests`` (:func:`code_tests`), for any reference of that shape: runs the response's
+code once in :mod:`envs.sandbox` under a harness that prints the function's *outputs* after a
+per-run random marker, and compares them with the expected values in the trusted process (they
+never enter the sandbox, so a faked result line cannot pass). Reward 1 iff every test passes;
+components ``passed`` (fraction passed) and ``correct``. Details: docs/rewards.md.
 """
 
 from __future__ import annotations
 
-import hashlib
+import itertools
 import json
 import math
 import random
@@ -41,7 +28,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from envs.base import Problem, VerifyResult
+from envs.base import (
+    Problem,
+    VerifyResult,
+    check_heldout_fraction,
+    draw_training,
+    first_heldout,
+    is_heldout_key,
+    reject_unknown,
+)
 from envs.registry import register_source, register_verifier
 from envs.sandbox import SandboxLimits, run_python
 
@@ -327,8 +322,7 @@ class CodeSource:
             raise ValueError(f"code: n_tests={self.n_tests} must be in [1, 100]")
         if not 0 <= self.show_examples <= self.n_tests:
             raise ValueError(f"code: show_examples={self.show_examples} must be in [0, n_tests]")
-        if not 0 < self.heldout_fraction < 1:
-            raise ValueError(f"code: heldout_fraction={self.heldout_fraction} must be in (0, 1)")
+        check_heldout_fraction("code", self.heldout_fraction)
 
     @property
     def family_names(self) -> list[str]:
@@ -341,8 +335,7 @@ class CodeSource:
         return f"{fam.name}:{json.dumps(list(fam.draw(rng)), separators=(',', ':'))}"
 
     def _heldout_key(self, key: str) -> bool:
-        digest = hashlib.sha256(f"{self.salt}|{key}".encode()).digest()
-        return int.from_bytes(digest[:8], "big") / 2**64 < self.heldout_fraction
+        return is_heldout_key(self.salt, key, self.heldout_fraction)
 
     @staticmethod
     def parse(problem: Problem) -> tuple[Family, Params]:
@@ -384,26 +377,15 @@ class CodeSource:
 
     def sample(self, rng: random.Random) -> Problem:
         """A training problem (held-out ones are rejected and redrawn)."""
-        for _ in range(10_000):
-            key = self._draw(rng)
-            if not self._heldout_key(key):
-                return self.problem(key)
-        raise RuntimeError("code: could not draw a training problem (heldout_fraction too large?)")
+        return self.problem(draw_training("code", lambda: self._draw(rng), self._heldout_key))
 
     def heldout(self, n: int) -> list[Problem]:
         """``n`` distinct held-out problems, always the same for the same kwargs."""
         rng = random.Random(f"{self.salt}|heldout")
-        seen: dict[str, Problem] = {}
-        attempts = 0
-        while len(seen) < n:
-            attempts += 1
-            if attempts > 200 * n / self.heldout_fraction + 10_000:
-                raise ValueError(f"code: only {len(seen)} held-out problems found, {n} asked; add families "
-                                 "or raise heldout_fraction")
-            key = self._draw(rng)
-            if key not in seen and self._heldout_key(key):
-                seen[key] = self.problem(key)
-        return list(seen.values())
+        draws = (self._draw(rng) for _ in itertools.count())
+        keys = first_heldout("code", n, self.heldout_fraction, draws, self._heldout_key,
+                             "add families or raise heldout_fraction")
+        return [self.problem(key) for key in keys]
 
     def demonstration(self, problem: Problem, rng: random.Random) -> str:
         """A correct solution in a ```` ```python ```` block."""
@@ -414,10 +396,7 @@ class CodeSource:
 @register_source("code")
 def make_code(**kwargs: str | int | float | bool) -> CodeSource:
     """Build a :class:`CodeSource` from domain kwargs (unknown keys are an error)."""
-    allowed = set(CodeSource.__dataclass_fields__) - {"name", "default_verifier"}
-    unknown = sorted(set(kwargs) - allowed)
-    if unknown:
-        raise ValueError(f"code: unknown kwargs {unknown}; allowed: {sorted(allowed)}")
+    reject_unknown("code", kwargs, set(CodeSource.__dataclass_fields__) - {"name", "default_verifier"})
     return CodeSource(**kwargs)  # type: ignore[arg-type]
 
 

@@ -3,30 +3,12 @@
 :func:`extract_answer` ``(response, mode) -> (answer | None, reason)``; ``None`` means the asked-for
 format is absent, and ``reason`` says why in a few words (it ends up in ``VerifyResult.details``).
 
-Modes (``DomainConfig.answer``):
-
-``raw``
-    The whole response, unchanged (never ``None``).
-``tag``
-    The stripped content of the LAST ``<answer>…</answer>`` (case-insensitive, may span lines,
-    whitespace allowed inside the tag names: ``<answer >``, ``</ANSWER>``). Absent when there is
-    no closed pair, when the content is empty (so ``<answer></answer>`` cannot earn a format
-    reward), or when an ``<answer>`` is opened after the last ``</answer>`` — the final answer
-    of a truncated response was cut off, and an earlier (draft) answer is not taken in its place
-    (a cut inside the opening tag itself, ``…<answ``, is not recognised as one).
-    Nested tags resolve to the innermost pair: the content starts after the last ``<answer>``
-    that precedes the last ``</answer>``.
-``boxed``
-    The stripped content of the last ``\\boxed{…}`` or ``\\fbox{…}`` (``\\fbox`` is accepted
-    because models trained on LaTeX emit it for the same purpose), with balanced nested braces
-    (``\\boxed{\\frac{1}{2}}`` -> ``\\frac{1}{2}``); escaped braces ``\\{`` ``\\}`` do not count.
-    Absent when there is none, when the last one is never closed (truncated), or when it is empty.
-    Only the brace form counts (``\\boxed 5`` does not). The content is returned as written
-    (``\\text{…}`` is not unwrapped).
-``auto``
-    ``tag`` when it finds an answer, else ``boxed``, else absent.
-
-Pure functions, no state.
+Modes (``DomainConfig.answer``): ``raw`` (the whole response, never ``None``); ``tag`` (the last
+``<answer>…</answer>``, innermost when nested; absent when unclosed, empty, or when an ``<answer>``
+is opened after the last ``</answer>``: a truncated final answer is not replaced by a draft);
+``boxed`` (the last ``\\boxed{…}`` or ``\\fbox{…}`` with balanced braces, as written; absent
+when unclosed or empty); ``auto`` (``tag``, else ``boxed``). The exact rules are in
+docs/rewards.md, "Verifiers". Pure functions, no state.
 """
 
 from __future__ import annotations

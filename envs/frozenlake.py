@@ -1,65 +1,30 @@
 """``frozenlake``: Gymnasium's FrozenLake as a multi-turn text environment, and its task source.
 
-Each episode is determined by its seed: the map is ``generate_random_map(size, p, seed)``
-(Gymnasium's generator only returns maps with a path from S to G) and the Gymnasium environment
-(``FrozenLakeEnv(desc=map, is_slippery=slippery, success_rate=...)``) is reset with the same seed,
-which fixes the slips too. Replaying the same replies from the same seed replays the episode.
+Each episode is determined by its seed: the map is ``generate_random_map(size, p, seed)`` and the
+Gymnasium ``FrozenLakeEnv`` is reset with the same seed, which fixes the slips too. Observations:
+instructions (unless ``instructions`` is false) and the board (``S F H G``, ``P`` the player; unless
+``board`` is false), an ``Around you: ...`` line with ``neighbors`` (:func:`neighbor_line`; in
+letters with ``letters``), and a feedback line after each step. Actions: ``left``, ``down``,
+``right``, ``up`` (the last such word counts; a reply of only ``L``/``D``/``R``/``U`` too). Reward
+1.0 on the step that reaches G, else 0; the episode truncates after ``max_turns`` steps (0 =
+``5 * size``). ``info``: ``turn``, ``state_hash`` (map and player's cell), ``success``,
+``invalid_action``; ``seed`` after reset. Env kwargs: :class:`FrozenLakeConfig`.
 
-Observations: the first one is short instructions plus the board; later ones a feedback line
-(moved / slipped / hit the edge / fell into a hole / reached the goal / invalid action) plus the
-board. The board is one row per line, cells separated by spaces: ``S`` start, ``F`` frozen,
-``H`` hole, ``G`` goal, ``P`` the player (drawn over the cell it stands on), top row first.
-
-Actions: ``left``, ``down``, ``right``, ``up`` — the LAST such word in the reply counts
-(case-insensitive, whole words); a reply that is only ``L``/``D``/``R``/``U`` counts too. A reply
-without one is an invalid action: it uses a turn, earns ``invalid_penalty`` (default 0) and the
-player stays. Reward: 1.0 on the step that reaches G, else 0 (falling into a hole ends the episode
-with 0). The episode truncates after ``max_turns`` steps (0 = ``5 * size``).
-
-``info``: ``turn``, ``state_hash`` (digest of the map and the player's cell), ``success``,
-``invalid_action``; ``seed`` after reset.
-
-Env kwargs (:class:`FrozenLakeConfig`): ``size`` (2..16, default 4), ``p`` (probability of a
-frozen cell, 0.6..1, default 0.8), ``slippery`` (default false), ``success_rate`` (probability of
-moving in the intended direction when slippery, default 1/3), ``max_turns``, ``invalid_penalty``
-(<= 0), ``neighbors`` (default false: true adds a line under the board naming what lies one move
-away in each direction, ``Around you: left edge, down hole, right ice, up edge.``, so a small model
-need not locate itself on the board to avoid holes), ``board`` (default true: false leaves the board
-out of every observation, which then shows only that line — a local view; it needs ``neighbors``.
-The goal is always the bottom-right cell, so the local view is enough to play: "right unless that
-is a hole or the edge, else down" solves 84% of the 4×4 held-out maps. Observations are about 4×
-shorter, so a small model trains and plays faster), ``letters`` (default false: true asks for a
-one-letter reply, ``L``, ``D``, ``R`` or ``U``, the neighbors line is written in letters,
-``Around you: L=# D=H R=F U=#`` (cells as on the board, ``#`` the edge: fixed width, so each move's
-cell sits at a fixed distance before the reply), and the expert demonstrates moves that way; words
-are still accepted. With a character tokenizer a move is then one token, not four or five, so RL cannot
-drift into misspelt moves and credit goes to one choice per turn), ``instructions`` (default true:
-false leaves the instructions out of the first observation, which is then only the board or view;
-for a model trained from scratch, which cannot read them, they are 280 characters of context in
-every turn, and with ``rollout.history_turns`` in every turn's window).
-
-Task source ``frozenlake``: one problem per episode seed, ``prompt_id = "frozenlake:<seed>"``,
-the prompt is the first observation, the reference ``{"env", "seed", "kwargs"}`` as JSON. The
-held-out split is by map: a seed is held out iff ``sha256(salt|map)`` falls below
-``heldout_fraction``, so held-out maps are never trained on (tiny maps repeat across seeds);
-``heldout(n)`` is the first ``n`` held-out seeds counting from 0. The expert
-(:func:`expert_actions`, :meth:`FrozenLakeSource.demonstration`) follows a shortest path around
-the holes, ties between shortest paths broken at random by the episode seed (on slippery ice it
-may still fail). Source kwarg ``demo`` picks who demonstrates for the supervised warm-up:
-``expert`` (default) or ``safe_random``, a walker that knows the rules but not the goal: each move
-drawn uniformly (by the episode seed) among those that stay on the lake and out of holes, until it
-reaches the goal or the turn limit (:func:`safe_random_walk`). A warm-up on it teaches the reply
-format and to read the view, and leaves finding the goal to RL.
+Task source ``frozenlake`` (:class:`FrozenLakeSource`, an :class:`envs.gym_text.EpisodeSource`):
+held out by map; the expert (source kwarg ``demo``) is ``expert`` (:func:`shortest_path`, ties
+broken at random by the seed) or ``safe_random`` (:func:`safe_random_walk`: keeps to the ice but
+does not seek the goal). What each kwarg is for: docs/agentic.md, "The environments".
 """
 
 from __future__ import annotations
 
 import random
 from collections import deque
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any
 
+from envs.base import check_heldout_fraction
 from envs.gym_text import EpisodeSource, GymTextEnv, check_kwargs, word_action_parser
 from envs.registry import register_env, register_source
 
@@ -322,19 +287,10 @@ def make_frozenlake_env(prompt: str = "", reference: str = "", **kwargs: Any) ->
 
 @dataclass(frozen=True)
 class FrozenLakeSource(EpisodeSource):
-    """FrozenLake episodes as problems (see :class:`envs.gym_text.EpisodeSource`); registered as
-    ``frozenlake``."""
+    """FrozenLake episodes as problems (see :class:`envs.gym_text.EpisodeSource`: held out by map);
+    registered as ``frozenlake``."""
 
-    size: int = 4
-    p: float = 0.8
-    slippery: bool = False
-    success_rate: float = 1.0 / 3.0
-    max_turns: int = 0
-    invalid_penalty: float = 0.0
-    neighbors: bool = False
-    board: bool = True
-    letters: bool = False
-    instructions: bool = True
+    config: FrozenLakeConfig = FrozenLakeConfig()
     heldout_fraction: float = 0.05
     salt: str = "frozenlake"
     demo: str = "expert"
@@ -342,48 +298,44 @@ class FrozenLakeSource(EpisodeSource):
     default_verifier: str = ""
 
     def __post_init__(self) -> None:
-        if not 0 < self.heldout_fraction < 1:
-            raise ValueError(f"frozenlake: heldout_fraction={self.heldout_fraction} must be in (0, 1)")
+        check_heldout_fraction("frozenlake", self.heldout_fraction)
         if self.demo not in DEMOS:
             raise ValueError(f"frozenlake: demo={self.demo!r} must be one of {', '.join(DEMOS)}")
-        self.config  # noqa: B018 - validates the env kwargs
-
-    @property
-    def config(self) -> FrozenLakeConfig:
-        return FrozenLakeConfig(**self.env_kwargs())
 
     def env_kwargs(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(FrozenLakeConfig)}
+        return asdict(self.config)
 
     def env(self) -> FrozenLake:
-        """A fresh environment with this source's env kwargs."""
         return FrozenLake(self.config)
 
     def layout(self, seed: int) -> str:
-        return "/".join(generate_map(self.size, self.p, seed))
+        return "/".join(generate_map(self.config.size, self.config.p, seed))
 
     def expert_actions(self, seed: int) -> list[str]:
         """The demonstrator's moves for episode ``seed`` (one letter each with ``letters``): with
         ``demo: expert`` a shortest path on its map, ties broken at random by the seed
         (:func:`shortest_path`); with ``demo: safe_random`` :func:`safe_random_walk`."""
-        desc = generate_map(self.size, self.p, seed)
+        cfg = self.config
+        desc = generate_map(cfg.size, cfg.p, seed)
         if self.demo == "safe_random":
-            moves = safe_random_walk(desc, self.config.turns, _expert_rng(seed))
+            moves = safe_random_walk(desc, cfg.turns, _expert_rng(seed))
         else:
             moves = shortest_path(desc, _expert_rng(seed))
-        return [m[0].upper() for m in moves] if self.letters else moves
+        return [m[0].upper() for m in moves] if cfg.letters else moves
 
 
 @register_source("frozenlake")
 def make_frozenlake_source(**kwargs: Any) -> FrozenLakeSource:
-    """Build a :class:`FrozenLakeSource` from the env kwargs plus ``heldout_fraction`` / ``salt``."""
+    """Build a :class:`FrozenLakeSource` from the env kwargs plus ``heldout_fraction``, ``salt`` and
+    ``demo``."""
     check_kwargs("frozenlake", kwargs, {**_TYPES, "heldout_fraction": float, "salt": str, "demo": str})
-    return FrozenLakeSource(**kwargs)
+    env = {k: v for k, v in kwargs.items() if k in _TYPES}
+    return FrozenLakeSource(FrozenLakeConfig(**env), **{k: v for k, v in kwargs.items() if k not in env})
 
 
 def expert_actions(seed: int, **kwargs: Any) -> list[str]:
     """The expert's moves for episode ``seed`` of ``frozenlake`` with env ``kwargs``."""
-    return FrozenLakeSource(**kwargs).expert_actions(seed)
+    return make_frozenlake_source(**kwargs).expert_actions(seed)
 
 
 def _expert_rng(seed: int) -> random.Random:

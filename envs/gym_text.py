@@ -1,4 +1,4 @@
-"""A text adapter for Gymnasium environments, and the shared pieces of the grid-world text envs.
+"""A text adapter for Gymnasium environments, and the shared pieces of the multi-turn text envs.
 
 :class:`GymTextEnv` wraps a Gymnasium environment (an instance, or a factory ``seed -> env`` when
 the environment itself depends on the seed, as FrozenLake's random map does) behind the text
@@ -18,18 +18,24 @@ Action parsing (:func:`word_action_parser`): the LAST whole-word occurrence of a
 the reply, case-insensitive (``"I go left, no: RIGHT"`` -> right; ``"<answer>up</answer>"`` -> up);
 a reply that is nothing but a single-letter alias (``"L"``) is accepted too. Single letters are not
 searched for inside longer text, so prose ("I'd", "a") is never mistaken for an action.
+
+:class:`EpisodeSource` is the task source of every multi-turn environment (one problem per seed,
+held out by layout, bounded draws); :func:`check_kwargs`, :func:`check_seed` and :func:`turns_left`
+are shared by the environments.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import random
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from envs.base import Env, Problem, StepResult
+from envs.base import Env, Problem, StepResult, draw_training, first_heldout, is_heldout_key, seed_of
 
 if TYPE_CHECKING:
     import gymnasium as gym
@@ -70,6 +76,15 @@ def word_action_parser(
         return lower_letters.get(text.strip().rstrip(".!").strip().lower())
 
     return parse
+
+
+def turns_left(turn: int, max_turns: int) -> tuple[str, bool]:
+    """The line that ends an observation after ``turn`` of ``max_turns`` turns (``(2 turns left)``,
+    or ``Out of turns.``) and whether the episode is out of turns (truncated)."""
+    left = max_turns - turn
+    if left <= 0:
+        return "\nOut of turns.", True
+    return f"\n({left} turn{'s' * (left != 1)} left)", False
 
 
 def check_kwargs(env: str, kwargs: Mapping[str, Any], allowed: Mapping[str, type | tuple[type, ...]]) -> None:
@@ -171,76 +186,73 @@ class GymTextEnv:
         return StepResult(text, reward, terminated, truncated, self._info(a is None))
 
 
-class EpisodeSource:
-    """Mixin for the task sources of seeded multi-turn environments: one problem per episode seed.
+class EpisodeSource(ABC):
+    """The task source of a seeded multi-turn environment: one problem per episode seed.
 
-    The subclass (a frozen dataclass) provides ``name``, ``salt``, ``heldout_fraction``,
-    ``env_kwargs()`` (the env factory's kwargs), ``env()`` (a fresh environment), ``layout(seed)``
-    (a string identifying the episode's map or room) and ``expert_actions(seed)``.
+    A subclass gives ``name``, ``salt``, ``heldout_fraction`` and the three abstract methods; it
+    overrides ``layout(seed)`` when several seeds share a map or room (by default every seed is
+    its own layout). No verifier: the environment scores.
 
     ``prompt_id = "<name>:<seed>"``; the prompt is the first observation; the reference is
-    ``{"env": name, "seed": seed, "kwargs": env_kwargs}`` as JSON; no verifier (the environment
-    scores). Held out by layout: a seed is held out iff ``sha256(salt|layout)`` mapped to
-    ``[0, 1)`` is below ``heldout_fraction`` (so no held-out map or room is ever trained on);
-    ``heldout(n)`` is the first ``n`` held-out seeds counting from 0.
+    ``{"env": name, "kwargs": env_kwargs, "seed": seed}`` as JSON. Held out by layout: a seed is
+    held out iff ``sha256(salt|layout)`` mapped to ``[0, 1)`` is below ``heldout_fraction`` (no
+    held-out map is ever trained on). ``sample`` gives up after :data:`envs.base.MAX_DRAWS`
+    draws, ``heldout(n)`` (the first ``n`` held-out seeds from 0) after ``200 n /
+    heldout_fraction + 10_000`` seeds, each with one clear error. A demonstration is the expert's
+    actions joined by ``demo_sep``.
     """
 
     name: str
     salt: str
     heldout_fraction: float
+    default_verifier: str = ""
+    demo_sep: ClassVar[str] = "\n"
+    """Between the actions of a demonstration (one action per turn)."""
 
+    @abstractmethod
     def env_kwargs(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """The kwargs (JSON scalars) that build this source's environment."""
 
+    @abstractmethod
     def env(self) -> Env:
-        raise NotImplementedError
+        """A fresh environment with this source's env kwargs."""
+
+    @abstractmethod
+    def expert_actions(self, seed: int) -> list[str]:
+        """The expert's action of every turn of episode ``seed``."""
 
     def layout(self, seed: int) -> str:
-        raise NotImplementedError
-
-    def expert_actions(self, seed: int) -> list[str]:
-        raise NotImplementedError
+        """What identifies the episode ``seed`` for the held-out split."""
+        return str(seed)
 
     def seed_of(self, problem: Problem) -> int:
         """The episode seed of a problem of this source."""
-        name, _, seed = problem.prompt_id.partition(":")
-        if name != self.name or not seed.isdigit():
-            raise ValueError(f"not a {self.name} problem id: {problem.prompt_id!r}")
-        return int(seed)
+        return seed_of(problem, self.name)
 
-    def _heldout_seed(self, seed: int) -> bool:
-        digest = hashlib.sha256(f"{self.salt}|{self.layout(seed)}".encode()).digest()
-        return int.from_bytes(digest[:8], "big") / 2**64 < self.heldout_fraction
+    def is_heldout_seed(self, seed: int) -> bool:
+        return is_heldout_key(self.salt, self.layout(seed), self.heldout_fraction)
 
     def problem(self, seed: int) -> Problem:
         """The episode of ``seed`` (whichever split it belongs to)."""
         prompt, _ = self.env().reset(seed)
-        reference = json.dumps({"env": self.name, "seed": seed, "kwargs": self.env_kwargs()})
+        reference = json.dumps({"env": self.name, "seed": seed, "kwargs": self.env_kwargs()}, sort_keys=True)
         return Problem(prompt_id=f"{self.name}:{seed}", prompt=prompt, reference=reference, verifier="")
 
     def is_heldout(self, problem: Problem) -> bool:
-        return self._heldout_seed(self.seed_of(problem))
+        return self.is_heldout_seed(self.seed_of(problem))
 
     def sample(self, rng: random.Random) -> Problem:
         """A training episode: a random seed whose layout is not held out."""
-        for _ in range(10_000):
-            seed = rng.randrange(MAX_SEED + 1)
-            if not self._heldout_seed(seed):
-                return self.problem(seed)
-        raise RuntimeError(f"{self.name}: could not draw a training seed (heldout_fraction too large?)")
+        return self.problem(draw_training(self.name, lambda: rng.randrange(MAX_SEED + 1), self.is_heldout_seed))
+
+    def heldout_seeds(self, n: int) -> list[int]:
+        """The first ``n`` held-out seeds counting from 0 (always the same for the same kwargs)."""
+        return first_heldout(self.name, n, self.heldout_fraction, itertools.count(), self.is_heldout_seed,
+                             "raise heldout_fraction (or allow more distinct layouts)")
 
     def heldout(self, n: int) -> list[Problem]:
-        """The first ``n`` held-out seeds counting from 0 (always the same for the same kwargs)."""
-        out: list[Problem] = []
-        seed = 0
-        while len(out) < n:
-            if seed > 200 * n / self.heldout_fraction + 10_000:
-                raise ValueError(f"{self.name}: only {len(out)} held-out seeds found, {n} asked")
-            if self._heldout_seed(seed):
-                out.append(self.problem(seed))
-            seed += 1
-        return out
+        return [self.problem(seed) for seed in self.heldout_seeds(n)]
 
     def demonstration(self, problem: Problem, rng: random.Random) -> str:
-        """The expert's actions, one per line (one line per turn of the episode)."""
-        return "\n".join(self.expert_actions(self.seed_of(problem)))
+        """The expert's actions joined by :attr:`demo_sep`."""
+        return self.demo_sep.join(self.expert_actions(self.seed_of(problem)))

@@ -21,13 +21,23 @@ from 0. ``demonstration`` writes a template sentence that satisfies the constrai
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from envs.base import Problem, VerifyResult, seed_heldout, seed_of
+from envs.base import (
+    Problem,
+    VerifyResult,
+    check_heldout_fraction,
+    draw_training,
+    first_heldout,
+    is_heldout_key,
+    reject_unknown,
+    seed_of,
+)
 from envs.registry import register_source, register_verifier
 
 TOPICS = ("the ocean", "a city at night", "a garden", "winter", "a train ride", "the moon", "a market",
@@ -91,8 +101,7 @@ class InstructSource:
         bad = [k for k in self.kinds if k not in KINDS]
         if bad or not self.kinds:
             raise ValueError(f"instruct: kinds {list(self.kinds)} must be a non-empty subset of {list(KINDS)}")
-        if not 0 < self.heldout_fraction < 1:
-            raise ValueError(f"instruct: heldout_fraction={self.heldout_fraction} must be in (0, 1)")
+        check_heldout_fraction("instruct", self.heldout_fraction)
 
     def problem(self, seed: int) -> Problem:
         rng = random.Random(f"instruct|{seed}")
@@ -104,22 +113,15 @@ class InstructSource:
                        reference=json.dumps({"kind": kind, "arg": arg, "topic": topic}), verifier=self.default_verifier)
 
     def _held(self, seed: int) -> bool:
-        return seed_heldout(self.name, seed, self.heldout_fraction)
+        return is_heldout_key(self.name, seed, self.heldout_fraction)
 
     def sample(self, rng: random.Random) -> Problem:
-        while True:
-            seed = rng.randrange(1 << 31)
-            if not self._held(seed):
-                return self.problem(seed)
+        return self.problem(draw_training(self.name, lambda: rng.randrange(1 << 31), self._held))
 
     def heldout(self, n: int) -> list[Problem]:
-        out: list[Problem] = []
-        seed = 0
-        while len(out) < n:
-            if self._held(seed):
-                out.append(self.problem(seed))
-            seed += 1
-        return out
+        seeds = first_heldout(self.name, n, self.heldout_fraction, itertools.count(), self._held,
+                              "raise heldout_fraction")
+        return [self.problem(seed) for seed in seeds]
 
     def is_heldout(self, problem: Problem) -> bool:
         return self._held(seed_of(problem, self.name))
@@ -141,8 +143,5 @@ class InstructSource:
 @register_source("instruct")
 def make_instruct(**kwargs: Any) -> InstructSource:
     """Build an :class:`InstructSource` from domain kwargs (unknown keys are an error)."""
-    allowed = {"kinds", "heldout_fraction"}
-    unknown = sorted(set(kwargs) - allowed)
-    if unknown:
-        raise ValueError(f"instruct: unknown kwargs {unknown}; allowed: {sorted(allowed)}")
+    reject_unknown("instruct", kwargs, ("kinds", "heldout_fraction"))
     return InstructSource(**kwargs)

@@ -1,69 +1,23 @@
 """``reasoning_gym``: task source and verifier over the procedural generators of reasoning-gym.
 
-Source kwargs (``DomainConfig.kwargs``):
+Source kwargs (``DomainConfig.kwargs``): ``dataset`` (required), ``seed`` (default 0),
+``heldout_size_max`` (default 256), ``chunk_size`` (default 100_000) and ``train_chunks``
+(default 10); every other kwarg goes to the generator's config dataclass (a name it lacks, or
+``size``, is a one-line ``ValueError``).
 
-``dataset`` (required)
-    A reasoning-gym dataset name (``chain_sum``, ``gsm_symbolic``, …); an unknown name is a
-    ``ValueError`` listing close names. ``composite`` is not supported: use one domain per
-    dataset, mixed by ``ratio``.
-``seed`` (default 0)
-    Base seed of the generator; the held-out split and the training pool both derive from it.
-``heldout_size_max`` (default 256)
-    Size of the fixed held-out split: ``heldout(n)`` serves ``n <= heldout_size_max`` problems.
-    Its questions are generated once per source instance (lazily, on the first ``sample``,
-    ``heldout`` or ``is_heldout``), so a slow generator pays ``heldout_size_max`` generations
-    up front.
-``chunk_size`` (default 100_000), ``train_chunks`` (default 10)
-    The training pool: ``train_chunks`` generator instances (chunks) of ``chunk_size`` entries,
-    each built on first use and kept. ``sample`` draws a chunk and an index uniformly, so there
-    are up to ``chunk_size * train_chunks`` distinct training problems (fewer when the
-    generator's problem space is smaller). Building a chunk takes well under a millisecond for
-    most datasets (reasoning-gym generates entries lazily; ``gsm_symbolic`` ~20 ms) but a few
-    load data or pre-generate per instance (measured, per instance: ``arc_agi`` ~0.55 s and
-    ~16 MB, ``group_anagrams``/``figlet_font``/``rush_hour`` ~0.15 s, ``codeio``/``word_ladder``
-    ~50 ms; ``acre`` pre-generates every entry, ~0.2 s per 1,000, so give it a small
-    ``chunk_size``); lower ``train_chunks`` for those. ``word_ladder`` rejects sizes above
-    20,000 (set ``chunk_size`` accordingly).
-every other kwarg
-    Passed to the generator's config dataclass (``min_terms``, ``max_digits``, …). Names it does
-    not have (and ``size``, which the source manages) are a one-line ``ValueError`` naming them;
-    so is a config the generator's own validation rejects.
+The held-out split is the first ``heldout_size_max`` entries of the generator seeded ``seed``;
+training entries come from ``train_chunks`` generators of ``chunk_size`` entries with other seeds,
+and an entry whose question is a held-out one is redrawn. ``prompt`` is the entry's question;
+``prompt_id`` is ``"<dataset>:<first 16 hex of sha256(question)>"``; ``reference`` is the JSON
+object ``{"dataset", "answer", "metadata", "config"}`` (values JSON lacks are encoded reversibly by
+:func:`to_json_safe`). ``demonstration`` is the entry's answer (``ValueError`` for datasets without
+one). Generators that depend on ``PYTHONHASHSEED`` (:data:`HASH_SEED_DEPENDENT`) warn unless it is
+fixed.
 
-Problems: ``prompt`` is the entry's ``question`` verbatim; ``prompt_id`` is
-``"<dataset>:<first 16 hex of sha256(question)>"`` (same question, same id, in every run);
-``reference`` is the JSON object ``{"dataset", "answer", "metadata", "config"}`` — the entry's
-answer (a string, or ``null`` for datasets that accept many answers), its full metadata and the
-generator kwargs. reasoning-gym scorers read the metadata (``countdown``: numbers and target,
-``sudoku``: the puzzle, ``arc_agi``: the grids as tuples, …) and some read the config
-(``decimal_arithmetic``, ``puzzle24``, ``time_intervals``, ``polynomial_equations``), so both
-travel whole; metadata is a few hundred bytes for most datasets and at most ~7 kB under default
-configs (``rectangle_count``, ``n_queens``). Values JSON lacks are encoded reversibly
-(:func:`to_json_safe`: tuples, sets, dicts with non-string keys, non-finite floats, numpy
-scalars/arrays), so scorers that compare tuples (``arc_agi``, ``rearc``) see the same types;
-anything else becomes its ``repr`` (lossy).
-
-Held-out split: the first ``heldout_size_max`` entries of the generator seeded ``seed`` (distinct
-questions, in order). Training entries come from generators with other seeds (chunk ``c`` has
-seed ``seed + heldout_size_max + c * chunk_size``, so index ranges of the usual
-``Random(seed + idx)`` generators do not overlap), and an entry whose question hash is a held-out
-question hash is redrawn, so the two splits never share a question. Entries whose generation
-raises are skipped (held-out) or redrawn (training). The split is the same in every process,
-except for the generators that depend on ``PYTHONHASHSEED`` (:data:`HASH_SEED_DEPENDENT`; the
-source warns unless it is fixed).
-
-``demonstration`` returns the entry's answer, bare (the trainer wraps it in the domain's answer
-format); datasets whose entries carry no answer (``boxnet``, ``graph_color``,
-``propositional_logic``, ``rubiks_cube``, ``rush_hour``) have no demonstration (``ValueError``).
-
-Verifier ``reasoning_gym``: parses the reference, rebuilds the dataset's scorer (a generator
-instance with the reference's config, cached per dataset and config) and calls its
-``score_answer(answer, entry)``. ``reward`` is that score (0..1; several datasets give partial
-credit, e.g. 0.01 for a wrong number); ``correct`` is ``score == 1.0``; component ``correct``.
-Scorers are reasoning-gym's own, bugs included: ``gsm_symbolic``'s drops the sign of a
-negative answer (its regex wants a word boundary before the ``-``), so the rare entry with a
-negative answer (~1 in 2,000) cannot be scored correct.
-reasoning-gym is imported on first use (~2 s): with ``isolation="process"``, call
-:func:`preload` in the parent once so forked children do not pay it per call.
+Verifier ``reasoning_gym``: rebuilds the dataset's scorer from the reference's config (cached) and
+calls its ``score_answer``: ``reward`` is the score (partial credit possible), ``correct`` is
+``score == 1.0``. reasoning-gym is imported on first use (~2 s): with ``isolation="process"``,
+call :func:`preload` in the parent once. Measured costs and caveats: docs/rewards.md.
 """
 
 from __future__ import annotations

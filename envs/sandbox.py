@@ -1,88 +1,25 @@
 """Run untrusted Python in a sandbox: CPU, memory, file-size, process and time limits, no network.
 
-One module shared by the ``code_tests`` verifier (:mod:`envs.code`) and tool-use environments (a
-model calling Python as a tool). The API is :func:`run_python` (with :class:`SandboxLimits`,
-returning a :class:`SandboxResult`) and :func:`isolation_layers`.
+Shared by the ``code_tests`` verifier (:mod:`envs.code`) and the ``tool_use`` environment's
+``python`` tool. API: :func:`run_python` (with :class:`SandboxLimits`, returning a
+:class:`SandboxResult`) and :func:`isolation_layers` (the layers this machine provides).
 
-How a run works
----------------
-Each run gets a fresh temporary working directory (removed afterwards) holding ``main.py`` and the
-caller's ``files``. The parent starts ``sys.executable -I -S -B envs/sandbox.py CONFIG`` (isolated
-mode: no ``PYTHON*`` variables, no user site, no script directory on ``sys.path``; no ``site``: the
-caller's site-packages directories are appended to ``sys.path`` instead, so installed packages
-import but ``.pth`` hooks such as editable installs do not run) with a minimal environment
-(``PATH``, ``HOME`` and ``TMPDIR`` = the working directory, ``LANG=C.UTF-8``), in its own session
-and process group, stdout/stderr on pipes read with a size cap,
-and a wall-clock deadline the parent enforces by killing the group. No ``preexec_fn`` is used, so
-this is safe from multi-threaded callers. That child (the *bootstrap*, this file run as a script)
-sets the sandbox up, forks an *init* process, which forks the *worker* that runs the user code as
-``__main__``. The bootstrap and init hold no user code; init reaps, and reports the worker's exit
-status and CPU time on a private control pipe the worker closes before user code runs.
+Each run is a fresh child interpreter (``-I -S -B``, a minimal environment, its own process group,
+output read with a size cap, a wall-clock deadline the parent enforces) in a temporary working
+directory; this file run as a script is its *bootstrap*, which sets the sandbox up and forks an
+*init* that forks the *worker* running the user code. The kernel layers, outer to inner: a new
+network namespace (no interface up: every ``connect`` fails), a PID namespace (everything left is
+killed with the run), a mount namespace in which every mount is read-only but the working
+directory (and ``/proc`` and IPC private), a per-run unprivileged uid when run as root (else a
+user namespace, capabilities dropped), ``no_new_privs``, and rlimits (CPU, address space, file
+size, processes, open files; per process). An audit hook (``guard``) refuses network, process
+creation, ``ctypes`` and writes outside the working directory with clear messages; it is a
+tripwire, **not a security boundary**. A namespace the kernel refuses is skipped and
+``SandboxResult.layers`` says so; a setup failure that would leave the code with more privilege
+than intended raises :class:`SandboxError`, while the program's own failures never raise.
 
-Isolation layers (outer to inner), as built in this order; ``SandboxResult.layers`` lists the ones
-that were active for a run and :func:`isolation_layers` those this machine provides:
-
-* ``netns`` -- a new, empty network namespace (``unshare(CLONE_NEWNET)`` via ``ctypes``): no
-  interfaces but a *down* loopback, so every ``connect`` fails with ENETUNREACH, including to
-  services listening on the host's 127.0.0.1. Abstract Unix sockets are per network namespace
-  too. Filesystem Unix sockets are guarded by file permissions (``setuid``) and the guard.
-* ``pidns`` -- a new PID namespace whose init is ours: the sandbox sees and can signal only its own
-  processes, and when the worker exits (or the bootstrap is killed on timeout, via
-  ``PR_SET_PDEATHSIG``) the kernel kills every process left in it -- a process that ``setsid()``\\ s
-  out of the process group cannot survive the run.
-* ``mountns`` + ``readonly-fs`` -- a private mount namespace in which every mount is read-only
-  (``mount_setattr(AT_RECURSIVE, MOUNT_ATTR_RDONLY)``, or per-mount ``MS_REMOUNT`` on kernels older
-  than 5.12) except a bind mount of the working directory: nothing outside it can be written, not
-  even world-writable ``/tmp`` or ``/dev/shm``. ``private-proc``: ``/proc`` is remounted for the
-  PID namespace, so host processes are invisible. ``ipcns``: System V IPC / POSIX queues private.
-* ``setuid`` (when the parent runs as root) -- the worker drops to a per-run unprivileged uid/gid
-  drawn at random from ``[UID_BASE, UID_BASE + UID_SPAN)`` (no supplementary groups), and the
-  working directory is ``chown``\\ ed to it. This is what makes ``RLIMIT_NPROC`` apply (the kernel
-  never enforces it for root), keeps root-owned files safe, and keeps concurrent sandboxes from
-  signalling or reading each other. Directories the interpreter needs that the uid cannot reach
-  (e.g. a pyenv Python under ``/root``, mode 0700) are made reachable inside the mount namespace
-  by a tmpfs over the closed ancestor with bind mounts of just those directories.
-  ``userns`` (when not root) -- a user namespace (identity-mapped) is created to get the other
-  namespaces; the worker then drops all its capabilities. Without root or user namespaces the
-  worker runs as the caller's uid.
-* ``no-new-privs`` -- ``PR_SET_NO_NEW_PRIVS``: executing set-uid binaries gains nothing.
-* ``rlimits`` -- in the bootstrap, inherited by everything below: ``RLIMIT_CPU`` (soft
-  ``cpu_s``: SIGXCPU; hard one second later: SIGKILL), ``RLIMIT_AS`` (address space; Python raises
-  ``MemoryError``), ``RLIMIT_FSIZE`` (a bigger write fails with EFBIG), ``RLIMIT_NPROC`` (processes
-  *and threads* of the sandbox uid), ``RLIMIT_NOFILE``, ``RLIMIT_CORE = 0``. Limits are per
-  process: ``max_processes`` processes may each use ``memory_mb`` and ``cpu_s``; the wall clock
-  bounds the whole run.
-* ``guard`` (``guard=True``, the default) -- a Python audit hook installed just before the user code
-  runs that refuses ``socket.connect/bind/sendto/sendmsg``, process creation (``os.fork``,
-  ``os.system``, ``os.exec*``, ``os.posix_spawn``, ``subprocess.Popen``, ...), ``ctypes`` and
-  opening for writing, creating, renaming or removing paths outside the working directory.
-  It is a tripwire that gives clear error messages, **not a security boundary**: audit hooks can be
-  side-stepped from Python (e.g. ``_posixsubprocess.fork_exec`` raises no event, ``dir_fd``
-  arguments are not resolved). The kernel layers above are the boundary. Pass ``guard=False`` to
-  let the program start subprocesses (still bounded by ``max_processes``).
-
-Fallbacks: each namespace is optional -- when the kernel or container refuses one (no
-``CAP_SYS_ADMIN``, user namespaces disabled, seccomp) the run goes on without it and ``layers`` says
-so. Then: without ``netns`` only the guard stops network access; without ``mountns`` a
-non-root-owned, world-writable directory (``/tmp``) is writable by the sandbox uid (only the guard
-stops it); without ``pidns`` the init process reaps leftover processes (as root: ``kill(-1)`` from the
-sandbox uid; otherwise its subreaper children), and on a wall-clock kill the parent sweeps the
-sandbox uid's processes (root) -- without root, a process that escaped the process group may
-outlive a timed-out run. Without root or user namespaces, ``RLIMIT_NPROC`` counts all processes of
-the caller's uid. A setup failure that would leave the code running with more privilege than
-intended (root cannot drop to the sandbox uid, the interpreter is unreadable by it) raises
-:class:`SandboxError`; the program's own failures never raise.
-
-Not limited: the number of files written in the working directory (each at most ``file_size_mb``;
-the directory is removed afterwards); memory is per process (cgroups would bound the total); there
-is no seccomp filter, so the program may create nested unprivileged namespaces (the mounts it
-inherits stay locked read-only there, and a nested network namespace is as empty).
-
-Measured in the development container (Linux 6.18, root, 2 cores, every layer above active):
-``run_python("print(1)")`` takes about 55 ms end to end on an idle machine (~100 ms median under a
-load average of 4): bootstrap interpreter start ~20 ms, namespaces and mounts ~2 ms, two forks,
-the worker's exit and the temporary directory. A bare ``python -I -c "print(1)"`` there takes
-~20 ms (8 ms with ``-S``); a ``code_tests`` verification of an 8-test task ~90 ms.
+The full account (each layer, the fallbacks, what is not limited, measured costs) is in
+docs/rewards.md, "The sandbox".
 """
 
 from __future__ import annotations

@@ -1,60 +1,33 @@
 """``sokoban``: small generated Sokoban rooms as a multi-turn text environment, and its task source.
 
-Rooms (:func:`generate_room`, no dependency) are ``size`` x ``size`` including the outer walls
-(default 6: a 4x4 interior) with ``boxes`` boxes (default 1). The generator is seeded by the
-episode seed alone: it carves the interior, adds a few interior walls (keeping the floor
-connected), puts boxes on random targets and the player on a free cell, then plays backwards —
-a random walk in which the player pulls a box it walks away from — and keeps the state of that walk
-with no box on a target that scores highest (box distances from their targets, plus twice the
-times a box was pulled in a new direction, plus half the player's distance to the nearest box). Every room is therefore solvable
-(its reverse walk, replayed forwards, solves it). :func:`solve` is a BFS over (player, boxes)
-giving a shortest solution in moves, with dead squares pruned; it is the expert.
+Rooms (:func:`generate_room`, no dependency) are ``size`` x ``size`` including the outer walls with
+``boxes`` boxes, generated from the episode seed alone by playing a random walk backwards from the
+solved state (so every room is solvable); :func:`solve` (BFS over player and boxes, dead squares
+pruned) gives a shortest solution and is the expert. Board: ``#`` wall, ``.`` target, ``$`` box,
+``*`` box on target, ``@`` player, ``+`` player on a target; ``positions`` adds a line with each
+box and free target relative to the player (:func:`positions`).
 
-Board (one row per line): ``#`` wall, `` `` floor, ``.`` target, ``$`` box, ``*`` box on target,
-``@`` player, ``+`` player on a target. The first observation is short instructions plus the
-board; later ones a feedback line (moved / pushed a box / blocked / invalid action / solved) plus
-the board.
+Actions: ``up``, ``down``, ``left``, ``right`` (the last such word counts; a reply of only
+``U``/``D``/``L``/``R`` too); walking into a box pushes it when the cell behind is free. Reward of
+a step: ``step_penalty`` + ``box_reward`` times the change in boxes on targets + ``solve_reward``
+on the step that solves the room (which ends it, ``success``). It truncates after ``max_turns``
+steps (0 = ``10 * boxes + 2 * size``); a box pushed onto a dead square sets ``info["deadlock"]``
+and, with ``end_on_deadlock``, ends the episode. ``info``: ``turn``, ``state_hash``, ``success``,
+``invalid_action``, ``deadlock``; ``seed`` after reset. Env kwargs: :class:`SokobanConfig`.
 
-Actions: ``up``, ``down``, ``left``, ``right`` — the LAST such word in the reply counts
-(case-insensitive, whole words); a reply that is only ``U``/``D``/``L``/``R`` counts too. Walking
-into a box pushes it if the cell behind it is free floor or target; a blocked move uses the turn
-and changes nothing. A reply without an action is invalid: it uses a turn, earns
-``invalid_penalty`` (default 0) and changes nothing.
-
-Reward of a step: ``step_penalty`` (default 0) + ``box_reward`` (default 0.1) times the change in
-the number of boxes on targets (+0.1 pushing one on, -0.1 pushing one off) + ``solve_reward``
-(default 1.0) on the step that puts the last box on its target, which ends the episode
-(``success``). A solved episode's return is ``solve_reward + box_reward * boxes`` plus the step
-penalties (every generated room starts with no box on a target). The episode truncates after
-``max_turns`` steps (0 = ``10 * boxes + 2 * size``). A box pushed onto a dead square (a non-target
-cell from which no push sequence can bring it to a target) makes the room unsolvable:
-``info["deadlock"]`` says so, and with ``end_on_deadlock`` the episode terminates there (no
-success).
-
-Presentation kwargs: ``instructions`` (default true: false leaves the rules out of the first
-observation, which is then the board alone: for a model trained from scratch, which cannot read
-them), ``letters`` (default false: true asks for one-letter replies ``U``/``D``/``L``/``R``, one
-token each with a character tokenizer, and the expert demonstrates them; words still count) and
-``positions`` (default false: true adds a line under every board saying where each box off a target
-and each free target is relative to the player, e.g. ``box U1 L2, target D1 R3`` — rows up/down,
-columns left/right; :func:`positions`. The board stays whole; the line spares a small model from
-locating ``@``, ``$`` and ``.`` in a 2-D grid of characters, which it reads poorly).
-
-``info``: ``turn``, ``state_hash`` (digest of the room, the player and the boxes), ``success``,
-``invalid_action``, ``deadlock``; ``seed`` after reset.
-
-Task source ``sokoban``: see :class:`envs.gym_text.EpisodeSource` (held out by room layout).
+Task source ``sokoban`` (:class:`SokobanSource`, an :class:`envs.gym_text.EpisodeSource`): held
+out by room. Details and what each kwarg is for: docs/agentic.md, "The environments".
 """
 
 from __future__ import annotations
 
 import random
 from collections import deque
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any
 
-from envs.base import StepResult
+from envs.base import StepResult, check_heldout_fraction
 from envs.gym_text import EpisodeSource, check_kwargs, check_seed, state_hash, word_action_parser
 from envs.registry import register_env, register_source
 
@@ -399,43 +372,26 @@ def make_sokoban_env(prompt: str = "", reference: str = "", **kwargs: Any) -> So
 
 @dataclass(frozen=True)
 class SokobanSource(EpisodeSource):
-    """Sokoban episodes as problems (see :class:`envs.gym_text.EpisodeSource`); registered as
-    ``sokoban``."""
+    """Sokoban episodes as problems (see :class:`envs.gym_text.EpisodeSource`: held out by room);
+    registered as ``sokoban``."""
 
-    size: int = 6
-    boxes: int = 1
-    max_turns: int = 0
-    solve_reward: float = 1.0
-    box_reward: float = 0.1
-    step_penalty: float = 0.0
-    invalid_penalty: float = 0.0
-    end_on_deadlock: bool = False
-    instructions: bool = True
-    letters: bool = False
-    positions: bool = False
+    config: SokobanConfig = SokobanConfig()
     heldout_fraction: float = 0.05
     salt: str = "sokoban"
     name: str = "sokoban"
     default_verifier: str = ""
 
     def __post_init__(self) -> None:
-        if not 0 < self.heldout_fraction < 1:
-            raise ValueError(f"sokoban: heldout_fraction={self.heldout_fraction} must be in (0, 1)")
-        self.config  # noqa: B018 - validates the env kwargs
-
-    @property
-    def config(self) -> SokobanConfig:
-        return SokobanConfig(**self.env_kwargs())
+        check_heldout_fraction("sokoban", self.heldout_fraction)
 
     def env_kwargs(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(SokobanConfig)}
+        return asdict(self.config)
 
     def env(self) -> Sokoban:
-        """A fresh environment with this source's env kwargs."""
         return Sokoban(self.config)
 
     def room(self, seed: int) -> Room:
-        return generate_room(seed, self.size, self.boxes)
+        return generate_room(seed, self.config.size, self.config.boxes)
 
     def layout(self, seed: int) -> str:
         room = self.room(seed)
@@ -444,15 +400,16 @@ class SokobanSource(EpisodeSource):
     def expert_actions(self, seed: int) -> list[str]:
         """The expert's moves for episode ``seed``: a BFS shortest solution (one letter each with
         ``letters``)."""
-        moves = expert_actions(seed, size=self.size, boxes=self.boxes)
-        return [m[0].upper() for m in moves] if self.letters else moves
+        moves = expert_actions(seed, size=self.config.size, boxes=self.config.boxes)
+        return [m[0].upper() for m in moves] if self.config.letters else moves
 
 
 @register_source("sokoban")
 def make_sokoban_source(**kwargs: Any) -> SokobanSource:
-    """Build a :class:`SokobanSource` from the env kwargs plus ``heldout_fraction`` / ``salt``."""
+    """Build a :class:`SokobanSource` from the env kwargs plus ``heldout_fraction`` and ``salt``."""
     check_kwargs("sokoban", kwargs, {**_TYPES, "heldout_fraction": float, "salt": str})
-    return SokobanSource(**kwargs)
+    env = {k: v for k, v in kwargs.items() if k in _TYPES}
+    return SokobanSource(SokobanConfig(**env), **{k: v for k, v in kwargs.items() if k not in env})
 
 
 def expert_actions(seed: int, **kwargs: Any) -> list[str]:

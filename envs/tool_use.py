@@ -1,51 +1,30 @@
 """``tool_use``: a multi-turn environment where a calculator or a Python sandbox makes the task easy.
 
-Each episode is one arithmetic task that is hard to do in the head but easy with a tool, drawn
-from a family (:data:`FAMILIES`) and a difficulty (1-3); the task is a function of the kwargs and
-the ``reset`` seed only, so a restarted worker rebuilds an episode by replaying its actions:
+Each episode is one arithmetic task from a family of :data:`FAMILIES` (``mul``, ``sum``,
+``powmod``, ``primes``) at a difficulty (1-3), a function of the kwargs and the ``reset`` seed
+only. Actions, one per turn (the first in the text counts):
 
-* ``mul`` -- multiply two numbers (difficulty 2: 3-4 digits each);
-* ``sum`` -- add a list of numbers (difficulty 2: eight numbers of 3-4 digits);
-* ``powmod`` -- ``(a ** b) % m`` (difficulty 2: ``a < 100``, ``b <= 60``, ``m <= 1000``);
-* ``primes`` -- count the primes below ``N`` (difficulty 2: ``N <= 3000``; needs ``python``).
+* ``calc: <expression>``: :func:`safe_calc` (parsed with ``ast``, never ``eval``; results bounded
+  to :data:`MAX_BITS` bits), with ``allow_calc``;
+* ``python: <code>`` or a fenced ```` ```python ```` block: :func:`envs.sandbox.run_python` (wall
+  ``python_wall_s``, memory ``python_memory_mb``, no network), what it prints is the observation
+  (:func:`describe_python`), with ``allow_python``;
+* ``answer: <integer>``: ends the episode, reward 1 if correct (else 0) plus ``tool_bonus`` when a
+  tool was called.
 
-Actions (one per turn; the first action in the text counts, text around it is ignored):
+Anything else is an invalid action (reward 0). The episode truncates after ``max_turns``.
+``info``: ``state_hash`` (""), ``success``, ``invalid_action``, ``turn``, ``tool_calls``,
+``tool``; ``reset`` adds ``seed`` and ``family``. :class:`envs.sandbox.SandboxError` propagates,
+so the worker fails the episode with that reason instead of scoring it.
 
-* ``calc: <expression>`` -- a safe arithmetic evaluator (:func:`safe_calc`: parsed with ``ast``,
-  only numbers, parentheses, ``+ - * / // % **``; ``^`` ``×`` ``÷`` ``−`` are accepted as
-  ``** * / -``; results bounded to :data:`MAX_BITS` bits). Never ``eval``.
-* ``python: <code>`` (the rest of the line and the lines after it) or a fenced ```` ```python ````
-  block -- runs in :func:`envs.sandbox.run_python` (wall ``python_wall_s``, memory
-  ``python_memory_mb``, no network, no writes outside its directory, no subprocesses); what it
-  prints (truncated to ``max_output_chars``) is the next observation; errors, timeouts and kills
-  are reported there, never raised. Only with ``allow_python`` (``calc`` only with ``allow_calc``).
-* ``answer: <integer>`` -- ends the episode: reward 1 if it equals the task's answer, else 0, plus
-  ``tool_bonus`` (default 0; negative for a penalty) when a tool was called in the episode.
-
-A text with no action, an empty tool call, a disabled tool or an answer without a number is an
-invalid action: it consumes a turn with reward 0 and the observation says what was wrong. After
-``max_turns`` turns without an answer the episode is truncated (reward 0). Tool turns give reward 0.
-
-``info`` at every step: ``state_hash`` ("" -- the state is the transcript), ``success`` (a correct
-answer), ``invalid_action``, ``turn``, ``tool_calls`` (tool calls so far, failing ones included),
-``tool`` (``"calc"``, ``"python"`` or ``""`` this turn); ``reset`` adds ``seed`` and ``family``.
-:class:`envs.sandbox.SandboxError` (the sandbox could not be set up, not the program's fault)
-propagates, so the worker fails the episode with that reason instead of scoring it.
-
-Task source ``tool_use`` (:class:`ToolUseSource`): ``Problem.prompt_id = "tool_use:<seed>"``, the
-prompt is the first observation, the reference is JSON ``{"env", "seed", "kwargs"}``, no verifier.
-A seed is held out iff ``sha256("tool_use|<seed>")`` mapped to ``[0, 1)`` is below
-``heldout_fraction``; training seeds are redrawn until they are not; ``heldout(n)`` is the first
-``n`` held-out seeds counting up from 0. :meth:`ToolUseSource.expert_actions` calls the tool once
-(``calc`` where it can, else ``python``) and answers (source kwarg ``demo: mixed``: half the
-episodes, by seed, answer at once without a tool); the demonstration joins its actions with
-``\\n---\\n``.
+Task source ``tool_use`` (:class:`ToolUseSource`, an :class:`envs.gym_text.EpisodeSource`): the
+expert calls a tool once then answers (``demo: mixed``: half the episodes answer at once).
+Details: docs/agentic.md, "The environments".
 """
 
 from __future__ import annotations
 
 import ast
-import json
 import math
 import random
 import re
@@ -53,7 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from envs.base import Problem, StepResult, seed_heldout, seed_of
+from envs.base import StepResult, check_heldout_fraction, is_heldout_key, reject_unknown
+from envs.gym_text import EpisodeSource, turns_left
 from envs.registry import register_env, register_source
 from envs.sandbox import SandboxLimits, SandboxResult, run_python
 
@@ -290,9 +270,7 @@ def _bound(name: str, v: float, lo: float, hi: float) -> None:
 
 def _config(kwargs: dict[str, Any]) -> ToolUseConfig:
     kwargs = {k: v for k, v in kwargs.items() if k not in ("prompt", "reference")}
-    unknown = sorted(set(kwargs) - set(_KWARGS))
-    if unknown:
-        raise ValueError(f"{NAME}: unknown kwargs {unknown}; allowed: {sorted(_KWARGS)}")
+    reject_unknown(NAME, kwargs, _KWARGS)
     return ToolUseConfig(**kwargs)
 
 
@@ -441,14 +419,8 @@ class ToolUseEnv:
                 s for s, on in (('"calc: <expression>"', self.cfg.allow_calc),
                                 ('"python: <code>"', self.cfg.allow_python),
                                 ('"answer: <integer>"', True)) if on) + ".")
-        left = self.cfg.max_turns - self.turn
-        truncated = left <= 0
-        if truncated:
-            self.done = True
-            body += "\nOut of turns."
-        else:
-            body += f"\n({left} turn{'s' * (left != 1)} left)"
-        return StepResult(body, 0.0, False, truncated, self._info(False, invalid, tool))
+        footer, self.done = turns_left(self.turn, self.cfg.max_turns)
+        return StepResult(body + footer, 0.0, False, self.done, self._info(False, invalid, tool))
 
 
 @register_env(NAME)
@@ -460,57 +432,33 @@ def make_tool_use_env(**kwargs: Any) -> ToolUseEnv:
 # =========================================================================== the task source
 
 
-class ToolUseSource:
-    """Episodes of ``tool_use`` as problems (see the module doc). Registered as ``tool_use``."""
+class ToolUseSource(EpisodeSource):
+    """Episodes of ``tool_use`` as problems (:class:`envs.gym_text.EpisodeSource`: every seed its
+    own task). Registered as ``tool_use``."""
 
     name = NAME
-    default_verifier = ""
+    salt = NAME
+    demo_sep = DEMO_SEP
 
     def __init__(self, heldout_fraction: float = 0.05, demo: str = "tool", **env_kwargs: Any) -> None:
-        if isinstance(heldout_fraction, bool) or not isinstance(heldout_fraction, int | float) \
-                or not 0 < heldout_fraction < 1:
-            raise ValueError(f"{NAME}: heldout_fraction={heldout_fraction!r} must be in (0, 1)")
+        self.heldout_fraction = check_heldout_fraction(NAME, heldout_fraction)
         if demo not in DEMOS:
             raise ValueError(f"{NAME}: demo={demo!r} must be one of {', '.join(DEMOS)}")
-        self.heldout_fraction = float(heldout_fraction)
         self.demo = demo
         self.cfg = _config(env_kwargs)
 
+    def env_kwargs(self) -> dict[str, Any]:
+        return self.cfg.as_kwargs()
+
     def env(self) -> ToolUseEnv:
         return ToolUseEnv(self.cfg)
-
-    def problem(self, seed: int) -> Problem:
-        obs, _ = self.env().reset(seed)
-        ref = json.dumps({"env": NAME, "seed": seed, "kwargs": self.cfg.as_kwargs()}, sort_keys=True)
-        return Problem(prompt_id=f"{NAME}:{seed}", prompt=obs, reference=ref, verifier="")
-
-    def is_heldout(self, problem: Problem) -> bool:
-        return seed_heldout(NAME, seed_of(problem, NAME), self.heldout_fraction)
-
-    def sample(self, rng: random.Random) -> Problem:
-        while True:
-            seed = rng.randrange(2**31)
-            if not seed_heldout(NAME, seed, self.heldout_fraction):
-                return self.problem(seed)
-
-    def heldout_seeds(self, n: int) -> list[int]:
-        out: list[int] = []
-        seed = 0
-        while len(out) < n:
-            if seed_heldout(NAME, seed, self.heldout_fraction):
-                out.append(seed)
-            seed += 1
-        return out
-
-    def heldout(self, n: int) -> list[Problem]:
-        return [self.problem(s) for s in self.heldout_seeds(n)]
 
     def expert_actions(self, seed: int) -> list[str]:
         """One tool call (``calc`` where it can, else ``python``; none when no tool is enabled)
         then the answer. With ``demo: mixed`` half the episodes (by seed) answer at once, without a
         tool."""
         task = ToolUseEnv.task_for(self.cfg, seed)
-        if self.demo == "mixed" and seed_heldout(f"{NAME}/direct", seed, 0.5):
+        if self.demo == "mixed" and is_heldout_key(f"{NAME}/direct", seed, 0.5):
             return [f"answer: {task.answer}"]
         actions = []
         if self.cfg.allow_calc and task.calc_expr:
@@ -520,9 +468,6 @@ class ToolUseSource:
         if len(actions) >= self.cfg.max_turns:
             actions = []
         return [*actions, f"answer: {task.answer}"]
-
-    def demonstration(self, problem: Problem, rng: random.Random) -> str:
-        return DEMO_SEP.join(self.expert_actions(seed_of(problem, NAME)))
 
 
 @register_source(NAME)

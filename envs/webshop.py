@@ -1,44 +1,22 @@
 """``webshop``: a small WebShop-like shopping environment over a generated product catalogue.
 
 After WebShop (Yao et al., 2022), scaled down and generated: every ``reset`` seed gives a catalogue
-of ``n_products`` products (a type from one of five departments, three attribute words, the colours
-and sizes it comes in, a price, a made-up brand; the name lists brand, attributes and type) and a
-goal instruction built from one product of it, e.g. ``i need a red cotton slim-fit t-shirt in size
-m, and price lower than 30.00 dollars``. The catalogue always holds near misses of the goal (same
-type lacking an attribute, the colour or the size; over budget; another type with the same words),
-so clicking the first search result is usually not enough. Everything is a function of the kwargs
-and the seed (a restarted worker rebuilds an episode by replaying its actions).
+of ``n_products`` products and a goal instruction built from one of them (:func:`build_world`, a
+pure function of seed and size), with near misses of the goal in the catalogue.
 
-Actions (WebShop's syntax; the first action in the text counts, case-insensitive):
+Actions (WebShop's syntax; the first in the text counts, any case): ``search[<words>]``
+(:func:`search`), ``click[<product id>]``, ``click[next page]`` / ``click[prev page]`` /
+``click[back]`` / ``click[back to search]``, ``select[<option>]`` (a colour or size on a product
+page) and ``buy``, which ends the episode with WebShop's reward (:func:`score`: the product type,
+the goal's attributes and options matched, and the price against the budget); ``success`` iff
+it is 1. Anything else, or an action that does not apply on the current page, is an invalid
+action (reward 0). The episode truncates after ``max_turns`` turns without ``buy``. ``info``:
+``state_hash``, ``success``, ``invalid_action``, ``turn``, ``page``; ``reset`` adds ``seed``,
+``buy`` adds ``bought``, ``matched`` and ``total``.
 
-* ``search[<words>]`` (on any page) -- results ranked by a keyword score (the number of distinct
-  query words found in the product's name, department, colours and sizes; ties in catalogue
-  order), ``results_per_page`` (5) per page: ``[<id>] <name> | $<price>``.
-* ``click[<product id>]`` -- a product listed on the current results page opens its page (name,
-  price, colours, sizes, the options selected so far); ``click[next page]``, ``click[prev page]``;
-  ``click[back]`` (product page -> results -> search page), ``click[back to search]``.
-* ``select[<option>]`` (or ``click[<option>]``) on a product page -- select a colour or a size
-  (``select[size m]``, ``select[color: red]`` work too); selecting again replaces it.
-* ``buy`` (or ``buy now``, ``click[buy now]``; on a line of its own) on a product page ends the
-  episode with WebShop's reward:
-  ``r_type * (attributes matched + options matched + [price <= budget]) / (goal attributes +
-  goal options + 1)``, ``r_type`` = 1 for the goal's product type, 0.5 for another type of its
-  department, 0.1 otherwise; options count when the selected colour/size equals the goal's.
-  ``success`` iff the reward is 1.
-
-Any other text, or an action that does not apply on the current page, is an invalid action: it
-consumes a turn, reward 0, the observation says why. After ``max_turns`` turns without ``buy``
-the episode is truncated (reward 0). ``info``: ``state_hash`` (hash of seed, page, query, results
-page, product and selected options), ``success``, ``invalid_action``, ``turn``, ``page``
-(``search`` / ``results`` / ``item`` / ``done``); ``reset`` adds ``seed``; ``buy`` adds
-``bought`` and ``matched`` / ``total``.
-
-Task source ``webshop`` (:class:`WebShopSource`): like ``tool_use``'s -- ``prompt_id =
-"webshop:<seed>"``, prompt = first observation, reference = JSON ``{"env", "seed", "kwargs"}``,
-seeds held out by ``sha256("webshop|<seed>") < heldout_fraction``, ``heldout(n)`` the first ``n``
-held-out seeds from 0. The expert (:meth:`WebShopSource.expert_actions`) searches the goal words,
-pages to the first listed product that satisfies the goal, clicks it, selects the goal's options
-and buys.
+Task source ``webshop`` (:class:`WebShopSource`, an :class:`envs.gym_text.EpisodeSource`): the
+expert searches the goal's words, pages to the first listed product that satisfies the goal,
+selects the goal's options and buys. Details: docs/agentic.md, "The environments".
 """
 
 from __future__ import annotations
@@ -51,7 +29,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from envs.base import Problem, StepResult, seed_heldout, seed_of
+from envs.base import StepResult, check_heldout_fraction, reject_unknown
+from envs.gym_text import EpisodeSource, turns_left
 from envs.registry import register_env, register_source
 
 NAME = "webshop"
@@ -261,9 +240,7 @@ _DEFAULTS = {"n_products": 100, "max_turns": 10, "results_per_page": 5}
 
 def _config(kwargs: dict[str, Any]) -> dict[str, int]:
     kwargs = {k: v for k, v in kwargs.items() if k not in ("prompt", "reference")}
-    unknown = sorted(set(kwargs) - set(_KWARGS))
-    if unknown:
-        raise ValueError(f"{NAME}: unknown kwargs {unknown}; allowed: {sorted(_KWARGS)}")
+    reject_unknown(NAME, kwargs, _KWARGS)
     cfg = {**_DEFAULTS, **kwargs}
     for k, (_, lo, hi) in _KWARGS.items():
         v = cfg[k]
@@ -423,14 +400,8 @@ class WebShopEnv:
         else:
             error = "no action found. " + _HELP
         body = f"Invalid action: {error}.\n{self._view()}" if error else self._view()
-        left = self.max_turns - self.turn
-        truncated = left <= 0
-        if truncated:
-            self.done = True
-            body += "\nOut of turns."
-        else:
-            body += f"\n({left} turn{'s' * (left != 1)} left)"
-        return StepResult(body, 0.0, False, truncated, self._info(False, bool(error)))
+        footer, self.done = turns_left(self.turn, self.max_turns)
+        return StepResult(body + footer, 0.0, False, self.done, self._info(False, bool(error)))
 
 
 @register_env(NAME)
@@ -442,47 +413,23 @@ def make_webshop_env(**kwargs: Any) -> WebShopEnv:
 # =========================================================================== the task source
 
 
-class WebShopSource:
-    """Episodes of ``webshop`` as problems (see the module doc). Registered as ``webshop``."""
+class WebShopSource(EpisodeSource):
+    """Episodes of ``webshop`` as problems (:class:`envs.gym_text.EpisodeSource`: every seed its
+    own catalogue). Registered as ``webshop``."""
 
     name = NAME
-    default_verifier = ""
+    salt = NAME
+    demo_sep = DEMO_SEP
 
     def __init__(self, heldout_fraction: float = 0.05, **env_kwargs: Any) -> None:
-        if isinstance(heldout_fraction, bool) or not isinstance(heldout_fraction, int | float) \
-                or not 0 < heldout_fraction < 1:
-            raise ValueError(f"{NAME}: heldout_fraction={heldout_fraction!r} must be in (0, 1)")
-        self.heldout_fraction = float(heldout_fraction)
+        self.heldout_fraction = check_heldout_fraction(NAME, heldout_fraction)
         self.kwargs = _config(env_kwargs)
+
+    def env_kwargs(self) -> dict[str, Any]:
+        return dict(self.kwargs)
 
     def env(self) -> WebShopEnv:
         return WebShopEnv(**self.kwargs)
-
-    def problem(self, seed: int) -> Problem:
-        obs, _ = self.env().reset(seed)
-        ref = json.dumps({"env": NAME, "seed": seed, "kwargs": self.kwargs}, sort_keys=True)
-        return Problem(prompt_id=f"{NAME}:{seed}", prompt=obs, reference=ref, verifier="")
-
-    def is_heldout(self, problem: Problem) -> bool:
-        return seed_heldout(NAME, seed_of(problem, NAME), self.heldout_fraction)
-
-    def sample(self, rng: random.Random) -> Problem:
-        while True:
-            seed = rng.randrange(2**31)
-            if not seed_heldout(NAME, seed, self.heldout_fraction):
-                return self.problem(seed)
-
-    def heldout_seeds(self, n: int) -> list[int]:
-        out: list[int] = []
-        seed = 0
-        while len(out) < n:
-            if seed_heldout(NAME, seed, self.heldout_fraction):
-                out.append(seed)
-            seed += 1
-        return out
-
-    def heldout(self, n: int) -> list[Problem]:
-        return [self.problem(s) for s in self.heldout_seeds(n)]
 
     def expert_actions(self, seed: int) -> list[str]:
         """Search the goal words, page to the first listed product that satisfies the goal, click
@@ -497,9 +444,6 @@ class WebShopSource:
         if goal.size:
             actions.append(f"select[{goal.size}]")
         return [*actions, "buy"]
-
-    def demonstration(self, problem: Problem, rng: random.Random) -> str:
-        return DEMO_SEP.join(self.expert_actions(seed_of(problem, NAME)))
 
 
 @register_source(NAME)

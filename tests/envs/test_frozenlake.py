@@ -11,6 +11,7 @@ from envs.frozenlake import (
     expert_actions,
     generate_map,
     make_frozenlake_env,
+    make_frozenlake_source,
     neighbor_line,
     shortest_path,
 )
@@ -209,7 +210,7 @@ def test_board_false_shows_only_the_local_view() -> None:
 def test_the_right_first_local_policy_solves_most_heldout_maps() -> None:
     """The local view is enough to play: "right unless hole or edge, else down" solves 84% of the
     first 64 held-out 4x4 maps (the bar the example's learning is read against)."""
-    src = FrozenLakeSource(size=4, neighbors=True, board=False)
+    src = make_frozenlake_source(size=4, neighbors=True, board=False)
     wins = 0
     for problem in src.heldout(64):
         env = src.env()
@@ -252,8 +253,8 @@ def test_expert_breaks_ties_between_shortest_paths_at_random_by_seed() -> None:
 
 
 def test_letters_asks_for_one_letter_and_the_expert_replies_that_way() -> None:
-    src = FrozenLakeSource(neighbors=True, board=False, letters=True)
-    words = FrozenLakeSource(neighbors=True, board=False)
+    src = make_frozenlake_source(neighbors=True, board=False, letters=True)
+    words = make_frozenlake_source(neighbors=True, board=False)
     problem = src.sample(random.Random(3))
     seed = src.seed_of(problem)
     letters = src.expert_actions(seed)
@@ -274,7 +275,7 @@ def test_letters_asks_for_one_letter_and_the_expert_replies_that_way() -> None:
 
 
 def test_safe_random_demonstrator_keeps_to_the_ice_but_does_not_seek_the_goal() -> None:
-    src = FrozenLakeSource(neighbors=True, board=False, letters=True, demo="safe_random")
+    src = make_frozenlake_source(neighbors=True, board=False, letters=True, demo="safe_random")
     reached = moves = 0
     firsts: list[str] = []
     for seed in range(200):
