@@ -7,28 +7,30 @@ Every import counts, at module level or inside a function (a lazy import is stil
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("schemas", "weights", "envs", "rollout", "trainer", "runtime", "infra", "store", "services", "launch",
-            "replay", "cli")
-ALLOWED: dict[str, set[str]] = {
-    "schemas": set(),
-    "weights": {"schemas"},
-    "envs": {"schemas"},
-    "rollout": {"schemas", "weights"},
-    "trainer": {"schemas", "weights"},
-    "runtime": {"schemas"},
-    "infra": {"schemas", "runtime"},
-    "store": {"schemas"},
-    "services": {"schemas", "weights", "envs", "rollout", "trainer", "runtime", "store"},
-    "launch": {"schemas", "weights", "envs", "rollout", "trainer", "runtime", "infra", "store", "services"},
-    "replay": {"schemas", "weights", "envs", "rollout", "trainer", "runtime", "store", "services", "launch"},
-    "cli": {"schemas", "weights", "envs", "rollout", "trainer", "runtime", "infra", "store", "services", "launch",
-            "replay"},
-}
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def layout_rules(text: str) -> dict[str, set[str]]:
+    """``{package: packages it may import}`` from the "Repository layout" table of the architecture
+    doc: every row whose folder is a Python package, its last column (backticked names, or "nothing
+    of ours")."""
+    section = text.split("## Repository layout", 1)[1].split("\n## ", 1)[0]
+    rules: dict[str, set[str]] = {}
+    for row in re.findall(r"^\| `([a-z_]+)/` \|.*\| ([^|]+) \|$", section, re.M):
+        folder, allowed = row
+        if folder != "tests" and (ROOT / folder / "__init__.py").exists():
+            rules[folder] = set(re.findall(r"`([a-z_]+)`", allowed))
+    return rules
+
+
+ALLOWED = layout_rules(ARCHITECTURE.read_text())
+PACKAGES = tuple(ALLOWED)
 MAX_SERVICE_MODULE_LINES = 500
 
 
@@ -141,3 +143,60 @@ def test_checker_finds_a_cycle_and_a_breach(tmp_path: Path) -> None:
 @pytest.mark.parametrize("pkg", PACKAGES)
 def test_every_package_is_seen(pkg: str) -> None:
     assert any(m == pkg or m.startswith(pkg + ".") for m in all_modules())
+
+
+def test_the_layout_table_names_every_package() -> None:
+    """Every top-level Python package of the repository has its row (and rules) in the doc."""
+    on_disk = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests"}
+    assert on_disk == set(PACKAGES), f"packages without a row: {on_disk - set(PACKAGES)}; rows without a package: {set(PACKAGES) - on_disk}"
+    assert all(dep in PACKAGES for deps in ALLOWED.values() for dep in deps)
+
+
+def test_layout_rules_are_read_from_the_table() -> None:
+    doc = ("## Repository layout\n| `schemas/` | x | nothing of ours |\n| `trainer/` | y | `schemas`, `weights` |\n"
+           "| `bench/` | z | — |\n| `tests/` | t | — |\n## Next\n| `envs/` | w | `schemas` |\n")
+    assert layout_rules(doc) == {"schemas": set(), "trainer": {"schemas", "weights"}}
+
+
+MAX_MODULE_DOCSTRING_LINES = 40
+"""The issue-34 bound: a module docstring says what the module does (about 25 lines); narrative
+belongs in docs/architecture.md."""
+
+
+def test_module_docstrings_are_short() -> None:
+    long = {}
+    for folder in (*PACKAGES, "bench", "scripts"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
+            if (n := len(doc.splitlines())) > MAX_MODULE_DOCSTRING_LINES:
+                long[str(path.relative_to(ROOT))] = n
+    assert not long, f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines: {long}"
+
+
+def python_lines(folder: str) -> int:
+    return sum(len(p.read_text().splitlines()) for p in (ROOT / folder).rglob("*.py"))
+
+
+def test_services_hold_the_handlers_alone() -> None:
+    """``services/`` is the handlers: at most 30% of the library's Python (tests and bench excluded)."""
+    total = sum(python_lines(pkg) for pkg in PACKAGES) + python_lines("scripts")
+    share = python_lines("services") / total
+    assert share <= 0.30, f"services/ is {share:.0%} of the library's Python lines"
+
+
+def test_no_stubbed_methods_in_the_runtime() -> None:
+    """The runtime composes its loops: no ``NotImplementedError`` stubs (abstract methods are ``abc``)."""
+    stubs = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "runtime").rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if "raise NotImplementedError" in line]
+    assert not stubs, stubs
+
+
+def test_the_contract_is_in_the_repository() -> None:
+    """Nothing cites a DESIGN.md outside the repository: the contract is docs/architecture.md."""
+    cited = []
+    for path in ROOT.rglob("*"):
+        if path.suffix in (".py", ".md", ".yaml", ".toml") and not any(
+                part.startswith(".") or part in ("runs", "models") for part in path.relative_to(ROOT).parts):
+            if "DESIGN.md" in path.read_text(errors="replace") and path != Path(__file__):
+                cited.append(str(path.relative_to(ROOT)))
+    assert not cited, cited
