@@ -4,54 +4,24 @@
                                   [--overhead-steps 20] [--only-overhead] [--threads N] [--rate 50]
                                   [--warm DIR] [--profile-out FILE] [--config CFG]
 
-1. Kafka end to end, per event size: a consumer group (``read_committed``, manual commit after
-   every batch, the same :class:`runtime.bus.Consumer` the services use) runs while a
-   :class:`runtime.bus.Producer` (idempotent, acks=all, zstd unless ``--compression``) sends
-   ``N`` events; the clock runs from the first send to the commit of the last event. Small = a
-   ``RolloutTask``; large = a ``Generation`` with 4096 response tokens and 4096 logprobs (the
-   large run sends ``N / 10``).
-2. Codecs, per event size: msgspec msgpack (typed encode + typed, validated decode into the
-   Struct) against stdlib ``json`` (``json.dumps`` of a ready-made dict + ``json.loads`` into a
-   dict). The json side is given the dict for free and builds no typed object, so its numbers
-   are flattering: the ratio is a lower bound of msgpack's advantage.
-3. Batch compression with the exact functions aiokafka calls (lz4 = its level 9, LZ4-HC; zstd =
-   level 3): MB/s and compressed size over a batch of each event size. Why zstd is the default.
+It prints four parts:
 
-4. Kafka overhead in a run (``--overhead-steps``, default 20; 0 skips it; ``--only-overhead``
-   runs it alone). The main example (``examples/main.yaml``: batch 256 = 32 groups of 8, 24 new
-   tokens) from the warmed-up tiny model (``bench/common.py``, kept in ``--warm``), with
-   ``rollout.async_ratio`` 0 (on-policy, so both wirings do the same work per step):
+1. Kafka end to end: events/s from the first send to the commit of the last event, through
+   :class:`runtime.bus.Producer` and a :class:`runtime.bus.Consumer` group, for ``--n`` small
+   (``RolloutTask``) and ``N / 10`` large events (``Generation``, 4096 tokens).
+2. Codecs: msgspec msgpack against stdlib ``json``, round trips per second (``--seconds`` each).
+3. Batch compression with the functions aiokafka calls: lz4 against zstd, MB/s and size.
+4. Kafka overhead in a run (``--overhead-steps`` RL steps, 0 skips it; ``--only-overhead`` runs it
+   alone; needs py-spy): the main example's s/step through Kafka (``rollstream run``, plain and
+   under py-spy at ``--rate`` Hz) against the same handlers in one process, the overhead share,
+   the Kafka client's CPU per step by category (:func:`classify`) and per process, and every
+   process's CPU per step from ``/proc`` (:class:`ProcCpu`). ``--threads N`` sets every process's
+   torch threads; ``--profile-out`` keeps the raw profile; ``--warm`` is the warmed-up tiny model.
+   ``--config CFG`` measures the Kafka part on another example as shipped (no in-process loop).
 
-   * through Kafka: ``rollstream run`` (every service its own process, the recorder included),
-     once plain and once under ``py-spy record --subprocesses --nonblocking`` (``--rate`` Hz);
-     wall time per step from the record (``train_steps.ts``, first to last step);
-   * in one process: the same handlers (``TorchEngine`` generation, the domain's verifier,
-     ``TorchStrategy``'s step and the weight swap) wired by plain calls and queues, no Kafka:
-     ``bench/async_speedup.py``'s batch-synchronous loop with no reward latency;
-   * the overhead: ``(Kafka s/step − in-process s/step) / Kafka s/step`` — everything the
-     distributed wiring costs (Kafka, separate processes sharing the cores, the recorder,
-     polling) — and its Kafka part from the profile: CPU seconds per step every service process
-     spent in serialisation, produce, consume, commit, transactions, aiokafka's connection I/O
-     and the runtime's own bookkeeping (:func:`classify` says exactly which frames count), as a
-     share of the profiled run's step time; plus the broker's CPU seconds when it runs here;
-   * CPU per step of every process of the unprofiled run (:class:`ProcCpu`: the kernel's count
-     from ``/proc``, first to last train step), the broker included: chDB's and OpenMP's native
-     threads count there, which py-spy does not see.
-
-   ``--threads N`` sets the torch threads of every process (``OMP_NUM_THREADS`` for the
-   services); ``--profile-out`` keeps the raw profile.
-
-   ``--config CFG`` (e.g. ``examples/smollm2_reasoning.yaml``) measures the Kafka part on another
-   example as shipped (its own model, no warm-up, ``async_ratio`` 0, 16 held-out problems): the
-   two runs through Kafka and the Kafka CPU table, without the in-process loop (which wires the
-   main example's single domain only) and so without the whole-pipeline overhead line.
-
-Needs a reachable broker (``--bootstrap``, else ``$ROLLSTREAM_BOOTSTRAP``, else the local one of ``rollstream
-stack up``: ``common.find_broker``); creates the topics of a throwaway run and deletes them at the end.
-Tables 1-3 take well under a minute on 2 cores. The overhead part makes two 20-step runs through
-Kafka and one in process. The defaults took 2 minutes on a quiet 2-core machine (2026-11-27); on
-a loaded one the overhead part took 16 minutes with torch's default threads and 4 minutes with
-``--threads 1``.
+Needs a reachable Kafka broker; creates the topics of a throwaway run and deletes them at the end.
+The defaults took 2 minutes on a quiet 2-core machine. bench/README.md ("bus.py") says exactly
+what each table measures and keeps the measured runs.
 """
 
 from __future__ import annotations

@@ -4,71 +4,23 @@ in one run, with this CPU's decode bound.
     .venv/bin/python bench/engine.py [--models tiny,smollm2] [--groups 1,8] [--prompts N] [--max-new-tokens N]
                                      [--max-batch N] [--threads N] [--no-greedy] [--repeats N]
 
-For each model, the same prompt token ids and the same sampling settings (temperature 1.0,
-top_p 1.0, no top-k, the same ``max_new_tokens``; the model's EOS tokens stop a row) go through:
+For each model (``tiny``: the main example's shape, freshly initialised, ``arith`` prompts;
+``smollm2``: ``models/smollm2-135m-instruct``, skipped with the command that creates it when
+absent) and each group size of ``--groups`` (1 = distinct prompts; 8 = every prompt 8 times in a
+row, as the feeder issues a GRPO group), the same prompt ids and sampling settings (temperature
+1.0, top_p 1.0, no top-k) go through :class:`rollout.engine.TorchEngine` as it ships
+(``engine/slots``, or ``engine/hf`` for a model that is not Llama-family), the same engine with
+``decoder="hf"`` (distinct prompts only) and ``model.generate()`` on the engine's model. Each is
+warmed up, then timed over ``--repeats`` passes in a rotating order; the median pass is reported.
 
-* **engine/slots** (or **engine/hf** when the model is not Llama-family): :class:`rollout.engine.TorchEngine`
-  as it ships (continuous batching, ``max_batch`` slots), all prompts submitted at once with
-  :func:`rollout.engine.generate_all`, exactly as the rollout worker submits them; it also
-  computes each token's behaviour logprob, which ``generate()`` does not;
-* **engine/hf**: the same engine with ``decoder="hf"`` (transformers' forward and
-  ``DynamicCache`` instead of :mod:`rollout.slot_decoder`), a second engine loaded from the same
-  directory (distinct prompts only);
-* **generate()**: ``model.generate()`` on the first engine's model object (same weights, SDPA,
-  threads), the way a user batches it: chunks of ``max_batch`` prompts (the engine's slot count, or
-  every prompt when there are fewer), left-padded with the pad token and an attention mask,
-  ``do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens, pad_token_id,
-  eos_token_id``, seeded with ``torch.manual_seed``.
+Prints, per model and group size: the share of prompt tokens the engine did not prefill; this
+CPU's decode bound at batch ``max_batch`` (matmul FLOP/s, memory bandwidth, FLOPs and bytes per
+decode step, and which of them limits); a table of tokens, seconds, tokens/s, each engine's ratio
+to ``generate()`` and the share each reached of the decode bound, without and with the prompts'
+prefill; then, unless ``--no-greedy``, how many greedy completions all of them agree on.
 
-The engines run their steps in their worker thread as in the rollout service; ``generate()`` runs
-in the main thread. Each is warmed up first on one full batch of prompts (8 new tokens), then
-timed over all prompts ``--repeats`` times (wall clock, prefill included; default 5 for tiny, 1 for
-smollm2), the three taking turns in an order that rotates every round; the median pass is
-reported. **tokens/s** counts generated tokens only, exactly what each produced: the engine's
-``Completion.token_ids``; for ``generate()`` each row up to and including its first EOS (the pad
-columns after it are not counted), else ``max_new_tokens``. The EOS token counts as generated.
-**engine ÷ gen** is each engine's ratio to ``generate()``. Unless ``--no-greedy``, a greedy round
-(``SamplingParams(greedy=True)`` / ``do_sample=False``) follows and reports how many prompts got
-identical completions from all of them (a check that all do the same work).
-
-**Groups** (``--groups``, default ``1,8``): each model runs once per group size ``g``. With ``g = 1``
-the prompts are distinct; with ``g = 8`` the run takes ``prompts / 8`` distinct prompts and repeats
-each 8 times in a row, as the feeder issues a GRPO group's tasks (both examples use ``group_size``
-8), so that the run still has ``prompts`` rows. ``generate()`` gets the same list (transformers'
-``num_return_sequences`` also expands the prompts before its prefill). The slot decoder prefills
-identical prompts of one admission once, and a prefix common to them (a chat template's system
-turn) once (:mod:`rollout.slot_decoder`); the line "of its admitted prompt tokens were not
-prefilled" gives the share it saved (``TorchEngine.prompt_tokens_reused``, warm-ups included).
-
-**The bound** of this CPU for a decode step at batch ``B = max_batch``:
-
-* matmul FLOP/s: best of 5 timed loops of ``(B, hidden) @ (hidden, intermediate)`` float32
-  ``torch.matmul`` (the model's MLP shape at this batch; weights hot in cache);
-* memory bandwidth: best of 5 ``x.sum()`` over a 256 MiB float32 tensor (read bandwidth; a copy
-  is printed for reference);
-* per decode step, FLOPs ``= B × (2 × P + 4 × layers × heads × head_dim × L)`` where ``P`` is the
-  weights of the model's linear layers (the LM head included; the embedding lookup is free) and
-  ``L`` the mean KV length during decoding (mean prompt + half the engine's mean generated
-  length); bytes ``= 4 × P`` (every weight read once per step for the whole batch) ``+`` the KV
-  cache read (``B × layers × 2 × kv_heads × head_dim × L × 4``);
-* decode bound, tokens/s ``= B / max(FLOPs / FLOP/s, bytes / bandwidth)``; whichever term is
-  larger is what limits (compute or memory). **of decode bound** is each row's tokens/s over it.
-  It leaves out the prompts' prefill, so
-* **of bound w/ prefill** charges the run's prompt tokens as well: ``2 × P`` (+ attention) FLOPs
-  each at the matmul FLOP/s of the prefill shape (``B × prompt length`` rows, at most 4096), plus
-  the generated tokens at the decode bound. Sampling, cache editing and Python overhead are in
-  neither bound. It charges every prompt token, which ``generate()`` and ``engine/hf`` compute but
-  the slot decoder does not when prompts share work (above), so for the slot decoder it is not an
-  upper bound there.
-
-Models: ``tiny`` = a fresh tiny Llama of the main example's shape (examples/main.yaml: hidden
-128, 4 layers, 4 heads, MLP 384, 64 positions, char tokenizer), prompts from the ``arith`` task
-source rendered with ``engine.encode``, defaults 2048 prompts, 24 new tokens, ``max_batch`` 256
-(the main example's rollout settings). ``smollm2`` = SmolLM2-135M-Instruct from
-``models/smollm2-135m-instruct`` (skipped, with the command to create it, when absent), prompts
-from the ``instruct`` task source through its chat template (with the template's default system
-turn), defaults 128 prompts, 64 new tokens, ``max_batch`` 64 (examples/smollm2_reasoning.yaml's
-slots). Defaults (both models, groups 1 and 8) took 9 minutes on 2 cores (bench/README.md).
+bench/README.md ("engine.py") defines each number exactly and keeps the measured runs. The
+defaults (both models, groups 1 and 8) took 9 minutes on 2 cores.
 """
 
 from __future__ import annotations

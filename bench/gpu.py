@@ -2,36 +2,26 @@
 
     python bench/gpu.py [--models tiny,smollm2-shape] [--dtypes float32,bfloat16] [--steps 4]
                         [--batch 32] [--prompt-len 96] [--response-len 64] [--device cuda:0]
-                        [--no-engine] [--no-serve] [--features] [--profile DIR] [--out results.jsonl]
+                        [--no-trainers] [--no-engine] [--no-serve] [--features] [--profile DIR]
+                        [--prompts 128] [--max-new-tokens 64] [--max-batch 64] [--repeats 2]
+                        [--out results.jsonl]
 
-Run it on a GPU machine before training there (the project's CI has no GPU). Needs the project's
-Python packages (``megatron-core`` for the megatron rows; without it each megatron row reports the
-one-line error that names the extra to install).
+Run it on a GPU machine before training there (the project's CI has no GPU); ``--device cpu``
+makes a smoke run. For each model (``tiny``: the main example's; ``smollm2-shape``: SmolLM2-135M's
+architecture with random weights) and dtype:
 
-**Trainers.** For each model and dtype, ``train.strategy`` ``torch``, ``fsdp2`` (``train.ranks: 1``:
-the multi-rank driver, an NCCL group of one, ``fully_shard``) and ``megatron`` (TP=1; Transformer
-Engine layers when ``transformer_engine`` is importable, the local spec otherwise) each train
-``--steps`` steps on the same fixed batch, each in its own process (one process group per process).
-Reported per row: the median time of steps 2..N (CUDA-synchronised; step 1 warms up kernels), the
-peak allocated GPU memory (model, optimizer state, activations) and, against ``torch``, the largest
-difference of step 1's metrics and of the weights exported after the last step. In float32 the
-three should agree to round-off (``PASS`` at 1e-4); in bfloat16 only approximately.
+* **Trainers**: ``train.strategy`` ``torch``, ``fsdp2`` and ``megatron`` (needs ``megatron-core``;
+  else its rows carry the one-line error) each train ``--steps`` steps on the same fixed batch in
+  a process of its own: median step time, peak GPU memory and, against ``torch``, the largest
+  difference of step 1's metrics and of the final weights (``PASS`` within 1e-4 in float32).
+  ``--features`` adds the KL loss, a GAE critic, LoRA and a checkpoint resume on the tiny model.
+* **Engine**: ``TorchEngine`` with the slot decoder (CUDA graphs, and eager) and with transformers'
+  forward, against ``model.generate()``: tokens/s and the largest logprob difference from a
+  teacher-forced forward pass. ``--profile DIR`` writes a ``torch.profiler`` table of one pass.
+* **Server**: ``rollstream serve`` with the rollout client, greedy, against the in-process engine.
 
-**Engine.** :class:`rollout.engine.TorchEngine` (continuous batching, bfloat16 and float32) on the
-GPU, with each of its two decoders (``slots``: :mod:`rollout.slot_decoder`, the default for Llama-family
-models, with its decode steps as CUDA graphs, and ``eager``: the same without graphs; ``hf``:
-transformers' forward and ``DynamicCache``), against ``model.generate()`` on the same
-model: generated tokens/s (the median of ``--repeats`` timed passes, the order rotating, after one
-warm-up pass each), and the largest difference between each decoder's behaviour logprobs and a
-teacher-forced forward pass over the same tokens (what the trainer recomputes).
-
-**Server.** ``rollstream serve`` (in this process, on the GPU) with the rollout client
-(``rollout.engine: server``): greedy completions against the in-process engine's.
-
-**Models.** ``tiny``: the main example's model (``rollout.model_init.init_tiny_model``).
-``smollm2-shape``: SmolLM2-135M's architecture (Llama, 30 layers, hidden 576, 9 heads / 3 KV heads,
-MLP 1536, vocabulary 49152, tied embeddings) with random weights: the published weights cannot be
-downloaded on an offline GPU machine, and step time and memory do not depend on the weights' values.
+Prints one JSON line per row (versions first); ``--out`` also appends each row to a file as it is
+measured. bench/README.md ("gpu.py") says what each row measures and keeps the measured runs.
 """
 
 from __future__ import annotations

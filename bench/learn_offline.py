@@ -1,8 +1,7 @@
 """Does the ML core learn? A synchronous GRPO run without Kafka, in one process.
 
-Trainer and engine run where ``train.device`` and ``rollout.device`` say (both ``auto`` by
-default: the GPU when torch sees one, in bfloat16; else the CPU in float32), e.g.
-``--set train.device=cpu --set rollout.device=cpu`` on a GPU machine.
+    .venv/bin/python bench/learn_offline.py                 # the tuned run
+    .venv/bin/python bench/learn_offline.py --engine-bench  # engine tokens/s only
 
 init tiny model -> supervised warm-up -> loop:
     sample prompts, generate ``group_size`` answers each with ``TorchEngine`` (T = rollout
@@ -10,21 +9,19 @@ init tiny model -> supervised warm-up -> loop:
     (``TorchStrategy``), export the weights and hot-swap them into the engine;
     greedy accuracy on the held-out split every ``train.eval_every`` steps.
 
-Prints the accuracy curve and the wall time (everything counted: model init, warm-up, RL,
-evaluations). The defaults below are the tuned values of the main example; override any run
-config key with ``--set section.key=value`` (e.g. ``--set train.lr=3e-4``).
+The defaults are the tuned values of the main example (:data:`TUNED`: 2-digit additions and
+subtractions, ``arith``); override any run config key with ``--set section.key=value`` (e.g.
+``--set train.lr=3e-4``). Trainer and engine run where ``train.device`` and ``rollout.device``
+say (both ``auto``: the GPU when torch sees one, in bfloat16; else the CPU in float32), e.g.
+``--set train.device=cpu --set rollout.device=cpu`` on a GPU machine. ``--clip-high`` sets the
+upper PPO clip, ``--threads`` torch's threads, ``--out DIR`` keeps the work directory.
 
-    .venv/bin/python bench/learn_offline.py                 # the tuned run
-    .venv/bin/python bench/learn_offline.py --engine-bench  # engine tokens/s only
-
-The tuned task: 2-digit additions/subtractions (``arith``, operands 0..99, results >= 0). The
-warm-up imitates worked column solutions (``demo_scratchpad=1``: ``47+38=`` ->
-``7+8+0=15;4+3+1=8;85``) for only 300 steps: the model has the format but still gets many
-single-digit facts and carries wrong (held-out greedy 22-36%). GRPO with the ``final_number``
-verifier (0/1 reward) then fixes them. Measured on 2 shared CPU cores: seed 0 goes 22.3% ->
-77.7% in 159 s wall; seeds 0-3 (1 thread each, two runs side by side) ended 80-94%.
-Bare-answer demonstrations (``demo_scratchpad=0``) also improve under RL (16% -> ~55% in 400
-steps) but plateau below 70%.
+Prints where each part runs, the warm-up's loss, a line every 5 RL steps (reward, pass@n, clip
+fraction, KL, entropy, grad norm), the accuracy curve, and a JSON summary: the wall time
+(everything counted: model init, warm-up, RL, evaluations), the accuracy gain and the rollout's
+tokens/s. ``--engine-bench`` instead prints ``TorchEngine``'s tokens/s next to transformers'
+``generate_batch`` on a fresh tiny model. bench/README.md ("learn_offline.py") describes the tuned
+task and the measured runs.
 """
 
 from __future__ import annotations

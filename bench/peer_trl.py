@@ -2,41 +2,24 @@
 
     .venv/bin/pip install -e '.[bench]'      # TRL, pinned (adds trl, datasets; changes no pinned package)
     .venv/bin/python bench/peer_trl.py [--steps 120] [--target 0.5] [--eval-every 10] [--batch 256]
-                                       [--impls rollstream,trl] [--warm DIR] [--no-stop-at-target] [--seed N]
+                                       [--group 8] [--impls rollstream,trl] [--threads N] [--warm DIR]
+                                       [--no-stop-at-target] [--seed N]
 
-Both train the same model from the same weights: the main example's tiny model (0.87M parameters,
-character tokenizer) after its supervised warm-up (``bench/learn_offline.py``'s 300 steps, made
-once and kept in ``--warm``, default ``.cache/bench/warm``). Same task (``arith``, 2-digit + and
--), same reward (the domain's verifier through ``envs.score_response``, as the reward router runs
-it; TRL gets it as its reward function), same held-out set and evaluation, same hyper-parameters:
+Both train the main example's tiny model from the same weights (after its supervised warm-up,
+made once and kept in ``--warm``) on the same task (``arith``) with the same reward (the domain's
+verifier), held-out evaluation (greedy, every ``--eval-every`` steps) and hyper-parameters
+(``--batch`` samples per step in groups of ``--group``, at most ``--steps`` steps). rollstream is
+``rollstream run examples/main.yaml`` as shipped (Kafka, one process per service); TRL runs in this
+process and stops at ``--target`` unless ``--no-stop-at-target``. ``--threads N`` gives TRL and
+every service N torch threads; ``--impls`` runs one side alone.
 
-* ``--batch`` samples per optimizer step (default 256, the main example's), in groups of
-  ``--group`` (8; TRL's ``num_generations``), micro-batches of 64 (TRL: gradient accumulation);
-* lr 2e-4 with cosine decay to 0.1× over ``--steps`` steps (TRL: ``cosine_with_min_lr``, no
-  warm-up), AdamW, grad clip 1.0, no KL (TRL ``beta=0``), PPO clip ε 0.2, token-mean loss over the
-  whole step (TRL ``loss_type="dapo"``), advantages normalised by the group's std
-  (``scale_rewards="group"``); sampling at temperature 1.0, top-p 1.0, 24 new tokens at most;
-  seed 0 (``--seed``).
-* held-out accuracy: greedy decoding (``TorchEngine``, the trainer service's engine) of the 256
-  held-out problems, scored with ``.correct`` of the same verifier, every ``--eval-every`` steps.
-  rollstream's trainer service runs it (``train.eval_every``); for TRL a callback saves the
-  weights and runs the same evaluation. Both pay their evaluations inside the measured time.
-
-rollstream is ``rollstream run examples/main.yaml`` as shipped (Kafka, one process per service,
-``async_ratio`` 1) with ``model.path`` = the warm model and no warm-up; its clock runs from the
-first task the feeder issued to the evaluation that first reaches ``--target`` (timestamps from
-the run's record). TRL runs in this process (``--threads``: the same torch threads per process as every service); its clock runs from
-``on_train_begin``, when its model is loaded and nothing is generated yet. rollstream's clock
-also covers its services' start (the trainer's imports and model load while the feeder already
-issues tasks), so a second ratio counts rollstream from the comparable point: the trainer's
-weights version 0 on Kafka (the rollout worker may still be loading then: that stays counted).
-With ``--no-stop-at-target`` TRL trains all ``--steps`` (rollstream always does). Generated tokens/s = all generated tokens (EOS included) over the run's RL wall time.
-
-Prints: per implementation, whether it reached the target and when (seconds, step), final
-accuracy, generated tokens/s and seconds per step; then the ratios (TRL ÷ rollstream time to the
-target, rollstream ÷ TRL tokens/s). Goal (reported, not asserted): rollstream at least 1.5×
-faster to the same accuracy. With ``--threads 1`` the defaults took 6.5 minutes on a loaded
-2-core machine: 5 for the rollstream run, 1.5 for TRL.
+Prints the starting accuracy and the settings; per implementation, whether it reached the target
+and when (step, seconds), the final accuracy, steps and RL wall time, seconds per step and
+generated tokens/s, and its accuracy curve; then the ratios: TRL ÷ rollstream time to the target
+(goal, reported and not asserted: at least 1.5×; also counted from the same point, each model
+loaded), rollstream ÷ TRL tokens/s and TRL ÷ rollstream seconds per step. bench/README.md
+("peer_trl.py") lists every shared setting and each clock, and keeps the measured runs. With
+``--threads 1`` the defaults took 6.5 minutes on a loaded 2-core machine.
 """
 
 from __future__ import annotations

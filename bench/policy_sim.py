@@ -1,32 +1,24 @@
 """rollstream's scheduling policy with no overhead: a discrete-event simulation of a streaming run.
 
-``bench/async_speedup.py`` reports two references for a streaming mode (``rollout.async_ratio`` k):
+``bench/async_speedup.py`` prints, beside the ideal bound of a streaming mode
+(``rollout.async_ratio`` k), the **policy's bound**: what rollstream's own scheduling reaches when
+every message, poll and process switch is free. :func:`simulate_run` replays docs/architecture.md's
+rules for ``steps`` train steps of ``B`` samples:
 
-* **the ideal bound**, ``max(G + T, E[max L of a group] / (1 + k))``: the best that *any* scheduler
-  could do with ``B (1 + k)`` samples in flight (Little's law: a sample holds its slot at least
-  until its group's slowest reward is in);
-* **the policy's bound**, from :func:`simulate`: what rollstream's own scheduling reaches when
-  every message, poll and process switch is free. It replays docs/architecture.md's rules:
+* the feeder keeps at most ``B (1 + k)`` samples outstanding and issues whole groups, stamped with
+  the newest weights version, as soon as the bound allows;
+* a sample stops being outstanding only when the train step that took its group ends (trained or
+  dropped as stale): a scored sample waiting in the trainer's buffer still holds its slot;
+* the trainer takes complete groups in arrival order, ``B`` samples a step, one step at a time,
+  and drops the samples more than k versions old;
+* generating ``n`` samples costs ``G n / B`` seconds and a step with its weight swap ``T``, on one
+  serial CPU; rewards take their latency (:func:`router_draws`: a run's own draws, or
+  :func:`lognormal`: fresh ones) and no CPU.
 
-  - the feeder keeps at most ``B (1 + k)`` samples outstanding and issues whole groups, stamped
-    with the newest weights version, as soon as the bound allows;
-  - a sample stops being outstanding only when the trainer publishes its outcome, at the end of the
-    train step that took its group (trained or dropped as stale): a scored sample waiting in the
-    trainer's buffer still holds its slot;
-  - the trainer takes complete groups in arrival order, ``B`` samples a step, one step at a time,
-    and drops the samples more than ``max_staleness`` (= k) versions old (counted: a dropped
-    sample frees its slot when a trained one does, so the timing is the same);
-  - generating ``n`` samples costs ``G n / B`` seconds and a train step with its weight swap costs
-    ``T``, on one serial CPU (the rollout worker and the trainer share this machine's 2 cores);
-    rewards take their latency and no CPU.
-
-The measured step time against the policy's bound is the implementation's efficiency (Kafka,
-polling, processes); the ideal bound against the policy's is what the policy itself costs. With
-``k = 0`` the policy's step is ``G + max L + T``, sync's bound.
-
-What it leaves out: the generation of a burst of tasks ends for all of them at once (the engine's
-continuous batching finishes short answers earlier), the trainer's evaluations and checkpoints, and
-the groups that ``algorithm.dynamic_filter`` rejects (off in the benchmark).
+It returns when each step ended and how many samples were issued and dropped as stale;
+:func:`simulate` averages many runs with fresh draws. ``release="complete"`` frees a slot when its
+group's last reward is in instead (the ideal bound's assumption, not what rollstream does).
+bench/README.md ("async_speedup.py") explains both bounds and what the simulation leaves out.
 """
 
 from __future__ import annotations

@@ -5,56 +5,23 @@ against the events/s a run produces, side by side in one invocation.
                                        [--run RUN --runs-dir DIR] [--bootstrap HOST:PORT]
                                        [--skip-e2e] [--profile] [--json OUT]
 
-1. **Produced** — what one run writes to the bus. Without ``--run`` this runs the main example
-   shortened (``rollstream run examples/main.yaml --set train.steps=<steps> --set
-   train.warmup_sft_steps=<warmup>`` into a temporary runs directory: the real thing, local
-   broker and every service in its own process) and deletes that run's topics afterwards; with
-   ``--run RUN --runs-dir DIR`` it reads an existing run instead. From the run's record
-   (``rollstream sql`` on its ``events`` table; ``ts`` = when each event was made) it takes the
-   **average** rate over the RL phase (events with ``ts`` from the first ``Generation`` to the
-   last event ÷ that span; the supervised warm-up before it produces almost nothing), the same
-   per topic (each over its own first-to-last span in that phase), the **peak** rate (the most
-   events made in one wall-clock second, anywhere in the run), the mix of event kinds with their
-   payload sizes, and the consumer lag the run's own recorder reported (``recorder_lag``).
-2. **Store only** (a subprocess: chDB opens one store per process) — N synthetic events in the
-   run's mix of kinds, made from ``tests/schemas/examples.py`` (fresh ids, sample ids and
-   timestamps per event; shaped like the main example: single-turn generations, no env spec,
-   token lists, response text, train-step sample ids and metric counts sized to the run's
-   averages; the table prints their payload bytes next to the run's), wrapped as decoded
-   :class:`runtime.bus.Record` objects and written with the recorder's own code
-   (:meth:`services.recorder.Recorder.rows_for`, then :meth:`~services.recorder.Recorder.insert`:
-   one insert per table, ``events`` last) in batches of ``--batch`` (default: the run's
-   ``store.batch_max_records``) into a fresh embedded store. Events/s = N ÷ the time of all
-   batches (one small warm-up batch before the clock is not counted; the N ready-made records
-   are frozen out of the garbage collector, as a recorder holds one poll, not a backlog), split
-   into the Python row mapping and the chDB inserts.
-3. **End to end** (a subprocess) — the same N events are produced
-   (:class:`runtime.bus.Producer`: idempotent, acks=all, zstd, registry keys) to the topics
-   of a throwaway run ``benchrec<hex>`` and all acknowledged; then the real recorder
-   (:meth:`services.recorder.Recorder.run` in-process: default settings but
-   ``batch_max_records``; pattern subscription, decode, rows, inserts, commit after each poll,
-   lag reports) starts on a fresh embedded store and drains that backlog. Events/s = the events
-   stored after its first stored batch ÷ the time from that batch until all N are stored (its
-   ``recorded`` counter, which counts after each insert returned; the store's ``count()`` is
-   checked at the end); group join and store start-up are reported apart. Draining a backlog as
-   fast as it goes is what the recorder can sustain. The time inside ``rows_for`` and ``insert``
-   is measured by wrapping those two methods on the instance (no service code changed); the
-   rest is Kafka fetch, msgpack decode, commit, lag reports and waiting. The throwaway run's
-   topics are deleted at the end.
+1. **Produced**: runs the main example shortened (``--warmup`` supervised + ``--steps`` RL steps,
+   a temporary runs directory, its topics deleted afterwards), or reads ``--run RUN --runs-dir
+   DIR``, and takes from the run's ``events`` table the average events/s of the RL phase, per
+   topic, the peak second, the mix of event kinds and the run's own ``recorder_lag``.
+2. **Store only** (a subprocess): N synthetic events in the run's mix, written with the recorder's
+   own ``Recorder.rows_for`` and ``Recorder.insert`` in batches of ``--batch`` (default: the run's
+   ``store.batch_max_records``) into a fresh embedded store.
+3. **End to end** (a subprocess, skipped by ``--skip-e2e``): the same N events produced to a
+   throwaway run's topics, then the real recorder (``Recorder.run``) drains that backlog into a
+   fresh store; the throwaway topics are deleted at the end.
 
-Headroom = sustained events/s ÷ produced events/s, for store only and end to end, each against
-the run's average and its peak second; the goal is at least 20×. Both sustained rates are
-measured with the recorder alone on the machine (and the broker); in a run it shares the cores
-with every other service, which the run's own ``recorder_lag`` shows. ``--profile`` runs both
-measurements once more with py-spy (``.venv/bin/py-spy --gil``) attached to the child for the
-measured part only and prints where the Python time goes (samples of the thread holding the GIL;
-chDB runs its inserts with the GIL released, so their engine time is in the wall-clock split, not
-in the profile).
-
-Needs a reachable Kafka broker for the example run and the end-to-end part (``--bootstrap``,
-else ``$ROLLSTREAM_BOOTSTRAP``, else the local broker of ``rollstream stack up``, which
-``rollstream run`` also starts). Defaults take about 1.5 minutes on 2 cores (1 minute of it the
-example run); ``--profile`` adds under a minute.
+Prints the run's production per topic, the event mix (the run's payload sizes beside the synthetic
+ones), the headroom table (sustained ÷ produced events/s, against the run's average and its peak
+second; the goal is 20×), where each measurement's time went (row mapping, chDB inserts, the rest)
+and, with ``--profile``, py-spy's ``--gil`` profile of both. ``--json`` also writes the results.
+The example run and the end-to-end part need a reachable Kafka broker. bench/README.md
+("recorder.py") says exactly what each part times and keeps the measured runs.
 """
 
 from __future__ import annotations

@@ -5,18 +5,16 @@
 the quantity the trainer recomputes. This script measures it on your model and prompts:
 
 1. **Greedy** (``temperature: 0``): the server's tokens and logprobs next to rollstream's
-   ``TorchEngine`` on the same model — the tokens up to the first divergence, and max |Δ logprob| over
-   them.
+   ``TorchEngine`` on the same model: the tokens up to the first divergence, max |Δ logprob| there.
 2. **Teacher-forced, greedy and sampled** (``--temperature``, default 0.7): every token the server
-   returned is scored by a plain forward pass of the model here (``log_softmax(logits / T)``); max
+   returned is scored by a forward pass of the model here (``log_softmax(logits / T)``); max
    |Δ logprob| against the server's. This catches a server in vLLM's default ``raw_logprobs`` mode
    (which ignores the temperature): start it with ``--logprobs-mode processed_logprobs``.
 
-It exits 1 when a max |Δ| exceeds ``--tolerance`` (default 0.02: vLLM in bfloat16 against torch in
-float32 differs by about 1e-2; use ``--dtype float32`` on both sides for ~1e-4), 0 otherwise, and
-prints one JSON line with the numbers.
-
-Usage, on a machine with a GPU and vLLM installed in its own environment::
+It prints one JSON line with the numbers and exits 1 when a max |Δ| exceeds ``--tolerance``
+(default 0.02: vLLM in bfloat16 against torch in float32 differs by about 1e-2; ``--dtype
+float32`` on both sides gives ~1e-4), else 0. On a machine with a GPU and vLLM in its own
+environment::
 
     # let the script start vLLM (its own python environment) on a free port:
     python scripts/check_vllm_logprobs.py MODEL_DIR --start-vllm /path/to/vllm-env/bin/vllm --dtype float32

@@ -1,31 +1,22 @@
 """Read-only queries over a store that another process holds open (the running recorder).
 
 chDB lets one process open a store directory at a time, and during a run that process is the
-recorder. So the recorder serves read-only queries: :class:`StoreServer` listens on
-``127.0.0.1`` (a free port) and runs each query in a server thread, on a read-only client
-session of its own, under the lock the recorder's inserts take too (one store call at a time).
-Readers find it through the endpoint file next to the store (``<store>.endpoint``, e.g.
-``runs/<run_id>/store.endpoint``: JSON with host, port, a random token and the pid; mode 0600,
-written atomically, removed at shutdown). A crashed recorder leaves the file behind, but also
-releases the store's lock: :func:`connect_reader` (``store.connect_reader``) asks the
-endpoint only while another process holds the store, and otherwise opens it directly, so a
-reader never needs to know which route it took.
+recorder, so the recorder serves read-only queries to the others:
 
-Protocol: each message is a 4-byte big-endian length followed by a msgpack map.
+* :class:`StoreServer` listens on ``127.0.0.1`` (a free port), answers each query on a read-only
+  client session of its own under the lock of the recorder's inserts, and writes the endpoint file
+  ``<store>.endpoint`` (host, port, token, pid) that readers find it by;
+* :func:`check_read_only` admits one SELECT, WITH, SHOW, DESCRIBE, DESC, EXPLAIN or EXISTS
+  statement without ``INTO OUTFILE``;
+* :class:`RemoteClient` is the readers' side: ``query(sql, parameters=, settings=)`` like a
+  clickhouse-connect client, failures as :class:`ServedStoreError` with one line;
+* :func:`connect_reader` (``store.connect_reader``) asks the endpoint only while another process
+  holds the store and otherwise opens it directly, so a reader never needs to know which route it
+  took.
 
-* request ``{"token": str, "query": str, "parameters": {name: value} | None,
-  "settings": {name: value} | None}``; a connection may carry several requests in turn;
-* response ``{"ok": true, "columns": [str], "types": [str], "rows": [[value]]}`` or
-  ``{"ok": false, "error": "one line"}``.
-
-Read-only is enforced twice: :func:`check_read_only` admits one statement that starts with
-SELECT, WITH, SHOW, DESCRIBE, DESC, EXPLAIN or EXISTS and has no ``INTO OUTFILE``; and the
-server's own client session (a second handle on the store, not the recorder's) is set to
-ClickHouse's ``readonly=2`` once, so every statement it runs is refused any write or DDL, and
-each query also gets ``max_execution_time`` (a reader cannot stall the recorder's inserts for
-long). Values other than numbers, strings, booleans, None, lists and maps (dates, decimals,
-UUIDs, IPs...) travel as their ``str()``, which is how ``rollstream sql`` prints them
-anyway; tuples arrive as lists.
+Each message is a 4-byte big-endian length followed by a msgpack map. docs/architecture.md
+("Storage: ClickHouse, embedded by default") gives the protocol, the endpoint file and how
+read-only is enforced.
 """
 
 from __future__ import annotations
