@@ -26,7 +26,7 @@ from store.rows import COLUMNS, typed_rows
 from tests.schemas.examples import example_events
 from tests.store.recorded_run import topic_of
 
-DOC = Path(__file__).resolve().parents[3] / "docs" / "analytics.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "analytics.md"
 A = "grid/0@0000aaaa"  # the first attempt of grid/0: its step 1 timed out, its answer came late
 B = "grid/0@1234abcd"  # the retry that the generation names
 
@@ -254,7 +254,7 @@ print(json.dumps({
 def test_a_store_made_before_006_gets_the_new_columns(tmp_path: Path) -> None:
     """Runs in a subprocess: chDB lets one process open one store directory."""
     out = subprocess.run([sys.executable, "-c", OLD_STORE, f"chdb://{tmp_path / 'old'}"], capture_output=True,
-                         text=True, timeout=120, cwd=Path(__file__).resolve().parents[3])
+                         text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["new"] == [v for v, _ in st.ddl_files() if v > 5]

@@ -31,7 +31,7 @@ from store.rows import COLUMNS, typed_rows
 from tests.schemas.examples import example_events
 from tests.store.recorded_run import topic_of
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "analytics.md"
 LLM = "qwen-judge"  # the essay domain's judge: verifier 0.5 + judge 0.5
 RM = "rm-small"  # the math domain's reward model: judge 1.0
