@@ -21,11 +21,10 @@ from __future__ import annotations
 # registering order = the order of `rollstream --help`
 from cli import run, stack, topics, ops, sql, report, replay, model, serve  # isort: skip
 from cli.app import app, main, version
-from cli.run import SERVICES
 
 app.command()(version)
 
-__all__ = ["SERVICES", "app", "main", "model", "ops", "replay", "report", "run", "serve", "sql", "stack", "topics"]
+__all__ = ["app", "main", "model", "ops", "replay", "report", "run", "serve", "sql", "stack", "topics"]
 
 if __name__ == "__main__":  # pragma: no cover (`python -m cli` runs __main__.py)
     main()

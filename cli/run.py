@@ -1,5 +1,6 @@
 """``rollstream run`` (a whole run, or ``--prepare-only``) and ``rollstream service NAME`` (one
-service of a run in this process)."""
+service of a run in this process: the service's handler module, named by the table of services
+:data:`schemas.services.SERVICES`, builds its settings and runs it)."""
 
 from __future__ import annotations
 
@@ -22,13 +23,7 @@ from cli.app import (
     quiet_transformers,
     setup_logging,
 )
-
-SERVICES = ("feeder", "rollout", "reward", "trainer", "recorder", "env", "judge")
-"""The services of a run (``rollstream service NAME``; the supervisor, compose). ``env`` (environment
-workers) serves multi-turn domains only: ``rollstream run`` starts it (× ``env.workers``) only when a
-domain is multi-turn; ``judge`` (judge workers) serves domains with a judge only: ``rollstream run``
-starts it (× ``judge.workers``) only when a domain has one. A compose stack always runs both, idle
-when the run does not need them."""
+from schemas.services import SERVICES
 
 
 def read_config(path: Path, overrides: list[str]) -> Any:
@@ -68,10 +63,6 @@ def check_backends(cfg: Any, devices: bool = True) -> None:
     if devices:
         check_devices(cfg)
     check_judges(cfg)  # last: it may load a judge's tokenizer (seconds)
-
-
-DEVICE_SERVICES = ("rollout", "trainer", "judge")
-"""The services that run a model on ``rollout.device`` / ``train.device`` / ``judge.device``."""
 
 
 def check_devices(cfg: Any) -> None:
@@ -350,9 +341,9 @@ def service_cmd(
         cfg = supervisor.load_run_config(runs_dir, run, set_)
     except supervisor.RunError as e:
         raise UserError(str(e)) from None
-    # feeder, reward, recorder and env workers use no device: checking one would import torch
+    # a service that runs no model uses no device: checking one would import torch
     # (about 1.7 s of CPU per process, at every start and restart)
-    check_backends(cfg, devices=name in DEVICE_SERVICES)
+    check_backends(cfg, devices=SERVICES[name].runs_model)
     cfg = with_store(cfg)
     # The broker by the one rule (the supervisor hands its own in $ROLLSTREAM_BOOTSTRAP), handed on to
     # this process's clients the same way; a configured address the rule overrode is replaced (the
@@ -374,57 +365,23 @@ def service_cmd(
 
 
 async def _run_service(name: str, cfg: Any, run: str, run_dir: Path, model_dir: str) -> None:
+    """Run service ``name`` of run ``run`` here until it finishes or SIGTERM/SIGINT: its handler
+    module (:attr:`~schemas.services.ServiceSpec.handler`) builds its settings from a
+    :class:`services.ServiceStart` (``settings_from``) and runs them (``run``)."""
     import asyncio
+    import importlib
+    import os
     import signal
 
-    from store.runs import PRODUCERS_DONE, store_dsn_of
+    from launch.supervisor import LABEL_ENV
+    from services import ServiceStart
 
+    handler = importlib.import_module(SERVICES[name].handler)
+    start = ServiceStart(config=cfg, run_id=run, run_dir=run_dir, model_dir=model_dir,
+                         label=os.environ.get(LABEL_ENV, "").strip())
+    settings = handler.settings_from(start)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    if name == "feeder":
-        from services import feeder
-
-        n = await feeder.run(feeder.FeederSettings(run_id=run, config=cfg), stop)
-        logging.getLogger("rollstream").info("feeder: issued %d tasks", n)
-    elif name == "rollout":
-        from services import rollout_worker
-
-        await rollout_worker.run(rollout_worker.RolloutSettings(run_id=run, config=cfg, model_dir=model_dir), stop)
-    elif name == "reward":
-        from services import reward_router as reward
-
-        await reward.run(reward.RewardSettings(run_id=run, config=cfg), stop)
-    elif name == "trainer":
-        from services import trainer
-
-        await trainer.run(trainer.TrainerSettings(
-            run_id=run, config=cfg, model_dir=model_dir, run_dir=str(run_dir)), stop)
-    elif name == "recorder":
-        from services import recorder
-
-        await recorder.run(recorder.RecorderSettings(
-            run_id=run, dsn=store_dsn_of(cfg, run), kafka=cfg.kafka, stop_when_finished=True,
-            batch_max_records=cfg.store.batch_max_records, lag_report_every_s=cfg.store.lag_report_every_s,
-            config=cfg, run_dir=str(run_dir), producers_done_file=str(run_dir / PRODUCERS_DONE)), stop)
-    elif name == "env":
-        from services import env_worker
-
-        # as many requests at once as can be in flight: one per episode, one episode per rollout handler
-        # call (a worker may own every partition of env.requests: alone, or while the others restart)
-        concurrency = cfg.rollout.workers * cfg.rollout.max_batch
-        await env_worker.run(env_worker.EnvSettings(run_id=run, config=cfg, concurrency=concurrency), stop)
-    elif name == "judge":
-        import os
-
-        from launch.supervisor import LABEL_ENV
-        from schemas.config import resolve_dtype
-        from schemas.devices import resolve_device
-        from services import judge_worker
-
-        # a run without a judged domain loads no judge (the worker idles): no device to resolve
-        device = resolve_device(cfg.judge.device, "judge.device") if judge_worker.judged_domains(cfg) else "cpu"
-        label = os.environ.get(LABEL_ENV, "").strip() or "judge"
-        await judge_worker.run(judge_worker.JudgeSettings(
-            run_id=run, config=cfg, label=label, device=device, dtype=resolve_dtype(cfg.judge.dtype, device)), stop)
+    await handler.run(settings, stop)

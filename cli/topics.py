@@ -40,28 +40,17 @@ async def _topics_list(bootstrap: str, run: str | None) -> list[tuple[str, list[
 
 
 async def _topics_describe(bootstrap: str, run: str) -> list[tuple[str, str, int, str, int]]:
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-
-    from runtime.bus import TopicAdmin, kafka_kwargs
+    from runtime.bus import TopicAdmin, message_counts
 
     settings = _kafka_settings()
     async with TopicAdmin(settings, bootstrap) as admin:
         infos = await admin.describe(run)
     if not infos:
         raise UserError(f"run {run!r} has no topics on {bootstrap} (see `rollstream topics list`)")
-    consumer = AIOKafkaConsumer(**kafka_kwargs(settings, bootstrap, client_suffix="cli"))
-    await consumer.start()
-    try:
-        tps = [TopicPartition(i.topic, p) for i in infos.values() for p in range(i.partitions)]
-        begin = await consumer.beginning_offsets(tps)
-        end = await consumer.end_offsets(tps)
-    finally:
-        await consumer.stop()
-    rows = []
-    for name, info in infos.items():
-        n = sum(end[tp] - begin[tp] for tp in tps if tp.topic == info.topic)
-        rows.append((name, info.topic, info.partitions, info.configs.get("cleanup.policy", "delete"), n))
-    return rows
+    counts = await message_counts(settings, bootstrap, {i.topic: i.partitions for i in infos.values()},
+                                  client_suffix="cli")
+    return [(name, info.topic, info.partitions, info.configs.get("cleanup.policy", "delete"), counts[info.topic])
+            for name, info in infos.items()]
 
 
 @topics_app.command("list")

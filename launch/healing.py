@@ -4,12 +4,13 @@ Pure logic, no processes: :class:`ServiceSlot` is what the supervisor knows abou
 (its state, pid, restarts, last exit code and last error line), :class:`Healer` decides what an
 exit means.
 
-* ``rollout`` and ``reward`` run until they are told to stop: any exit of theirs while the run
+* A service that runs until told to stop (``lifecycle="until_stopped"`` in
+  :data:`schemas.services.SERVICES`: rollout, env, reward, judge): any exit of its while the run
   is going is unexpected (a crash, a signal, or exit 0 after someone sent it SIGTERM).
-* ``feeder``, ``trainer`` and ``recorder`` exit 0 by design once the run has finished
-  (``RunFinished``). An exit 0 of theirs is held for ``finish_grace_s``: when the supervisor
-  sees ``RunFinished`` meanwhile it was the end of the run, else it was unexpected. Any other
-  exit code is unexpected at once.
+* A service that finishes by itself (``lifecycle="finishes"``: feeder, trainer, recorder) exits 0
+  by design once the run has finished (``RunFinished``). An exit 0 of its is held for
+  ``finish_grace_s``: when the supervisor sees ``RunFinished`` meanwhile it was the end of the
+  run, else it was unexpected. Any other exit code is unexpected at once.
 * An unexpected exit is restarted after a backoff (``restart_backoff_s``, doubling with each
   restart of that service, capped at ``restart_backoff_max_s``) while the service has had fewer
   than ``max_restarts`` restarts; past that the run fails with one line naming the service, its
@@ -25,10 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-LONG_RUNNING = ("rollout", "reward")
-"""Services that run until told to stop (SIGTERM at the end of the run)."""
-FINISHING = ("feeder", "trainer", "recorder")
-"""Services that exit 0 by themselves once the run has finished."""
+from schemas.services import SERVICES
 
 State = Literal["starting", "running", "restarting", "exited", "stopped", "failed"]
 """``running``: the process is up; ``restarting``: it ended unexpectedly and waits for its
@@ -40,6 +38,12 @@ Verdict = Literal["expected", "hold", "restart", "fail"]
 def service_of(label: str) -> str:
     """``rollout0`` -> ``rollout`` (labels of several workers carry their index)."""
     return label.rstrip("0123456789")
+
+
+def finishes(service: str) -> bool:
+    """Whether ``service`` exits 0 by itself once the run has finished (its ``lifecycle``)."""
+    spec = SERVICES.get(service)
+    return spec is not None and spec.lifecycle == "finishes"
 
 
 def describe_exit(code: int | None) -> str:
@@ -105,7 +109,7 @@ class ServiceSlot:
     """One service of the run as the supervisor sees it (one per process it keeps alive)."""
 
     label: str
-    """``recorder``, ``feeder``, ``reward``, ``rollout`` (``rollout0``... with several workers), ``trainer``."""
+    """A service's name, with its index when it has several processes (``rollout0``, ``rollout1``...)."""
     log_path: Path
     state: State = "starting"
     pid: int = 0
@@ -159,7 +163,7 @@ class Healer:
         """What the exit (``code``) of ``slot``'s process means now."""
         if run_finished:
             return "expected"
-        if code == 0 and slot.service in FINISHING:
+        if code == 0 and finishes(slot.service):
             return "hold"
         return "restart" if slot.restarts < self.max_restarts else "fail"
 

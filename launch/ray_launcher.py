@@ -38,8 +38,9 @@ from rich.console import Console
 from launch.healing import ServiceSlot, service_of
 from launch.prepare import RunError
 from launch.supervisor import LABEL_ENV, Supervisor, run_labels, service_command
-from schemas.config import PLACED_SERVICES, ConfigError, PlacementConfig, RunConfig
+from schemas.config import ConfigError, PlacementConfig, RunConfig
 from schemas.errors import one_line
+from schemas.services import SERVICES, value_at
 
 RAY_MISSING = "--launcher ray needs Ray, which is not installed: pip install 'rollstream[ray]'"
 EPS = 1e-6
@@ -63,8 +64,8 @@ def require_ray() -> Any:
 
 
 def bundle_of(p: PlacementConfig, service: str) -> dict[str, float]:
-    """The Ray bundle of one process of ``service``: ``{"CPU": cpus, "GPU": gpus, **resources}``
-    without zero amounts."""
+    """The Ray bundle of one process of ``service`` (its section of ``placement``, ``p``):
+    ``{"CPU": cpus, "GPU": gpus, **resources}`` without zero amounts."""
     s = getattr(p, service)
     out = {"CPU": float(s.cpus), "GPU": float(s.gpus), **{k: float(v) for k, v in s.resources.items()}}
     return {k: v for k, v in out.items() if v > 0}
@@ -83,13 +84,12 @@ def check_reserves(cfg: RunConfig, labels: Sequence[str]) -> None:
         if not b:
             raise ConfigError(f"config: placement.{service} reserves nothing (cpus 0, gpus 0, no resources); "
                               f"a Ray bundle needs an amount > 0: set placement.{service}.cpus > 0")
-    devices = {"rollout": ("rollout.device", cfg.rollout.device), "trainer": ("train.device", cfg.train.device),
-               "judge": ("judge.device", cfg.judge.device)}
     placed = {service_of(label) for label in labels}
-    for service, (key, device) in devices.items():
-        if service in placed and device.startswith("cuda") and not getattr(cfg.placement, service).gpus > 0:
-            raise ConfigError(f"config: {key}={device!r} but placement.{service}.gpus=0 under --launcher ray "
-                              f"(its process would see no GPU); set placement.{service}.gpus, or {key}: auto")
+    for spec in SERVICES.values():
+        key, device, where = spec.device_key, spec.device(cfg), spec.placement_key
+        if spec.name in placed and device.startswith("cuda") and not value_at(cfg, where).gpus > 0:
+            raise ConfigError(f"config: {key}={device!r} but {where}.gpus=0 under --launcher ray "
+                              f"(its process would see no GPU); set {where}.gpus, or {key}: auto")
     gpus, ranks = cfg.placement.trainer.gpus, cfg.train.ranks
     if "trainer" in placed and 0 < gpus < ranks:
         raise ConfigError(f"config: placement.trainer.gpus={gpus:g} but train.ranks={ranks}: on GPUs each rank needs its "
@@ -470,5 +470,5 @@ def connect(cfg: RunConfig, address: str = "", *, console: Console | None = None
     return RayCluster(ray, cfg, labels, pg, started_local, connected_here=connected_here)
 
 
-__all__ = ["PLACED_SERVICES", "RAY_MISSING", "RayCluster", "RayProcess", "RaySupervisor", "ServiceHost",
+__all__ = ["RAY_MISSING", "RayCluster", "RayProcess", "RaySupervisor", "ServiceHost",
            "bundle_of", "bundles", "check_address", "check_fit", "check_reserves", "connect", "require_ray"]

@@ -2,10 +2,9 @@
 
 :func:`probe_run` reads, with short-lived clients and without joining any group:
 
-* per service group ``rs-<service>-<run_id>`` (rollout on ``tasks``, env on ``env.requests``
-  (multi-turn runs only), reward on ``generations``, trainer on ``scored``, recorder on every
-  topic): its consumer lag, end offsets minus the group's committed offsets (a partition the
-  group never committed counts from its beginning);
+* per service with a consumer group (:data:`schemas.services.SERVICES`: its ``group_id`` and
+  ``lag_topics``): its consumer lag, end offsets minus the group's committed offsets (a partition
+  the group never committed counts from its beginning);
 * the feeder's output: how many tasks are on ``tasks`` and when the newest was issued;
 * the trainer's progress: the newest ``WeightsPublished`` (``weights`` is compacted: its last
   message) and the newest ``TrainStep`` (a bounded look back over ``metrics``);
@@ -26,20 +25,12 @@ from aiokafka.structs import TopicPartition
 
 from runtime.bus import TopicAdmin, kafka_kwargs
 from runtime.connection import start_bounded
+from runtime.reading import read_to_end
 from schemas import events as ev
 from schemas.config import KafkaSettings
+from schemas.services import SERVICES, ServiceSpec
 from schemas.topics import TOPICS, topic_name
 
-GROUP_TOPICS: dict[str, tuple[str, ...]] = {
-    "rollout": ("tasks",),
-    "env": ("env.requests",),
-    "reward": ("generations",),
-    "judge": ("judge.requests",),
-    "trainer": ("scored",),
-    "recorder": tuple(TOPICS),
-}
-"""The consumer group of each service (``rs-<service>-<run_id>``) and the topics whose lag
-tells how far behind it is. The feeder has no group (it re-reads the run on every start)."""
 EXACT_LAG_MAX = 200
 """A lag up to this many offsets per partition is counted record by record (transaction markers
 take offsets too); a larger one is the offset difference."""
@@ -47,8 +38,10 @@ METRICS_LOOK_BACK = 2000
 """How many of the newest ``metrics`` messages are searched for the newest ``TrainStep``."""
 
 
-def group_id(service: str, run_id: str) -> str:
-    return f"rs-{service}-{run_id}"
+def grouped() -> list[ServiceSpec]:
+    """The services whose group's lag tells how far behind they are (the feeder has no group: it
+    re-reads the run on every start)."""
+    return [spec for spec in SERVICES.values() if spec.grouped]
 
 
 @dataclass
@@ -116,9 +109,9 @@ async def _probe(kafka: KafkaSettings, bootstrap: str, run_id: str) -> RunInfo |
         if not described:
             return None
         committed: dict[str, dict[TopicPartition, int]] = {}
-        for service in GROUP_TOPICS:
-            offsets = await admin.raw.list_consumer_group_offsets(group_id(service, run_id))
-            committed[service] = {tp: om.offset for tp, om in offsets.items() if om.offset >= 0}
+        for spec in grouped():
+            offsets = await admin.raw.list_consumer_group_offsets(spec.group_id(run_id))
+            committed[spec.name] = {tp: om.offset for tp, om in offsets.items() if om.offset >= 0}
     tps = [TopicPartition(t.topic, p) for t in described.values() for p in range(t.partitions)]
     consumer = AIOKafkaConsumer(**kafka_kwargs(kafka, bootstrap, client_suffix="status"),
                                 enable_auto_commit=False, isolation_level="read_committed")
@@ -135,19 +128,19 @@ async def _probe(kafka: KafkaSettings, bootstrap: str, run_id: str) -> RunInfo |
                   for tp in tps if any(committed.values())}
         small = {tp: off for tp, off in starts.items() if 0 < ends[tp] - off <= EXACT_LAG_MAX}
         present = await _record_offsets(consumer, small, ends)
-        for service, topics in GROUP_TOPICS.items():
-            done = committed[service]
+        for spec in grouped():
+            done = committed[spec.name]
             if not done:
                 continue
             per: dict[str, int] = {}
             for tp in tps:
                 name = name_of[tp.topic]
-                if name in topics:
+                if name in spec.lag_topics:
                     start = done.get(tp, begins[tp])
                     gap = (sum(1 for o in present[tp] if o >= start) if tp in present
                            else max(0, ends[tp] - start))
                     per[name] = per.get(name, 0) + gap
-            info.lags[service] = per
+            info.lags[spec.name] = per
         info.tasks_issued = info.messages.get("tasks", 0)
         await _read_tail(consumer, info, run_id, begins, ends)
     finally:
@@ -168,11 +161,6 @@ async def _read_tail(consumer: AIOKafkaConsumer, info: RunInfo, run_id: str,
         elif back is not None:
             wanted[tp] = max(begins[tp], ends[tp] - back)
     wanted = {tp: off for tp, off in wanted.items() if off < ends[tp]}
-    if not wanted:
-        return
-    consumer.assign(list(wanted))
-    for tp, off in wanted.items():
-        consumer.seek(tp, off)
     decoders = {name: msgspec.msgpack.Decoder(spec.event_type) for name, spec in TOPICS.items()}
 
     def take(tp: TopicPartition, m: Any) -> None:
@@ -183,36 +171,16 @@ async def _read_tail(consumer: AIOKafkaConsumer, info: RunInfo, run_id: str,
         if event is not None and event.run_id == run_id:
             _take(info, event)
 
-    await _drain(consumer, set(wanted), ends, take)
+    await read_to_end(consumer, take, start=wanted, ends=ends, idle_polls=2)
 
 
 async def _record_offsets(consumer: AIOKafkaConsumer, starts: dict[TopicPartition, int],
                           ends: dict[TopicPartition, int]) -> dict[TopicPartition, list[int]]:
-    """Offsets of the committed records between ``starts[tp]`` and the end of each partition."""
+    """Offsets of the committed records between ``starts[tp]`` and the end of each partition
+    (gives up quietly after two empty polls in a row)."""
     found: dict[TopicPartition, list[int]] = {tp: [] for tp in starts}
-    if not starts:
-        return found
-    consumer.assign(list(starts))
-    for tp, off in starts.items():
-        consumer.seek(tp, off)
-    await _drain(consumer, set(starts), ends, lambda tp, m: found[tp].append(m.offset))
+    await read_to_end(consumer, lambda tp, m: found[tp].append(m.offset), start=starts, ends=ends, idle_polls=2)
     return found
-
-
-async def _drain(consumer: AIOKafkaConsumer, pending: set[TopicPartition], ends: dict[TopicPartition, int],
-                 take: Any) -> None:
-    """Poll ``pending`` (assigned, positioned) until each is read to its end offset, calling
-    ``take(tp, message)`` for every record; gives up after two empty polls in a row."""
-    empty = 0
-    while pending and empty < 2:
-        batches = await consumer.getmany(*pending, timeout_ms=500)
-        empty = 0 if batches else empty + 1
-        for tp, msgs in batches.items():
-            for m in msgs:
-                take(tp, m)
-        for tp in list(pending):
-            if await consumer.position(tp) >= ends[tp]:
-                pending.discard(tp)
 
 
 def _take(info: RunInfo, event: Any) -> None:

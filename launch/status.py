@@ -25,25 +25,34 @@ from launch.state import pid_alive, read_state
 from runtime.probe import NO_BROKER
 from schemas.config import KafkaSettings
 from schemas.errors import one_line
+from schemas.services import SERVICES, in_start_order
 
-ORDER = ("recorder", "feeder", "reward", "judge", "env", "rollout", "trainer")
-"""Services in the order the supervisor starts them (``judge``: only for domains with a judge;
-``env``: only for multi-turn domains)."""
 WARM_UP_FACTOR = 5
 """Before the first weights version (the trainer's supervised warm-up) a stall takes this many
 times ``run.stall_after_s``."""
-LAG_NAMES = {"rollout": "rollout lag", "env": "env lag", "reward": "reward lag", "judge": "judge lag",
-             "trainer": "scored lag"}
-"""The groups whose lag a stall names (``env``'s and ``judge``'s only when they are given: multi-turn
-runs, runs with a judged domain)."""
-OPTIONAL_LAGS = ("env", "judge")
+
+
+def start_rank(service: str) -> int:
+    """Where ``service`` starts among the run's services (an unknown one last)."""
+    spec = SERVICES.get(service)
+    return spec.start_order if spec is not None else len(SERVICES)
+
+
+def lag_named(service: str) -> bool:
+    """Whether a stall line names the lag of ``service``'s group (:attr:`ServiceSpec.lag_label`)."""
+    return service in SERVICES and bool(SERVICES[service].lag_label)
+
+
+def optional(service: str) -> bool:
+    """Whether a run starts ``service`` only for some domains (env: multi-turn, judge: judged)."""
+    return SERVICES[service].needed != "always"
 
 
 def lag_services(services: Iterable[str]) -> list[str]:
-    """The services of :data:`LAG_NAMES` whose lag a stall names for a run with these service
-    labels: the optional ones (``env``, ``judge``) only when the run has them."""
+    """The services whose lag a stall names for a run with these service labels, in the order a
+    sample flows: the optional ones (``env``, ``judge``) only when the run has them."""
     present = {service_of(label) for label in services}
-    return [s for s in LAG_NAMES if s not in OPTIONAL_LAGS or s in present]
+    return [s for s in SERVICES if lag_named(s) and (not optional(s) or s in present)]
 
 
 def ago(ts: float | None, now: float) -> float | None:
@@ -63,8 +72,8 @@ def stall_text(*, idle_s: float, stall_after_s: float, any_weights: bool, lags: 
         return None
     parts = [f"no training step for {idle_s:.0f} s" if any_weights
              else f"no weights published {idle_s:.0f} s after the start (trainer still warming up?)"]
-    seen = [f"{LAG_NAMES[s]} {'?' if lags.get(s) is None else lags[s]}" for s in LAG_NAMES
-            if s not in OPTIONAL_LAGS or s in lags]
+    seen = [f"{SERVICES[s].lag_label} {'?' if lags.get(s) is None else lags[s]}" for s in SERVICES
+            if lag_named(s) and (not optional(s) or s in lags)]
     parts.append(", ".join(seen))
     if feeder_idle_s is None:
         parts.append("feeder has issued no task yet")
@@ -120,18 +129,18 @@ async def gather(run_id: str, run_dir: Path, *, bootstrap: str | None, kafka: Ka
     progress = (state or {}).get("progress") or {}
     services: dict[str, dict[str, Any]] = {}
     for label, s in sorted(((state or {}).get("services") or {}).items(),
-                           key=lambda kv: (ORDER.index(service_of(kv[0])) if service_of(kv[0]) in ORDER else 9, kv[0])):
+                           key=lambda kv: (start_rank(service_of(kv[0])), kv[0])):
         alive = pid_alive(s.get("pid"))
         st_ = s.get("state")
         if (st_ == "running" and not alive) or (st_ == "restarting" and not sup_alive):
             st_ = "gone"  # it died after the supervisor, or the supervisor died before restarting it
         services[label] = {**s, "state": st_, "alive": alive}
     if not services and info is not None:  # no supervisor (services started one by one)
-        services = {s: {"state": "unknown"} for s in ORDER if s in info.lags or s == "feeder"}
+        services = {s.name: {"state": "unknown"} for s in in_start_order() if s.name in info.lags or not s.grouped}
     if info is not None:
         for label, s in services.items():
             svc = service_of(label)
-            s["lag"] = info.lags.get(svc) if svc != "feeder" else None
+            s["lag"] = info.lags.get(svc) if svc in SERVICES and SERVICES[svc].grouped else None
             s["restarts"] = max(int(s.get("restarts") or 0), info.restarts.get(label, 0))
     w = info.weights if info else None
     t = info.train_step if info else None

@@ -19,6 +19,7 @@ from aiokafka.structs import TopicPartition
 
 from runtime.bus import Producer, TopicAdmin, kafka_kwargs
 from runtime.connection import start_bounded
+from runtime.reading import read_to_end
 from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import TOPICS, topic_name
@@ -73,16 +74,7 @@ async def stop_run(kafka: KafkaSettings, bootstrap: str, run_id: str, *, reason:
                                 enable_auto_commit=False, isolation_level="read_committed")
     await start_bounded("consumer", consumer.start, consumer.stop, bootstrap, kafka.connect_timeout_s)
     try:
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        ends = await consumer.end_offsets(tps)
-        empty = 0
-        while empty < 2 and any([await consumer.position(tp) < ends[tp] for tp in tps]):
-            batches = await consumer.getmany(timeout_ms=500)
-            empty = 0 if batches else empty + 1
-            for tp, msgs in batches.items():
-                for m in msgs:
-                    take(tp, m.value)
+        await read_to_end(consumer, lambda tp, m: take(tp, m.value), start=tps, idle_polls=2)
         if out.finished is not None:
             out.already_finished = True
             return out

@@ -1,44 +1,25 @@
 """``rollstream run``: prepare a run and supervise its services as OS processes.
 
-1. resolve the config and the run id (the CLI, which also refuses a backend that cannot run);
-2. find Kafka (``--bootstrap`` / ``$ROLLSTREAM_BOOTSTRAP`` / ``kafka.bootstrap`` / the local
-   broker, started if missing) and create the run's topics; create ``runs/<run_id>/`` with
-   ``config.yaml``;
-3. create the tiny model (when ``model.path`` is empty) in ``runs/<run_id>/model``
-   (:func:`~launch.prepare.prepare_run`; ``rollstream run --prepare-only`` stops here);
-4. start ``rollstream service <name> --run <run_id>`` for recorder, feeder, reward, judge
-   (× ``judge.workers``, only when a domain has a judge: :func:`services.judge_worker.judged_domains`),
-   env (× ``env.workers``, only when a domain is multi-turn: :func:`envs.episodic_domains`), rollout
-   (× ``rollout.workers``) and trainer, in that order, each logging to
-   ``runs/<run_id>/logs/<label>.log`` (labels: :meth:`Supervisor.labels`), with the bootstrap
-   address, the store DSN and its own label in its environment (``ROLLSTREAM_BOOTSTRAP``,
-   ``ROLLSTREAM_STORE``, ``ROLLSTREAM_SERVICE_LABEL``: a judge worker's transactional id is made
-   of it); publish ``ServiceStarted`` for each on the run's ``control`` topic;
-5. follow the run's ``metrics``, ``control`` and ``weights`` topics and show live progress (a
-   run where no training step happened for ``run.stall_after_s`` seconds is shown as
-   ``stalled: ...`` with what every stage is doing), heal the services (below), and keep
-   ``runs/<run_id>/supervisor.json`` current for ``rollstream status`` (:mod:`launch.state`);
-6. past ``run.max_wall_s`` publish a ``Drain`` (as ``rollstream stop`` does: no step starts after
-   it, the trainer ends with its final eval); a run not finished :data:`WALL_GRACE_S` later fails;
-7. on ``RunFinished`` (the end of training, or a ``Drain`` from ``rollstream stop`` or the wall
-   limit): wait for the services to exit (SIGTERM the long-running ones: rollout and reward, then
-   the judge and env workers, which rollout and reward may still be waiting on), tell the recorder
-   that nothing more will come (:data:`PRODUCERS_DONE`) and let it catch up, compute
-   ``summary.json`` from the record (SQL) and print its gist.
+1. find Kafka (docs/architecture.md, "Finding the broker"; the local broker is started if missing)
+   and create the run's topics, ``runs/<run_id>/config.yaml`` and (when
+   ``model.path`` is empty) the tiny model (:mod:`launch.prepare`; ``--prepare-only`` stops here);
+2. start ``rollstream service <name> --run <run_id>`` for each service of the run, in the table's
+   start order (:data:`schemas.services.SERVICES`; :func:`run_labels`), each logging to
+   ``runs/<run_id>/logs/<label>.log`` with the bootstrap address, the store DSN and its label in its
+   environment; publish ``ServiceStarted`` for each on the run's ``control`` topic;
+3. follow ``metrics``, ``control`` and ``weights``: live progress (or a ``stalled: ...`` line after
+   ``run.stall_after_s`` without a step), healing (:mod:`launch.healing`: restarts with backoff,
+   ``ServiceRestarted``; past ``run.max_restarts`` the run fails with ``ServiceFailed`` and one
+   line), and ``runs/<run_id>/supervisor.json`` for ``rollstream status`` (:mod:`launch.state`);
+4. past ``run.max_wall_s`` publish a ``Drain``; a run not finished :data:`WALL_GRACE_S` later fails;
+5. on ``RunFinished``: SIGTERM the services that run until told to stop, in their stop waves; wait
+   for every producer to exit, then tell the recorder (:data:`PRODUCERS_DONE`) and let it catch up;
+   write ``summary.json``.
 
-Healing (:mod:`launch.healing`): a service process that exits unexpectedly is restarted
-after a backoff (``run.restart_backoff_s``, doubling, at most ``run.restart_backoff_max_s``), at
-most ``run.max_restarts`` times per service; each restart is a ``ServiceRestarted`` event on the
-run's ``control`` topic (the recorder puts it in the ``service_events`` table). It resumes from
-its group's committed offsets (the trainer from its latest checkpoint). Past the bound the run
-fails (``ServiceFailed``) with one line naming the service, its exit code and the last error
-line of its log.
-
-Ctrl-C (or SIGTERM) stops every service cleanly (SIGTERM, then SIGKILL after a grace period).
-
-``rollstream run --launcher ray`` uses this supervisor too: :mod:`launch.ray_launcher`
-subclasses it so that each service process is started by a Ray actor (:class:`ServiceProcess` is
-what the supervisor needs of a process).
+Ctrl-C (or SIGTERM) stops every service (SIGTERM, then SIGKILL after a grace period).
+``--launcher ray`` uses this supervisor too: :mod:`launch.ray_launcher` subclasses it so that each
+process is started by a Ray actor (:class:`ServiceProcess` is what the supervisor needs of one).
+docs/architecture.md, "Services", tells more.
 """
 
 from __future__ import annotations
@@ -60,13 +41,13 @@ from rich.console import Console
 from rich.markup import escape
 
 from launch.healing import (
-    LONG_RUNNING,
     Healer,
     ServiceSlot,
     describe_exit,
     last_error_line,
     last_log_line,
     mark_log,
+    service_of,
 )
 from launch.prepare import (
     RunError,
@@ -86,13 +67,14 @@ from runtime.bus import Consumer, Producer
 from schemas import events as ev
 from schemas.config import RunConfig
 from schemas.errors import one_line
+from schemas.services import SERVICES, ServiceSpec, in_start_order, stop_waves
 from schemas.topics import topic_name
 from store.runs import PRODUCERS_DONE, run_dir_of, store_dsn_of
 
 __all__ = [
-    "JUDGE_SERVICE", "LABEL_ENV", "LONG_RUNNING", "PRODUCERS_DONE", "STOPPED_AT_END", "Progress", "RunError", "Supervisor", "config_text",
-    "judged", "last_log_line", "load_run_config", "multi_turn", "new_run_id", "prepare_model", "prepare_run", "run_dir_of", "run_supervised", "service_command",
-    "store_dsn_of", "summarize", "write_run_config",
+    "LABEL_ENV", "PRODUCERS_DONE", "Progress", "RunError", "Supervisor", "config_text", "judged", "last_log_line",
+    "load_run_config", "multi_turn", "needed", "new_run_id", "prepare_model", "prepare_run", "run_dir_of",
+    "run_labels", "run_supervised", "service_command", "store_dsn_of", "summarize", "write_run_config",
 ]
 
 log = logging.getLogger("rollstream.supervisor")
@@ -106,21 +88,21 @@ WALL_GRACE_S = 600.0
 step under way and its final evaluation before it is stopped as failed, seconds."""
 STALL_PROBE_EVERY_S = 30.0
 """While stalled: how often the broker is asked what each stage is doing, seconds."""
-ENV_SERVICE = "env"
-"""The environment workers of multi-turn domains (started only when a domain is multi-turn)."""
-JUDGE_SERVICE = "judge"
-"""The judge workers of judged domains (started only when a domain has a judge)."""
-STOPPED_AT_END = (*LONG_RUNNING, JUDGE_SERVICE, ENV_SERVICE)
-"""Services that run until told to stop: SIGTERMed once the run has finished (the judge and env
-workers last: reward and rollout workers may still wait on them)."""
 LABEL_ENV = "ROLLSTREAM_SERVICE_LABEL"
 """The environment variable that tells a service process its label (``judge0``...): a judge
-worker's transactional id is made of it (``rs-judge-<run>-<label>``), stable across its restarts."""
+worker's transactional id is made of it (:meth:`ServiceSpec.transactional_id`), stable across its
+restarts."""
 
 
 def service_command(name: str, run_id: str, runs_dir: str) -> list[str]:
     """The command line of one service process (``name``: the service, ``env`` for ``env0``)."""
     return [sys.executable, "-m", "cli", "service", name, "--run", run_id, "--runs-dir", runs_dir]
+
+
+def produces(label: str) -> bool:
+    """Whether the process ``label`` writes to the run's topics (all but the recorder)."""
+    spec = SERVICES.get(service_of(label))
+    return spec is None or bool(spec.produces)
 
 
 def numbered(service: str, n: int) -> list[str]:
@@ -129,14 +111,10 @@ def numbered(service: str, n: int) -> list[str]:
 
 
 def run_labels(cfg: RunConfig) -> list[str]:
-    """Service labels of a run in start order (``rollout0``, ``rollout1``... with several workers); the
-    judge workers (``judge``, or ``judge0``, ``judge1``...) only when a domain has a judge, after
-    the reward router that sends them its samples; the env workers (``env``, or ``env0``,
-    ``env1``...) only when a domain is multi-turn; both before the rollout workers."""
-    judges = numbered(JUDGE_SERVICE, cfg.judge.workers) if judged(cfg) else []
-    env_workers = numbered(ENV_SERVICE, cfg.env.workers) if multi_turn(cfg) else []
-    return ["recorder", "feeder", "reward", *judges, *env_workers, *numbered("rollout", cfg.rollout.workers),
-            "trainer"]
+    """Service labels of a run in start order (:func:`schemas.services.in_start_order`): each service
+    the run needs (:func:`needed`), numbered when it has several processes (``rollout0``,
+    ``rollout1``... for ``rollout.workers`` 2)."""
+    return [label for spec in in_start_order() if needed(spec, cfg) for label in numbered(spec.name, spec.replicas(cfg))]
 
 
 class ServiceProcess(Protocol):
@@ -169,6 +147,12 @@ def judged(cfg: RunConfig) -> bool:
     from services.judge_worker import judged_domains
 
     return bool(judged_domains(cfg))
+
+
+def needed(spec: ServiceSpec, cfg: RunConfig) -> bool:
+    """Whether a run of ``cfg`` starts ``spec`` (:attr:`ServiceSpec.needed`: env workers only when a
+    domain is multi-turn, judge workers only when a domain has a judge)."""
+    return {"always": lambda: True, "multi_turn": lambda: multi_turn(cfg), "judged": lambda: judged(cfg)}[spec.needed]()
 
 
 class Supervisor:
@@ -317,27 +301,29 @@ class Supervisor:
         self.write_state()
 
     def wait_producers(self, timeout_s: float = 60.0) -> None:
-        """Wait (up to ``timeout_s``) for every service but the recorder to exit (trainer and feeder
-        end by themselves on ``RunFinished``), then write :data:`PRODUCERS_DONE` (not if one runs on)."""
+        """Wait (up to ``timeout_s``) for every service that produces to exit (all but the recorder:
+        trainer and feeder end by themselves on ``RunFinished``), then write :data:`PRODUCERS_DONE`
+        (not if one runs on)."""
         deadline = time.monotonic() + timeout_s
         try:
-            for proc in [p for label, p in self.procs.items() if label != "recorder"]:
+            for proc in [p for label, p in self.procs.items() if produces(label)]:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             return  # the recorder falls back to waiting for quiet topics
         (self.run_dir / PRODUCERS_DONE).touch()
 
     def wait_recorder(self, timeout_s: float = 120.0) -> None:
-        proc = self.procs.get("recorder")
-        if proc is None:
-            return
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.terminate(("recorder",))
-        slot = next(s for s in self.slots if s.label == "recorder")
-        if slot.state == "running" and proc.poll() is not None:
-            slot.state, slot.last_exit_code = "exited", proc.returncode
+        """Wait (up to ``timeout_s``) for the services that produce nothing (the recorder) to catch up
+        and exit by themselves; SIGTERM them after that."""
+        deadline = time.monotonic() + timeout_s
+        for slot in [s for s in self.slots if not produces(s.label) and s.label in self.procs]:
+            proc = self.procs[slot.label]
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.terminate((slot.service,))
+            if slot.state == "running" and proc.poll() is not None:
+                slot.state, slot.last_exit_code = "exited", proc.returncode
 
     # ----------------------------------------------------------------- state
 
@@ -393,7 +379,7 @@ class Supervisor:
             feeder_idle_s=(now - info.last_task_ts) if info and info.last_task_ts else None,
             tasks_issued=info.tasks_issued if info else 0, services=services, draining=self.progress.draining)
         if info is None:
-            text = (text or "").split("; rollout lag")[0] + " (asking the broker what each stage does...)"
+            text = (text or "").split("; ", 1)[0] + " (asking the broker what each stage does...)"
         return f"stalled: {text}"
 
     async def follow(self, stop: asyncio.Event) -> None:
@@ -474,9 +460,10 @@ async def run_supervised(cfg: RunConfig, run_id: str, bootstrap: str, console: C
         raise
     finally:
         if ok:
-            # trainer and feeder exit on RunFinished; rollout, reward, judge and env run until told to stop
-            await asyncio.to_thread(sup.terminate, LONG_RUNNING)
-            await asyncio.to_thread(sup.terminate, STOPPED_AT_END)
+            # the services that finish exit on RunFinished; the others run until told to stop, in waves
+            # (env and judge workers after the rollout and reward workers that may still wait on them)
+            for wave in stop_waves():
+                await asyncio.to_thread(sup.terminate, wave)
             await asyncio.to_thread(sup.wait_producers)
             await asyncio.to_thread(sup.wait_recorder)
         else:

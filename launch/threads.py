@@ -16,9 +16,13 @@ from collections.abc import Sequence
 
 from launch.healing import service_of
 from schemas.config import RunConfig
+from schemas.services import SERVICES, value_at
 
-MODEL_SERVICES = ("rollout", "trainer", "judge")
-"""Services whose processes run a model (the others get one thread)."""
+
+def runs_model(label: str) -> bool:
+    """Whether the process ``label`` runs a model (:attr:`ServiceSpec.runs_model`; the others get one thread)."""
+    spec = SERVICES.get(service_of(label))
+    return spec is not None and spec.runs_model
 
 
 def torch_threads(cfg: RunConfig, labels: Sequence[str], *, cores: int | None = None,
@@ -27,7 +31,7 @@ def torch_threads(cfg: RunConfig, labels: Sequence[str], *, cores: int | None = 
     model process, else (auto) the cores divided among the model processes (with ``async_ratio`` 0:
     every core for the trainer, the cores divided among the others), or under Ray the process's
     own ``placement.<service>.cpus``; 1 for the others."""
-    models = [label for label in labels if service_of(label) in MODEL_SERVICES]
+    models = [label for label in labels if runs_model(label)]
     n = cores or os.cpu_count() or 1
     share = cfg.run.torch_threads or max(1, n // max(1, len(models)))
     # on-policy (async_ratio 0): the trainer computes only while the rollout workers and judges wait
@@ -36,10 +40,10 @@ def torch_threads(cfg: RunConfig, labels: Sequence[str], *, cores: int | None = 
     generators = [label for label in models if service_of(label) != "trainer"]
     out = {}
     for label in labels:
-        if service_of(label) not in MODEL_SERVICES:
+        if not runs_model(label):
             out[label] = 1
         elif ray and not cfg.run.torch_threads:
-            out[label] = max(1, int(getattr(cfg.placement, service_of(label)).cpus))
+            out[label] = max(1, int(value_at(cfg, SERVICES[service_of(label)].placement_key).cpus))
         elif alternate:
             out[label] = n if service_of(label) == "trainer" else max(1, n // max(1, len(generators)))
         else:

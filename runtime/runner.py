@@ -56,6 +56,7 @@ from runtime.txn_loop import TxnLoop
 from schemas.config import KafkaSettings
 from schemas.errors import one_line
 from schemas.events import Event
+from schemas.services import Loop as LoopKind
 
 log = logging.getLogger("rollstream.runtime")
 
@@ -75,6 +76,7 @@ __all__ = [
     "ServiceSettings",
     "Subscription",
     "derive_event_id",
+    "loop_kind",
     "publish",
     "resolve_topic",
     "run_service",
@@ -142,13 +144,22 @@ class FunctionService(Service):
 # --------------------------------------------------------------------------- the runner
 
 
+def loop_kind(service: type[Service], settings: ServiceSettings) -> LoopKind:
+    """Which loop :func:`pick_loop` runs a ``service`` of this class on under ``settings`` (the names
+    the table of services uses: :data:`schemas.services.Loop`)."""
+    if settings.delivery.transactional:
+        return "transactional"
+    return "batch" if issubclass(service, BatchService) else "record"
+
+
 def pick_loop(io: KafkaIO, service: Service, control: Control, tick: Callable[[], Awaitable[None]]) -> Loop:
     """The loop for ``service`` under ``io.settings``: transactional, batch or per record."""
-    if io.settings.delivery.transactional:
+    kind = loop_kind(type(service), io.settings)
+    if kind == "transactional":
         if isinstance(service, BatchService):
             raise ValueError(f"{service.name}: transactional mode takes a record handler, not handle_batch")
         return TxnLoop(io, service, control, tick)
-    if isinstance(service, BatchService):
+    if isinstance(service, BatchService):  # kind == "batch"
         return BatchLoop(io, service, control, tick)
     return RecordLoop(io, service, control, tick)
 

@@ -23,6 +23,7 @@ from msgspec import Meta
 
 from runtime.clients import Compression
 from schemas.config import KafkaSettings
+from schemas.services import ALL_RUNS_PATTERN, ServiceSpec
 from schemas.topics import TOPICS, topic_name
 
 __all__ = [
@@ -122,6 +123,18 @@ class Subscription(_Group):
     """On start, create the run's topics if missing (``TopicAdmin.ensure_run_topics``; needs
     ``run_id``), so a consumer never subscribes to (and a broker never auto-creates) a topic
     with the wrong partitions or configs."""
+
+    @classmethod
+    def of(cls, spec: ServiceSpec, run_id: str, **more: Any) -> Subscription:
+        """What the service table says ``spec`` reads in run ``run_id``: its group (none for a
+        service without one), the Kafka names of its consumed then observed topics, the observed
+        ones marked; an instance of every run (empty ``run_id``, :attr:`ServiceSpec.all_runs`)
+        subscribes by pattern. ``more``: the other fields."""
+        group = spec.group_id(run_id) if spec.grouped else None
+        if not run_id and spec.all_runs:
+            return cls(group_id=group, topic_pattern=ALL_RUNS_PATTERN, **more)
+        return cls(group_id=group, topics=[topic_name(run_id, t) for t in spec.subscribed],
+                   observed_topics=[topic_name(run_id, t) for t in spec.observes], **more)
 
 
 class Consume(_Group):

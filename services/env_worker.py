@@ -1,48 +1,20 @@
 """The environment service: a consumer group on ``env.requests`` that keeps multi-turn episodes.
 
 The rollout agent loop sends ``EnvReset`` then ``EnvStep`` s (key ``episode_id``, so an episode's
-requests reach one worker of the group ``rs-env-<run_id>``); each becomes one handler call that
-answers one ``EnvObservation`` on ``env.responses`` (key ``episode_id``). The runtime commits a
-request only after its answer is acknowledged (:mod:`runtime.runner`).
+requests reach one worker of the group); each becomes one handler call that answers one
+``EnvObservation`` on ``env.responses``, committed once the answer is acknowledged.
 
-* **Reset** builds ``envs.make_env(spec.name, prompt="", reference="", **spec.kwargs)`` and
-  answers ``reset(seed)`` as step 0. An unknown environment, bad kwargs or a ``reset`` that raises
-  answer ``failed=True, terminated=True`` with the reason — never a crash, never a silent drop.
-* **Step** ``k`` applies the action to the episode this worker holds when it is at step ``k - 1``
-  (and the step's ``history``, when given, matches what was played). Otherwise — the worker never
-  saw the episode (restart, rebalance), evicted it, or holds an older state of it — the episode
-  is **rebuilt**: a fresh environment is reset with the step's ``seed`` and the ``history``
-  (actions ``1 .. k - 1``) is replayed, then the action applied (environments are deterministic by
-  seed). A step that cannot be rebuilt (no ``env`` spec, a history of the wrong length, a history
-  that already ends the episode) ends the episode as failed with the reason.
-* **Idempotence.** The last answer of every held episode (and the final answer of the most recent
-  ``env.max_episodes`` ended ones) is kept: the same step again (a redelivery, an agent's retry)
-  gets the same answer, event id included, so the record keeps it once. A step older than the last
-  answered one (or the same step with another action) is out of order: it gets an error
-  observation (``failed=False``: the episode is unchanged). Fresh answers get event ids derived
-  from the request's, so a request redelivered to another worker that rebuilds the episode gets
-  the same answer under the same id.
-* **Failures.** Every reset, step and rebuild runs in its own daemon thread, bounded by
-  ``env.step_timeout_s`` (a rebuild replaying ``n`` actions by ``(n + 2) ×`` that). An environment
-  that raises ends its episode as failed with the exception's one line; one that times out ends it
-  as failed with ``timeout: ...``, the environment is dropped and its thread abandoned (Python
-  cannot kill a thread: it runs on, unreferenced, until the call returns or the process exits).
-  Daemon threads rather than ``asyncio.to_thread``: the default executor has a fixed number of
-  threads, which hung environments would use up, and it is joined when the process exits, which a
-  hung environment would block.
-* **Independence.** Up to ``EnvSettings.concurrency`` requests are handled at once, each episode
-  on its own; no barrier across episodes. Two requests of one episode never run at the same time
-  (a per-episode lock, in arrival order; an agent sends a step only after the previous answer,
-  so this only serialises duplicates).
-* **Bounded memory.** Terminated, truncated and failed episodes are forgotten at once (their final
-  answer is kept); at most ``env.max_episodes`` live episodes are held, the least recently used
-  evicted (their next step rebuilds them from its history).
-* **Simulated latency** (benchmarks): ``env.latency`` draws a delay per answer (:func:`draw_latency_s`,
-  seeded by episode and step: reproducible), awaited before answering; ``env_s`` includes it.
-  A rebuild's replayed steps add no simulated latency.
-* **Graceful stop** on SIGTERM/SIGINT (the runtime): in-flight requests get ``shutdown_grace_s``;
-  what is cut off is not committed and is answered by the next owner (by rebuilding). An episode
-  whose step was cut off is not held any more (its environment may have moved), here too.
+* A reset builds the environment of the request's spec and answers ``reset(seed)`` as step 0.
+* Step ``k`` applies the action to the episode held at step ``k - 1``; an episode this worker does
+  not hold (a restart, a rebalance, an eviction) is **rebuilt**: reset with the step's ``seed``,
+  the step's ``history`` replayed, then the action applied (environments are deterministic).
+* The same step again gets the same answer, event id included; an older step is out of order.
+* Every reset, step and rebuild runs in its own daemon thread bounded by ``env.step_timeout_s``;
+  an environment that raises or times out ends its episode as failed with the one-line reason.
+* Up to ``EnvSettings.concurrency`` requests at once, two of one episode never together; at most
+  ``env.max_episodes`` live episodes are held (the least recently used evicted).
+
+docs/architecture.md, "Services", tells the whole story (idempotence, failures, latency, stop).
 """
 
 from __future__ import annotations
@@ -66,8 +38,12 @@ from runtime.settings import Consume, Delivery, Handling, Subscription
 from schemas import events as ev
 from schemas.config import RunConfig
 from schemas.errors import one_line
+from schemas.services import SERVICES
+from services import ServiceStart
 
 log = logging.getLogger("rollstream.env")
+
+SPEC = SERVICES["env"]
 
 T = TypeVar("T")
 
@@ -374,19 +350,31 @@ def _scalars(info: Any) -> dict[str, str | int | float | bool]:
     return out
 
 
+def service_settings(settings: EnvSettings) -> ServiceSettings:
+    """The runtime settings of an environment worker (it derives its answers' event ids itself: a
+    repeated answer keeps its id)."""
+    return ServiceSettings(
+        run_id=settings.run_id, kafka=settings.config.kafka, subscription=Subscription.of(SPEC, settings.run_id),
+        consume=Consume(batch_max_records=min(settings.concurrency, 256)),
+        handling=Handling(max_concurrency=settings.concurrency, shutdown_grace_s=settings.shutdown_grace_s),
+        delivery=Delivery(deterministic_output_ids=False),
+    )
+
+
+def settings_from(start: ServiceStart) -> EnvSettings:
+    """An environment worker's settings in a run (``rollstream service env``): as many requests at
+    once as can be in flight, one per episode and one episode per rollout handler call (a worker may
+    own every partition of ``env.requests``: alone, or while the others restart)."""
+    cfg = start.config
+    return EnvSettings(run_id=start.run_id, config=cfg, concurrency=cfg.rollout.workers * cfg.rollout.max_batch)
+
+
 async def run(settings: EnvSettings, stop: asyncio.Event | None = None) -> Counters:
     """Answer environment requests until stopped (SIGTERM/SIGINT or ``stop``); the counters."""
     if settings.concurrency < 1:
         raise ValueError(f"EnvSettings.concurrency={settings.concurrency} must be >= 1")
     worker = EnvWorker(settings)
-    service_settings = ServiceSettings(
-        run_id=settings.run_id, kafka=settings.config.kafka,
-        subscription=Subscription(group_id=f"rs-env-{settings.run_id}", topics=["env.requests"]),
-        consume=Consume(batch_max_records=min(settings.concurrency, 256)),
-        handling=Handling(max_concurrency=settings.concurrency, shutdown_grace_s=settings.shutdown_grace_s),
-        delivery=Delivery(deterministic_output_ids=False),  # the worker derives its answers' ids (a repeated answer keeps its id)
-    )
-    counters = await run_service(worker, service_settings, stop=stop)
+    counters = await run_service(worker, service_settings(settings), stop=stop)
     log.info("env: stopped (%s; %d rebuilds, %d abandoned threads)", counters.as_dict(), worker.rebuilds,
              worker.abandoned_threads)
     return counters

@@ -11,8 +11,9 @@ judges of ``judge.models`` that the run's domains name (on ``judge.device``), ju
 Exactly once: the worker is transactional like the router. Scored outputs and the consumed
 offsets they answer commit together in Kafka transactions, so a worker killed mid-batch leaves
 visible to ``read_committed`` readers (the trainer) only what it committed, each sample once; the
-rest is judged again by the restarted worker or another one. Each worker has its own stable ``transactional_id``
-(``rs-judge-<run>-<label>``), so a restarted worker fences the one it replaces.
+rest is judged again by the restarted worker or another one. Each worker has its own stable
+``transactional_id`` (its group id and its label, ``rs-judge-<run>-<label>``), so a restarted
+worker fences the one it replaces.
 
 A judge answer that gives no score (garbage, out of range, no label mass) or a judge model that
 fails scores the ``judge`` component 0 with the reason in ``judge_error`` and ``details``: the
@@ -32,10 +33,15 @@ from runtime.bus import Record
 from runtime.runner import Context, Runner, Service, ServiceSettings, run_service
 from runtime.settings import Consume, Delivery, Handling, Subscription
 from schemas import events as ev
-from schemas.config import RunConfig, reward_weights
+from schemas.config import RunConfig, resolve_dtype, reward_weights
+from schemas.devices import resolve_device
+from schemas.services import SERVICES
+from services import ServiceStart
 from services.reward_router import with_verdict
 
 log = logging.getLogger("rollstream.judge")
+
+SPEC = SERVICES["judge"]
 
 
 class JudgeSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -102,15 +108,27 @@ class JudgeWorker(Service):
         log.info("judge worker %s: %d judged, %d without a score", self.settings.label, self.judged, self.unscored)
 
 
-async def run(settings: JudgeSettings, stop: object = None) -> object:
-    """Judge requests until stopped (SIGTERM/SIGINT or ``stop``)."""
-    s = settings
+def service_settings(s: JudgeSettings) -> ServiceSettings:
+    """The runtime settings of a judge worker: transactional, with its own stable transactional id."""
     cfg = s.config
-    service_settings = ServiceSettings(
-        run_id=s.run_id, kafka=cfg.kafka,
-        subscription=Subscription(group_id=f"rs-judge-{s.run_id}", topics=["judge.requests"]),
+    return ServiceSettings(
+        run_id=s.run_id, kafka=cfg.kafka, subscription=Subscription.of(SPEC, s.run_id),
         consume=Consume(batch_max_records=max(cfg.judge.max_batch, 1) * 2),
         handling=Handling(max_concurrency=max(cfg.judge.max_batch, 1) * 2),
-        delivery=Delivery(transactional=True, transactional_id=f"rs-judge-{s.run_id}-{s.label}"),
+        delivery=Delivery(transactional=True, transactional_id=SPEC.transactional_id(s.run_id, s.label)),
     )
-    return await run_service(JudgeWorker(s), service_settings, stop=stop)  # type: ignore[arg-type]
+
+
+def settings_from(start: ServiceStart) -> JudgeSettings:
+    """A judge worker's settings in a run (``rollstream service judge``): its label, and
+    ``judge.device`` resolved for this machine (a run without a judged domain loads no judge: the
+    worker idles on the CPU, whatever the device says)."""
+    cfg = start.config
+    device = resolve_device(cfg.judge.device, "judge.device") if judged_domains(cfg) else "cpu"
+    return JudgeSettings(run_id=start.run_id, config=cfg, label=start.label or SPEC.name, device=device,
+                         dtype=resolve_dtype(cfg.judge.dtype, device))
+
+
+async def run(settings: JudgeSettings, stop: object = None) -> object:
+    """Judge requests until stopped (SIGTERM/SIGINT or ``stop``)."""
+    return await run_service(JudgeWorker(settings), service_settings(settings), stop=stop)  # type: ignore[arg-type]

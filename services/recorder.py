@@ -1,41 +1,23 @@
 """The recorder: every message of a run's topics into the run's ClickHouse store.
 
-It runs on :mod:`runtime.runner` as a batch service: consumer group
-``rs-recorder-<run_id or all>`` on every topic of the run (or ``^rs\\..*`` for all runs);
-:meth:`Recorder.handle_batch` inserts each poll with one insert per table, and the runtime
-commits the poll's offsets once it returned (``commit="after_effect"``). The runtime's dedupe
-is off (every message is recorded, a redelivered duplicate too). Ingestion is idempotent on
-(topic, partition, offset): at start it reads the highest stored offset of each partition and
-skips anything at or below it (a crash between insert and commit re-delivers a batch that is
-then skipped), and the tables are ReplacingMergeTree on their natural keys besides. An insert
-that fails stops the recorder with that error (nothing of the poll is committed).
+It runs as a batch service in its consumer group (:data:`schemas.services.SERVICES`; one recorder
+of every run subscribes by pattern): :meth:`Recorder.handle_batch` writes each poll with one
+insert per table (``events`` last), and the runtime commits the poll's offsets once it returned.
+Every message is recorded: the runtime's dedupe is off, and undecodable bytes are handed over too
+(``handle_undecodable``) and stored as kind ``undecodable``. Ingestion is idempotent on (topic,
+partition, offset): at start it reads the highest stored offset of each partition and skips
+anything at or below it. An insert that fails stops the recorder (nothing of the poll committed).
 
-Undecodable messages are handed to the recorder too (``handle_undecodable``) and recorded in
-``events`` (kind ``undecodable``, raw bytes as base64) so nothing that crossed the bus is
-missing from the record; the consumer that owns them dead-letters them (``dlq``), the recorder
-does not.
+* Lag: every ``lag_report_every_s`` (and at a clean exit) it measures its consumer lag, logs it
+  and writes it to the ``recorder_lag`` table.
+* With an embedded (chDB) store it serves read-only queries to other processes
+  (:mod:`store.server`), under one lock with its own inserts.
+* With ``stop_when_finished`` it exits once it has seen ``RunFinished`` and then an idle poll with
+  zero lag: at once when ``producers_done_file`` exists, else after ``idle_exit_s`` of quiet.
+* Experiment trackers (``tracking``, :mod:`store.tracking`) get each newly stored ``TrainStep`` /
+  ``EvalResult`` of its run after the insert.
 
-Batching: each poll takes at most ``batch_max_records`` messages (``store.batch_max_records``
-in the run config) and writes them with one insert per table, events last.
-
-Lag (``on_tick``, after every poll): every ``lag_report_every_s`` (and once more at a clean
-exit, ``on_stop``) the recorder measures its consumer lag (end offsets minus positions, summed
-over its assigned partitions = messages not yet recorded), logs it, keeps it in
-:attr:`Recorder.lag` / :attr:`Recorder.lag_reports` and writes it to the ``recorder_lag`` table.
-
-Reads during a run: with an embedded (chDB) store, which only this process may open, the
-recorder serves read-only queries to other processes (:mod:`store.server`; the
-endpoint file is ``<store>.endpoint``), under one lock with its own inserts.
-
-With ``stop_when_finished`` the recorder exits by itself once it has seen the run's
-``RunFinished`` and then an idle poll with zero lag: at once when ``producers_done_file`` exists
-(``rollstream run``'s supervisor writes it once every other service of the run has exited, so
-nothing more can come), else after ``idle_exit_s`` of such quiet polls.
-
-Experiment trackers (``tracking`` in the run config, :mod:`store.tracking`): given the run's
-``config``, the recorder hands each newly stored ``TrainStep`` / ``EvalResult`` of its run to the
-trackers after the insert (TensorBoard under ``runs/<id>/tb``, W&B offline under
-``runs/<id>/wandb``), each step once; a failing tracker is disabled, recording goes on.
+docs/architecture.md, "Services", tells more.
 """
 
 from __future__ import annotations
@@ -51,16 +33,22 @@ from typing import Any
 import msgspec
 
 import store as st
-from runtime.bus import Consumer, Record, TopicPartition
+from runtime.bus import Consumer, Record
+from runtime.reading import behind
 from runtime.runner import BatchContext, BatchService, Runner, ServiceSettings
 from runtime.settings import Consume, Delivery, Handling, Subscription
 from schemas import events as ev
 from schemas.config import KafkaSettings, RunConfig
-from schemas.topics import TOPICS, parse_topic, topic_name
+from schemas.services import SERVICES
+from schemas.topics import parse_topic
+from services import ServiceStart
 from store.rows import COLUMNS, event_row, lag_row, typed_rows
+from store.runs import PRODUCERS_DONE, store_dsn_of
 from store.tracking import TrackerFeed, make_trackers
 
 log = logging.getLogger("rollstream.recorder")
+
+SPEC = SERVICES["recorder"]
 
 FETCH_MIN_BYTES = 256 * 1024
 """The recorder's fetches wait for this many bytes (or :data:`FETCH_MAX_WAIT_MS`): a run's events
@@ -81,7 +69,7 @@ class RecorderSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     kafka: KafkaSettings = msgspec.field(default_factory=KafkaSettings)
     """How to reach Kafka."""
     group_id: str = ""
-    """Consumer group; empty = ``rs-recorder-<run_id or all>``."""
+    """Consumer group; empty = the recorder's (``rs-recorder-<run_id or all>``)."""
     batch_max_records: int = 2000
     """Most records per poll (one insert per table per poll)."""
     lag_report_every_s: float = 10.0
@@ -209,7 +197,7 @@ class Recorder(BatchService):
         return rep
 
     def _group_id(self) -> str:
-        return self.settings.group_id or f"rs-recorder-{self.settings.run_id or 'all'}"
+        return group_id(self.settings)
 
     def _start_server(self) -> None:
         s = self.settings
@@ -237,26 +225,8 @@ class Recorder(BatchService):
     # ----------------------------------------------------------------- the service
 
     def service_settings(self) -> ServiceSettings:
-        """How the recorder runs on :mod:`runtime.runner`: a batch handler over the
-        run's topics (every topic of :data:`schemas.topics.TOPICS`; a recorder of every run
-        subscribes by pattern), commit after each insert, every message to the handler (no
-        dedupe, undecodable bytes too), fetches held by the broker until :data:`FETCH_MIN_BYTES`
-        are ready or :data:`FETCH_MAX_WAIT_MS` passed (fewer, fuller fetches and inserts).
-
-        A run's recorder names its topics rather than a pattern: a pattern subscription refreshes
-        the metadata of every topic of the cluster every 5 s, which on a broker that keeps many
-        runs' topics became most of the recorder's Kafka work."""
-        s = self.settings
-        topics = [topic_name(s.run_id, name) for name in TOPICS] if s.run_id else []
-        return ServiceSettings(
-            run_id=s.run_id, kafka=s.kafka,
-            subscription=Subscription(group_id=self._group_id(), topics=topics,
-                                      topic_pattern="" if topics else r"^rs\..*"),
-            consume=Consume(batch_max_records=s.batch_max_records, poll_timeout_s=s.poll_timeout_s,
-                            fetch_min_bytes=FETCH_MIN_BYTES, fetch_max_wait_ms=FETCH_MAX_WAIT_MS),
-            handling=Handling(handle_undecodable=True),
-            delivery=Delivery(dedupe=False),
-        )
+        """How the recorder runs on :mod:`runtime.runner` (:func:`service_settings`)."""
+        return service_settings(self.settings)
 
     async def on_start(self, runner: Runner) -> None:
         s = self.settings
@@ -321,18 +291,43 @@ class Recorder(BatchService):
 async def _lag(consumer: Consumer) -> tuple[int, int]:
     """``(lag, partitions)``: messages between the consumer's positions and the ends of its
     assigned partitions (summed), and how many partitions that covers."""
-    assigned: set[TopicPartition] = consumer.assignment()
-    if not assigned:
-        return 0, 0
-    ends = await consumer.raw.end_offsets(list(assigned))
-    lag = 0
-    for tp in assigned:
-        try:
-            pos = await consumer.raw.position(tp)
-        except Exception:  # revoked meanwhile: its new owner counts it
-            continue
-        lag += max(0, ends[tp] - pos)
-    return lag, len(assigned)
+    assigned = consumer.assignment()
+    return sum((await behind(consumer.raw, assigned)).values()), len(assigned)
+
+
+def group_id(s: RecorderSettings) -> str:
+    """The recorder's consumer group: ``s.group_id``, else the table's (``rs-recorder-<run_id or all>``)."""
+    return s.group_id or SPEC.group_id(s.run_id)
+
+
+def service_settings(s: RecorderSettings) -> ServiceSettings:
+    """How the recorder runs on :mod:`runtime.runner`: a batch handler over the run's topics (what
+    its :data:`SPEC` subscribes: every topic of :data:`schemas.topics.TOPICS`; a recorder of every
+    run subscribes by pattern), commit after each insert, every message to the handler (no dedupe,
+    undecodable bytes too), fetches held by the broker until :data:`FETCH_MIN_BYTES` are ready or
+    :data:`FETCH_MAX_WAIT_MS` passed (fewer, fuller fetches and inserts).
+
+    A run's recorder names its topics rather than a pattern: a pattern subscription refreshes
+    the metadata of every topic of the cluster every 5 s, which on a broker that keeps many
+    runs' topics became most of the recorder's Kafka work."""
+    subscription = msgspec.structs.replace(Subscription.of(SPEC, s.run_id), group_id=group_id(s))
+    return ServiceSettings(
+        run_id=s.run_id, kafka=s.kafka, subscription=subscription,
+        consume=Consume(batch_max_records=s.batch_max_records, poll_timeout_s=s.poll_timeout_s,
+                        fetch_min_bytes=FETCH_MIN_BYTES, fetch_max_wait_ms=FETCH_MAX_WAIT_MS),
+        handling=Handling(handle_undecodable=True),
+        delivery=Delivery(dedupe=False),
+    )
+
+
+def settings_from(start: ServiceStart) -> RecorderSettings:
+    """The recorder's settings in a run (``rollstream service recorder``): the run's store, its
+    ``store`` section, trackers, and exit once the run finished and every producer has exited."""
+    cfg = start.config
+    return RecorderSettings(
+        run_id=start.run_id, dsn=store_dsn_of(cfg, start.run_id), kafka=cfg.kafka, stop_when_finished=True,
+        batch_max_records=cfg.store.batch_max_records, lag_report_every_s=cfg.store.lag_report_every_s,
+        config=cfg, run_dir=str(start.run_dir), producers_done_file=str(start.run_dir / PRODUCERS_DONE))
 
 
 async def run(settings: RecorderSettings, stop: asyncio.Event | None = None) -> int:

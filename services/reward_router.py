@@ -2,29 +2,16 @@
 
 Each ``Generation`` is routed by its task's domain to the verifier configured for that domain
 (``data.domains[].verifier``, or the task source's default), run with a time bound
-(:func:`envs.run_verifier`), and turned into a self-contained ``ScoredSample``. The service runs
-in transactional mode: scored outputs and the consumed offsets they answer are committed together
-in Kafka transactions (every finished record's, every ``txn_interval_s``; no batch barrier, and a
-slow verifier holds back no other record: see :mod:`runtime.txn_loop`), so a generation is
-scored exactly once even across crashes. With ``reward.delivery: at_least_once`` it runs the
-runtime's at-least-once loop instead: no transactions, every sample is sent as soon as it is
-scored, offsets are committed after the outputs were acknowledged, and a crash re-scores what was
-not committed (same event ids; the trainer keeps one copy per sample id).
+(:func:`envs.run_verifier`) off the event loop, and turned into a self-contained ``ScoredSample``.
+A verifier that crashes or hangs yields reward 0 with the error in ``details``: the sample is still
+trained on and the error is on the record. A judged domain's sample goes on to ``judge.requests``
+instead (:mod:`services.judge_worker` adds the judge's score); a multi-turn episode is scored by
+its own step rewards (:func:`score_episode`); a generation with impossible values
+(:func:`schemas.sanity.check_generation`) is dead-lettered naming its sample and group.
 
-A verifier that crashes or hangs yields reward 0 with the error in ``details`` (the sample is still
-trained on, and the error is visible in the record) — never a lost sample.
-
-Judged domains (``data.domains[].judge``): the verifier runs here as for any domain; the sample,
-with its verifier components, then goes to ``judge.requests`` as a ``JudgeRequest`` (in the same
-transaction) instead of to ``scored``. The judge service (:mod:`services.judge_worker`) adds the
-judge's score, computes the reward from the domain's ``rewards`` weights (:func:`with_verdict`)
-and emits it to ``scored``, transactionally too: exactly once end to end.
-
-Bad input: a generation with impossible values (:func:`schemas.sanity.check_generation`:
-response, logprobs and loss-mask lengths that disagree, non-finite logprobs, an impossible
-group) is rejected and, like undecodable bytes, dead-lettered inside the same transactions,
-naming its sample and group: the sample ends as ``dead_letter`` and its group completes
-without it.
+It is transactional by default (outputs and consumed offsets commit together: a generation is
+scored exactly once across crashes); ``reward.delivery: at_least_once`` runs it on the
+per-record loop instead. docs/architecture.md, "Services", tells more.
 """
 
 from __future__ import annotations
@@ -44,6 +31,10 @@ from runtime.settings import Consume, Delivery, Handling, Subscription
 from schemas import events as ev
 from schemas.config import RewardConfig, RunConfig, reward_weights
 from schemas.sanity import check_generation
+from schemas.services import SERVICES
+from services import ServiceStart
+
+SPEC = SERVICES["reward"]
 
 
 class RewardSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -54,7 +45,7 @@ class RewardSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     config: RunConfig
     """The run config (domains -> verifiers, ``reward`` section, Kafka settings)."""
     transactional_id: str = ""
-    """Transactional id; empty = ``rs-reward-<run_id>``, stable across restarts: a restarted
+    """Transactional id; empty = the group id (``rs-reward-<run_id>``), stable across restarts: a restarted
     instance fences the one it replaces and aborts the transaction that one left open at once
     (with a per-start id, ``read_committed`` readers of ``scored`` would wait for the broker's
     transaction timeout). A second instance running at the same time needs its own id."""
@@ -211,14 +202,18 @@ def service_settings(s: RewardSettings) -> ServiceSettings:
     ``at_least_once``."""
     exactly_once = {"exactly_once": True, "at_least_once": False}[s.config.reward.delivery]
     return ServiceSettings(
-        run_id=s.run_id, kafka=s.config.kafka,
-        subscription=Subscription(group_id=f"rs-reward-{s.run_id}", topics=["generations"]),
+        run_id=s.run_id, kafka=s.config.kafka, subscription=Subscription.of(SPEC, s.run_id),
         consume=Consume(batch_max_records=64),
         handling=Handling(
             max_concurrency=max(1, s.concurrency, s.config.max_inflight if s.config.reward.latency != "none" else 0)),
-        delivery=Delivery(transactional=exactly_once, transactional_id=(s.transactional_id or f"rs-reward-{s.run_id}")
-                          if exactly_once else ""),
+        delivery=Delivery(transactional=exactly_once,
+                          transactional_id=(s.transactional_id or SPEC.transactional_id(s.run_id)) if exactly_once else ""),
     )
+
+
+def settings_from(start: ServiceStart) -> RewardSettings:
+    """The reward router's settings in a run (``rollstream service reward``)."""
+    return RewardSettings(run_id=start.run_id, config=start.config)
 
 
 async def run(settings: RewardSettings, stop: object = None) -> object:

@@ -1,36 +1,21 @@
 """The rollout service: a consumer group on ``tasks`` feeding a generation engine.
 
-Every ``RolloutTask`` becomes one handler call that submits one request to the engine and
-awaits its completion; the runtime runs up to ``rollout.max_batch`` handler calls at once
-(``max_concurrency``), and the engine batches whatever is in flight (continuous batching: a
-finished sample frees its slot at once, a new task takes it before the next decode step).
-Offsets are committed only after the ``Generation`` is acknowledged by Kafka.
+Every ``RolloutTask`` becomes one handler call that submits one request to the engine and awaits
+its completion; up to ``rollout.max_batch`` calls run at once and the engine batches whatever is
+in flight (continuous batching). The offset is committed once the ``Generation`` is acknowledged.
+A task with impossible values (:func:`schemas.sanity.check_task`) is dead-lettered before it waits
+for any weights, like an engine error or a weights timeout, naming its sample and group.
 
-Bad input: a task with impossible values (:func:`schemas.sanity.check_task`: an unknown
-domain, an index outside its group, a token cap below 1) is rejected before it waits for any
-weights, and the runtime dead-letters it — like undecodable bytes, an engine error or a weights
-timeout — naming its sample and group, so the sample ends as ``dead_letter`` and its group
-completes without it.
+* Multi-turn domains: a task is one episode played by :func:`rollout.agent.run_episode` against
+  the environment workers over Kafka (:class:`services.env_client.KafkaEnvClient`); weights are
+  swapped between turns, never inside one. An episode the environment failed is dead-lettered.
+* Weights: a background consumer (no group) follows the compacted ``weights`` topic and hot-swaps
+  every new ``WeightsPublished`` into the engine; a task starts only once the engine holds a
+  version at least as new as its ``policy_version`` (on-policy with ``async_ratio: 0``).
+* With ``rollout.group_size_redundancy`` a second one follows ``metrics`` for the samples the
+  trainer cancelled: they are not started, and an episode stops before its next turn.
 
-Multi-turn domains (:func:`envs.is_episodic` sources): a task is one episode played by
-:func:`rollout.agent.run_episode` against the environment workers over Kafka
-(:class:`services.env_client.KafkaEnvClient`), limited by ``rollout.max_turns``,
-``rollout.max_new_tokens`` per turn and ``rollout.max_context_tokens``. Its ``Generation``
-interleaves the model's turns (``loss_mask`` 1) and the environment's (0) and carries the per-turn
-rewards, weights versions and state hashes. Weights are swapped between turns, never inside one
-(:class:`rollout.agent.SwapLock`). With ``rollout.group_size_redundancy`` a follower of ``metrics``
-collects the samples the trainer cancelled (their group finished without them): they are not
-started, and an episode stops before its next turn (nothing is emitted: the trainer's ``filtered``
-outcome is their record). An episode the environment failed (a crash, a timeout, no
-worker answering within ``env.request_timeout_s``) is dead-lettered with the reason: recorded,
-its group completes without it, and it is not trained on.
-
-Weights: a background consumer (no group) reads the run's compacted ``weights`` topic and
-hot-swaps every new ``WeightsPublished`` into the engine between decode steps (an undecodable
-record there is logged; the feeder dead-letters it). A task is not started before the
-engine holds a published version at least as new as the task's ``policy_version`` (and at least
-one published version: the trainer publishes version 0 after its warm-up), so with
-``async_ratio: 0`` generation is on-policy.
+docs/architecture.md, "Services", tells more.
 """
 
 from __future__ import annotations
@@ -62,10 +47,14 @@ from schemas.config import RunConfig
 from schemas.devices import resolve_device
 from schemas.errors import one_line
 from schemas.sanity import check_task
+from schemas.services import SERVICES
 from schemas.topics import topic_name
+from services import ServiceStart
 from services.env_client import KafkaEnvClient
 
 log = logging.getLogger("rollstream.rollout")
+
+SPEC = SERVICES["rollout"]
 
 
 class RolloutSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -319,16 +308,23 @@ def generation_of(task: ev.RolloutTask, traj: Trajectory, episode_id: str, worke
     )
 
 
+def service_settings(settings: RolloutSettings) -> ServiceSettings:
+    """The runtime settings of a rollout worker: ``rollout.max_batch`` handler calls at once."""
+    cfg = settings.config
+    return ServiceSettings(
+        run_id=settings.run_id, kafka=cfg.kafka, subscription=Subscription.of(SPEC, settings.run_id),
+        consume=Consume(batch_max_records=cfg.rollout.max_batch, max_poll_interval_s=900.0),
+        handling=Handling(max_concurrency=cfg.rollout.max_batch, shutdown_grace_s=30.0),
+    )
+
+
+def settings_from(start: ServiceStart) -> RolloutSettings:
+    """A rollout worker's settings in a run (``rollstream service rollout``)."""
+    return RolloutSettings(run_id=start.run_id, config=start.config, model_dir=start.model_dir)
+
+
 async def run(settings: RolloutSettings, stop: asyncio.Event | None = None) -> object:
     """Generate until stopped (SIGTERM/SIGINT or ``stop``)."""
     if not Path(settings.model_dir).is_dir():
         raise FileNotFoundError(settings.model_dir)
-    worker = RolloutWorker(settings)
-    cfg = settings.config
-    service_settings = ServiceSettings(
-        run_id=settings.run_id, kafka=cfg.kafka,
-        subscription=Subscription(group_id=f"rs-rollout-{settings.run_id}", topics=["tasks"]),
-        consume=Consume(batch_max_records=cfg.rollout.max_batch, max_poll_interval_s=900.0),
-        handling=Handling(max_concurrency=cfg.rollout.max_batch, shutdown_grace_s=30.0),
-    )
-    return await run_service(worker, service_settings, stop=stop)
+    return await run_service(RolloutWorker(settings), service_settings(settings), stop=stop)

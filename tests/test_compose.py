@@ -17,12 +17,14 @@ import yaml
 from clickhouse_connect.driver import default_port
 
 from infra.kafka import broker as stack
+from schemas.services import SERVICES
 from store import check_dsn
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
-ROLLSTREAM_SERVICES = ("prepare", "feeder", "rollout", "reward", "trainer", "recorder", "env", "judge")
-RUN_SERVICES = ROLLSTREAM_SERVICES[1:]
+RUN_SERVICES = tuple(SERVICES)
+"""One container per service of the table (``rollstream service NAME``)."""
+ROLLSTREAM_SERVICES = ("prepare", *RUN_SERVICES)
 
 
 @pytest.fixture(scope="module")
@@ -192,14 +194,11 @@ def test_every_container_command_parses_with_the_real_cli(compose: dict[str, Any
             assert leaf.params["run"] == "demo"
 
 
-def test_compose_runs_every_service_the_cli_offers(compose: dict[str, Any]) -> None:
-    """One container per service of `rollstream service` (`env` and `judge` included: multi-turn
-    domains and judged domains need them), none for a service that does not exist."""
-    from cli import SERVICES
-
-    assert set(RUN_SERVICES) == set(SERVICES), f"compose: {RUN_SERVICES}, CLI: {SERVICES}"
+def test_compose_runs_every_service_of_the_table(compose: dict[str, Any]) -> None:
+    """One container per service of the table (`env` and `judge` included: multi-turn domains and
+    judged domains need them) plus the one-shot `prepare`, none for a service that does not exist."""
     rollstream = {name for name, svc in compose["services"].items() if svc.get("image") == "rollstream:dev"}
-    assert rollstream == set(ROLLSTREAM_SERVICES), rollstream
+    assert rollstream == set(ROLLSTREAM_SERVICES), f"compose: {sorted(rollstream)}, table: {RUN_SERVICES}"
 
 
 def test_containers_get_the_environment_and_volumes_they_need(compose: dict[str, Any]) -> None:

@@ -27,7 +27,6 @@ from schemas.config.base import (
 )
 from schemas.config.explain import explain_error
 from schemas.config.infra import (
-    PLACED_SERVICES,
     KafkaSettings,
     PlacementConfig,
     ServicePlacement,
@@ -60,7 +59,6 @@ from schemas.config.tasks import (
 from schemas.config.training import AggMode, AlgorithmConfig, KLKind, NormType, RolloutConfig, TrainConfig
 
 __all__ = [
-    "PLACED_SERVICES",
     "REDACTED",
     "REWARD_COMPONENTS",
     "RULES",

@@ -129,7 +129,3 @@ class PlacementConfig(Section):
     """Each rollout worker."""
     trainer: ServicePlacement = msgspec.field(default_factory=ServicePlacement)
     """The trainer, all its ``train.ranks`` processes together (one node)."""
-
-
-PLACED_SERVICES = ("recorder", "feeder", "reward", "judge", "env", "rollout", "trainer")
-"""The services a ``placement`` section places (its per-service keys)."""

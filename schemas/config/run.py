@@ -29,7 +29,6 @@ from schemas.config.base import (
 )
 from schemas.config.explain import explain_error
 from schemas.config.infra import (
-    PLACED_SERVICES,
     KafkaSettings,
     PlacementConfig,
     ServicePlacement,
@@ -46,6 +45,7 @@ from schemas.config.tasks import (
     TinyModelSpec,
 )
 from schemas.config.training import AlgorithmConfig, RolloutConfig, TrainConfig
+from schemas.services import in_start_order, value_at
 
 
 class RunSection(Section):
@@ -368,9 +368,9 @@ def domain_rewards(cfg: RunConfig) -> str | None:
 @rule
 def placement(cfg: RunConfig) -> str | None:
     """What Ray can reserve for a service (whether the cluster holds it is checked at the start)."""
-    for name in PLACED_SERVICES:
-        s: ServicePlacement = getattr(cfg.placement, name)
-        key = f"placement.{name}"
+    for spec in in_start_order():
+        key = spec.placement_key
+        s: ServicePlacement = value_at(cfg, key)
         if s.gpus > 1 and s.gpus != int(s.gpus):
             return (f"{key}.gpus={s.gpus:g} must be >= 0 and, above 1, a whole number (Ray shares a GPU "
                     "only as a fraction below 1)")

@@ -12,12 +12,12 @@ trainer still has to re-run: the recorded steps from its checkpoint on, and thei
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from runtime.bus import BusError, Consumer
+from runtime.bus import BusError, Consumer, TopicPartition
+from runtime.reading import ReadTimeout, read_to_end
 from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import topic_name
@@ -110,20 +110,17 @@ async def read_history(kafka: KafkaSettings, run_id: str, timeout_s: float = 120
     :class:`BusError` when that takes longer than ``timeout_s``."""
     names = [topic_name(run_id, n) for n in ("metrics", "control", "weights")]
     history = History()
-    deadline = time.monotonic() + timeout_s
     async with Consumer(kafka, group_id=None, topics=names, auto_offset_reset="earliest",
                         client_suffix="trainer-history") as consumer:
-        ends: dict[object, int] | None = None
-        while True:
-            for rec in await consumer.getmany(timeout_ms=200, max_records=10_000):
-                if rec.event is not None:
-                    history.observe(rec.event)
-            assigned = sorted(consumer.assignment())
-            if {tp.topic for tp in assigned} == set(names):
-                if ends is None:
-                    ends = dict(await consumer.raw.end_offsets(assigned))
-                positions = await asyncio.gather(*(consumer.raw.position(tp) for tp in assigned))
-                if all(pos >= ends[tp] for tp, pos in zip(assigned, positions, strict=True)):
-                    return history
-            if time.monotonic() > deadline:
-                raise BusError(f"trainer: could not read the history of run {run_id} within {timeout_s:g} s")
+
+        def take(tp: TopicPartition, record: Any) -> None:
+            event, _ = consumer.decode(tp.topic, record.value)
+            if event is not None:
+                history.observe(event)
+
+        try:
+            await read_to_end(consumer.raw, take, timeout_s=timeout_s, poll_ms=200, max_records=10_000,
+                              what=f"the history of run {run_id}")
+        except ReadTimeout as e:
+            raise BusError(f"trainer: {e}") from None
+    return history

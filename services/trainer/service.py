@@ -1,8 +1,8 @@
 """The trainer service: the only barrier of a run (docs/architecture.md, "The trainer service").
 
-:class:`Trainer` runs on :mod:`runtime.runner` as a batch service in group ``rs-trainer-<run_id>``
-on ``scored``, ``dlq`` and ``control`` and commits the positions each checkpoint saved. It is
-composed of its parts, each a field:
+:class:`Trainer` runs on :mod:`runtime.runner` as a batch service in its group on ``scored``,
+``dlq`` and ``control`` (:data:`schemas.services.SERVICES`) and commits the positions each
+checkpoint saved. It is composed of its parts, each a field:
 
 * ``strategy``: the training backend (:func:`trainer.factory.make_strategy`);
 * ``state``: the checkpointable :class:`~services.trainer.state.TrainerState`;
@@ -38,6 +38,7 @@ from schemas import events as ev
 from schemas.config import RunConfig
 from schemas.devices import resolve_device
 from schemas.sanity import check_scored
+from schemas.services import SERVICES
 from services.trainer.checkpoint import Checkpoints, export_weights, weights_dir
 from services.trainer.evaluation import Evaluation
 from services.trainer.groups import Groups
@@ -49,7 +50,9 @@ from trainer.factory import make_strategy
 
 log = logging.getLogger("rollstream.trainer")
 
-__all__ = ["STOPPED_PREFIX", "TRAINING_COMPLETE", "Trainer", "TrainerSettings"]
+SPEC = SERVICES["trainer"]
+
+__all__ = ["STOPPED_PREFIX", "TRAINING_COMPLETE", "Trainer", "TrainerSettings", "service_settings"]
 
 TRAINING_COMPLETE = "training complete"
 """Reason of the trainer's ``Drain`` after its last step."""
@@ -105,15 +108,8 @@ class Trainer(BatchService):
         self._evaluated: set[int] = set()
 
     def service_settings(self) -> ServiceSettings:
-        """How the trainer runs on :mod:`runtime.runner` (see the module doc)."""
-        return ServiceSettings(
-            run_id=self.s.run_id, kafka=self.cfg.kafka,
-            subscription=Subscription(group_id=f"rs-trainer-{self.s.run_id}", topics=["scored", "dlq", "control"],
-                                      observed_topics=["control"]),
-            consume=Consume(batch_max_records=500, poll_timeout_s=self.s.poll_timeout_s, max_poll_interval_s=1800.0),
-            handling=Handling(shutdown_grace_s=300.0),  # a training step under way at a stop finishes (its state is not cancellable)
-            delivery=Delivery(commit="by_service"),
-        )
+        """How the trainer runs on :mod:`runtime.runner` (:func:`service_settings`)."""
+        return service_settings(self.s)
 
     def close(self) -> None:
         """Release what the training backend holds (a multi-rank strategy's processes); idempotent."""
@@ -433,3 +429,15 @@ class Trainer(BatchService):
         finally:
             await asyncio.to_thread(self.close)
         return self.state.step
+
+
+def service_settings(s: TrainerSettings) -> ServiceSettings:
+    """How the trainer runs on :mod:`runtime.runner`: what its :data:`SPEC` subscribes (``control``
+    only observed), one batch handler call per poll, and the commits its own (the positions each
+    checkpoint saved)."""
+    return ServiceSettings(
+        run_id=s.run_id, kafka=s.config.kafka, subscription=Subscription.of(SPEC, s.run_id),
+        consume=Consume(batch_max_records=500, poll_timeout_s=s.poll_timeout_s, max_poll_interval_s=1800.0),
+        handling=Handling(shutdown_grace_s=300.0),  # a training step under way at a stop finishes (its state is not cancellable)
+        delivery=Delivery(commit="by_service"),
+    )

@@ -26,11 +26,11 @@ from pathlib import Path
 import pytest
 from aiokafka import TopicPartition
 
-from launch.runinfo import group_id
 from runtime.admin import TopicAdmin
 from runtime.bus import Consumer
 from schemas import events as ev
 from schemas.config import KafkaSettings
+from schemas.services import SERVICES
 from schemas.topics import topic_name
 from tests.e2e.faults import assert_accounted, rollstream, sql
 from tests.e2e.test_heal import finish, state
@@ -143,7 +143,7 @@ async def wait_for_env_traffic(bootstrap: str, run_id: str, proc: subprocess.Pop
     async with TopicAdmin(KafkaSettings(), bootstrap) as admin:
         while True:
             assert proc.poll() is None, f"the run ended early: {proc.communicate()}"
-            committed = await admin.raw.list_consumer_group_offsets(group_id("env", run_id))
+            committed = await admin.raw.list_consumer_group_offsets(SERVICES["env"].group_id(run_id))
             if any(o < committed[tp].offset for tp, offsets in stepped.items() if tp in committed for o in offsets):
                 return
             assert time.monotonic() < deadline, f"the env group committed no reset within {timeout_s:g} s: {committed}"

@@ -89,9 +89,9 @@ def test_env_workers_are_planned_for_multi_turn_domains_only(tmp_path: Path, ove
     assert supervisor_of(config(tmp_path, *overrides)).labels() == labels
 
 
-def test_every_label_is_a_service_of_the_cli(tmp_path: Path) -> None:
-    from cli import SERVICES
+def test_every_label_is_a_service_of_the_table(tmp_path: Path) -> None:
     from launch.healing import service_of
+    from schemas.services import SERVICES
 
     labels = supervisor_of(config(tmp_path, FL, "env.workers=2", "rollout.workers=2")).labels()
     # every service but the judge workers (no domain has a judge here: test_judge_workers.py)
@@ -197,9 +197,9 @@ async def test_env_workers_are_stopped_after_rollout_at_the_end(tmp_path: Path, 
 
 
 def test_status_orders_env_workers_before_rollout_and_names_their_lag() -> None:
-    from launch.status import ORDER, lag_services, stall_text
+    from launch.status import lag_services, stall_text, start_rank
 
-    assert ORDER.index("reward") < ORDER.index("env") < ORDER.index("rollout")
+    assert start_rank("reward") < start_rank("env") < start_rank("rollout")
     assert lag_services(["recorder", "feeder", "reward", "env0", "env1", "rollout", "trainer"]) == [
         "rollout", "env", "reward", "trainer"]
     assert lag_services(["recorder", "feeder", "reward", "rollout0", "trainer"]) == ["rollout", "reward", "trainer"]

@@ -125,8 +125,8 @@ def test_judge_workers_are_planned_for_judged_domains_only(tmp_path: Path, overr
 
 
 def test_every_service_of_the_cli_is_planned_for_a_run_that_needs_them_all(tmp_path: Path) -> None:
-    from cli import SERVICES
     from launch.healing import service_of
+    from schemas.services import SERVICES
 
     labels = supervisor_of(config(tmp_path, JUDGES, MIXED, "judge.workers=2", "env.workers=2")).labels()
     assert {service_of(label) for label in labels} == set(SERVICES)
@@ -240,9 +240,9 @@ async def test_judge_workers_are_stopped_after_reward_and_rollout_at_the_end(
 
 
 def test_status_orders_judge_workers_after_reward_and_names_their_lag() -> None:
-    from launch.status import ORDER, lag_services, stall_text
+    from launch.status import lag_services, stall_text, start_rank
 
-    assert ORDER.index("reward") < ORDER.index("judge") < ORDER.index("env") < ORDER.index("rollout")
+    assert start_rank("reward") < start_rank("judge") < start_rank("env") < start_rank("rollout")
     assert lag_services(["recorder", "feeder", "reward", "judge0", "judge1", "rollout", "trainer"]) == [
         "rollout", "reward", "judge", "trainer"]
     assert lag_services(["recorder", "feeder", "reward", "judge", "env", "rollout", "trainer"]) == [

@@ -14,7 +14,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator
@@ -36,7 +35,8 @@ from replay import (
     parse_topics,
     with_run_id,
 )
-from runtime.bus import Consumer, Record, TopicAdmin
+from runtime.bus import Consumer, Record, TopicAdmin, TopicPartition
+from runtime.reading import read_to_end
 from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import TOPICS, topic_name
@@ -175,22 +175,16 @@ def recorded(tmp_path_factory: pytest.TempPathFactory, bootstrap: str) -> Iterat
 
 async def _consume(bootstrap: str, topics: list[str], timeout_s: float = 60) -> list[Record]:
     """Every committed message of ``topics`` now on the broker."""
-    consumer = Consumer(KafkaSettings(), bootstrap, group_id=None, topics=topics, client_suffix="test-replay")
-    await consumer.start()
     out: list[Record] = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            out += await consumer.getmany(timeout_ms=300)
-            tps = consumer.assignment()
-            if {tp.topic for tp in tps} == set(topics):
-                ends = await consumer.raw.end_offsets(list(tps))
-                positions = {tp: await consumer.raw.position(tp) for tp in tps}
-                if all(positions[tp] >= ends[tp] for tp in tps):
-                    return out
-    finally:
-        await consumer.stop()
-    raise AssertionError(f"could not read {topics} to their end within {timeout_s} s")
+    async with Consumer(KafkaSettings(), bootstrap, group_id=None, topics=topics, client_suffix="test-replay") as c:
+
+        def take(tp: TopicPartition, m: Any) -> None:
+            event, error = c.decode(tp.topic, m.value)
+            out.append(Record(topic=tp.topic, partition=tp.partition, offset=m.offset, key=m.key, value_bytes=m.value,
+                              event=event, error=error, ts=m.timestamp / 1000.0))
+
+        await read_to_end(c.raw, take, timeout_s=timeout_s, poll_ms=300, what=f"{topics} to their end")
+    return out
 
 
 def consume(r: Recorded, run_id: str, names: list[str] | None = None) -> list[Record]:

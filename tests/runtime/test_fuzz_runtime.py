@@ -26,6 +26,7 @@ from runtime.records import Record
 from runtime.runner import Consume, Delivery, Handling, Runner, ServiceSettings, Subscription
 from schemas import events as ev
 from schemas.config import KafkaSettings, parse_config
+from schemas.services import SERVICES
 from schemas.topics import topic_name
 from services.reward_router import RewardRouter, RewardSettings
 from tests.runtime.test_runtime import assert_committed_to_end, generate, read_topic, task
@@ -74,7 +75,7 @@ async def test_a_burst_of_hostile_records_never_takes_the_reward_router_down(
     offsets = {(m.partition, m.offset) for m in metas}
 
     cfg = parse_config("rollout: {group_size: 1}\ntrain: {batch_size: 1}")
-    group = f"rs-reward-{run_id}"
+    group = SERVICES["reward"].group_id(run_id)
     runner = Runner(RewardRouter(RewardSettings(run_id=run_id, config=cfg)), ServiceSettings(
         run_id=run_id, kafka=kafka, subscription=Subscription(group_id=group, topics=["generations"]),
         consume=Consume(batch_max_records=64, poll_timeout_s=0.2), handling=Handling(max_concurrency=4),
