@@ -248,7 +248,7 @@ def classify(frames: list[str]) -> str | None:
 _IDLE = re.compile(r"(EpollSelector\.select|select|Condition\.wait|Event\.wait) \(|_worker \(concurrent/futures/thread\.py")
 """Leaf frames of a waiting thread: the event loop's selector, a condition or event, and a thread
 pool's worker blocked on its work queue (py-spy's ``--nonblocking`` sampling counts them)."""
-_SERVICE = re.compile(r"services\.cli (?:service (\S+)|(run))")
+_SERVICE = re.compile(r"-m cli (?:service (\S+)|(run))")
 
 
 def profile_breakdown(path: Path, rate: int) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
