@@ -9,7 +9,7 @@ from collections import OrderedDict
 import msgspec
 
 from schemas.config import AlgorithmConfig
-from schemas.events import Generation, RolloutTask, ScoredSample
+from schemas.events import ScoredSample
 from services.trainer.groups import (
     Groups,
     Rejection,
@@ -20,40 +20,7 @@ from services.trainer.groups import (
     split_stale,
 )
 from services.trainer.state import TrainerState
-
-
-def scored(group: str, index: int, reward: float, version: int, size: int = 2) -> ScoredSample:
-    task = RolloutTask(
-        run_id="r",
-        sample_id=f"{group}/{index}",
-        group_id=group,
-        index=index,
-        group_size=size,
-        prompt_id="p",
-        domain="arith",
-        prompt="1+1=",
-    )
-    gen = Generation(
-        run_id="r",
-        task=task,
-        prompt_ids=[1, 5, 14, 5, 18],
-        response_ids=[6, 2],
-        response_text="2",
-        logprobs=[-0.5, -0.1],
-        loss_mask=[1, 1],
-        finish_reason="stop",
-        policy_version=version,
-        policy_version_end=version,
-    )
-    return ScoredSample(run_id="r", generation=gen, reward=reward, policy_version=version)
-
-
-def group(gid: str, rewards: list[float], version: int = 0, size: int | None = None) -> list[ScoredSample]:
-    return [scored(gid, i, r, version, size or len(rewards)) for i, r in enumerate(rewards)]
-
-
-def ids(samples: list[ScoredSample]) -> list[str]:
-    return [s.generation.task.sample_id for s in samples]
+from tests.trainer.test_batch import group, ids, scored
 
 
 def member(gid: str, index: int, size: int = 4, reward: float = 1.0) -> ScoredSample:

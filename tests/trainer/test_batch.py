@@ -41,6 +41,7 @@ def group(gid: str, rewards: list[float], version: int = 0, size: int | None = N
 
 
 def ids(samples: list[ScoredSample]) -> list[str]:
+    """The sample ids of ``samples`` (the trainer service's group tests use these helpers too)."""
     return [s.generation.task.sample_id for s in samples]
 
 
