@@ -36,7 +36,6 @@ from typing import Any, TypeVar
 import typer
 from rich.console import Console
 from rich.markup import escape
-
 from typer.core import TyperGroup, TyperOption
 
 from schemas.config import ConfigError, redact_text
@@ -71,9 +70,9 @@ def _after_command(param: TyperOption) -> TyperOption:
     late.name = f"global_{key}"
     late.default, late.envvar, late.show_envvar, late.expose_value = None, None, False, False
     late.rich_help_panel = GLOBAL_PANEL
-    late.help = (param.help or "").split(". ")[0].rstrip(".") + "."
+    late.help = (param.help or "").split(". ")[0].rstrip(".") + " (global option)."
 
-    def given(ctx: typer.Context, _param: Any, value: Any) -> None:
+    def given(_ctx: Any, _param: Any, value: Any) -> None:
         if value:  # None when not given; a flag is only ever turned on
             _set_globals(**{key.rstrip("_"): value})
 

@@ -129,6 +129,10 @@ def sql_cmd(
         text = str(e).strip()
         raise UserError(f"query failed: {text.splitlines()[0][:400] if text else type(e).__name__}") from None
     cols, rows = list(result.column_names), result.result_rows
+    if not cols and not rows:  # the embedded engine names no columns of an empty result: ask for them
+        with contextlib.suppress(Exception):
+            described = client.query(f"DESCRIBE (\n{query}\n)", parameters=params or None, settings=settings)
+            cols = [str(r[0]) for r in described.result_rows]
     if fmt == "json":
         out.print(json.dumps([dict(zip(cols, r, strict=True)) for r in rows], default=str), markup=False)
     elif fmt == "csv":
@@ -141,6 +145,7 @@ def sql_cmd(
             table.add_column(c)
         for r in rows:
             table.add_row(*(str(v) for v in r))
-        out.print(table)
+        if cols:
+            out.print(table)
         if not rows:
             out.print("0 rows")

@@ -184,6 +184,10 @@ def _step_series(run: dict[str, Any], key: str) -> tuple[list[int], list[float]]
     return [x for x, y in pts if y is not None], [y for _, y in pts if y is not None]
 
 
+def _xy(pts: list[tuple[Any, Any]]) -> tuple[list[Any], list[Any]]:
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
 def _line(ax: Any, i: int, xs: list[Any], ys: list[Any], label: str, marker: str | None = None) -> bool:
     if not xs:
         return False
@@ -221,10 +225,10 @@ def make_figures(runs: list[dict[str, Any]]) -> dict[str, tuple[Any, str]]:
             pts = accuracy_curve(run, split)
             label = {"init": "before warm-up", "heldout": "held-out (greedy)"}.get(split, split)
             if pts:
-                plotted |= _line(ax, i, *zip(*pts, strict=True), name(run, label), marker="o")
+                plotted |= _line(ax, i, *_xy(pts), name(run, label), marker="o")
             sampled = accuracy_curve(run, split, "eval/accuracy_sampled")
             if sampled:
-                plotted |= _line(ax, i, *zip(*sampled, strict=True), name(run, f"{label}, sampled"), marker="x")
+                plotted |= _line(ax, i, *_xy(sampled), name(run, f"{label}, sampled"), marker="x")
     figs["eval_accuracy"] = (_finish(fig, ax, plotted, int_x=True),
                              "Accuracy on the fixed held-out set at each evaluation (greedy decoding), against "
                              "the training steps done: step 0 is the model after the warm-up, 'before warm-up' "
@@ -238,7 +242,7 @@ def make_figures(runs: list[dict[str, Any]]) -> dict[str, tuple[Any, str]]:
         for dom in domains:
             pts = accuracy_curve(run, "heldout", f"eval/{dom}/accuracy")
             if pts:
-                plotted |= _line(ax, i, *zip(*pts, strict=True), name(run, dom), marker="o")
+                plotted |= _line(ax, i, *_xy(pts), name(run, dom), marker="o")
     figs["eval_accuracy_by_domain"] = (_finish(fig, ax, plotted, int_x=True),
                                        "Held-out accuracy of each task domain (greedy decoding).")
 
@@ -252,7 +256,7 @@ def make_figures(runs: list[dict[str, Any]]) -> dict[str, tuple[Any, str]]:
             pts = [(d["step"] + 1, d["reward"]) for d in run["domain_reward"]
                    if d["domain"] == dom and d["reward"] is not None]
             if pts:
-                plotted |= _line(ax, i, *zip(*pts, strict=True), name(run, dom))
+                plotted |= _line(ax, i, *_xy(pts), name(run, dom))
     figs["reward_by_domain"] = (_finish(fig, ax, plotted, int_x=True),
                                 "Mean reward of the trained samples of each task domain, per training step.")
 
@@ -341,7 +345,7 @@ def _agentic_figures(runs: list[dict[str, Any]], name: Any) -> dict[str, tuple[A
         pts = [(r["step"] + 1, r["succeeded"] / r["episodes"]) for r in (run.get("episodes") or {}).get("by_step", [])
                if r["episodes"]]
         if pts:
-            plotted |= _line(ax, i, *zip(*pts, strict=True), name(run))
+            plotted |= _line(ax, i, *_xy(pts), name(run))
     ax.yaxis.set_major_formatter(lambda v, _pos: f"{100 * v:.0f}%")
     figs["success_rate"] = (_finish(fig, ax, plotted, int_x=True),
                             "Share of the multi-turn episodes each training step trained on that the environment "
