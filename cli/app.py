@@ -259,6 +259,9 @@ def friendly(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _state.get("cli_log") and not _state.get("argv_logged"):  # every option is parsed by now
+            _state["argv_logged"] = True
+            log.info("rollstream %s", redact_text(" ".join(sys.argv[1:])))
         try:
             return fn(*args, **kwargs)
         except typer.Exit:
@@ -324,10 +327,11 @@ def main_options(
 
 def _set_globals(**values: Any) -> None:
     """Set global options (before the command: all four; after it: those given) and log where
-    ``--home`` and ``--debug`` now say."""
+    ``--home`` and ``--debug`` now say (the log file is created at its first record, so a
+    ``--home`` after the command leaves no log in the default home)."""
     _state.update(values)
     if _state.get("cli_log") and ({"home", "debug"} & set(values)):
-        log_to(home() / "logs" / "cli.log")
+        setup_logging(debug=bool(opt("debug")), log_file=home() / "logs" / "cli.log")
 
 
 def version() -> None:

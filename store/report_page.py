@@ -118,7 +118,7 @@ def headline(run: dict[str, Any]) -> list[tuple[str, str, str]]:
     init, held = accuracy_curve(run, "init"), accuracy_curve(run)
     cards = []
     if init:
-        cards.append(("accuracy before warm-up", _pct(init[0][1]), "the initial model, greedy, held-out set"))
+        cards.append(("accuracy before warm-up", _pct(init[0][1]), "the initial model"))
     if held:
         first = held[0]
         label = "accuracy after warm-up" if init or (config_value(run, "train", "warmup_sft_steps") or 0) > 0 \
@@ -143,7 +143,7 @@ def headline(run: dict[str, Any]) -> list[tuple[str, str, str]]:
                   else "training steps done"))
     status = run["status"]
     cards.append(("samples", f"{sum(status.values()):,}", f"{status.get('trained', 0):,} trained"))
-    cards.append(("wall time", _duration(wall_s(run)), "run start to finish"))
+    cards.append(("wall time", _duration(wall_s(run)), "start to finish"))
     return cards
 
 
@@ -377,7 +377,8 @@ def _agentic_figures(runs: list[dict[str, Any]], name: Any) -> dict[str, tuple[A
     if endings:
         ax.set_yticks(range(len(endings)), [ENDINGS.get(e, e or "(not recorded)") for e in endings], fontsize=8)
         ax.set_ylabel("ending")
-    figs["episode_endings"] = (_finish(fig, ax, plotted),
+    ax.margins(x=0.12)
+    figs["episode_endings"] = (_finish(fig, ax, plotted, int_x=True),
                                "Why the multi-turn episodes stopped: the environment ended them (terminated), "
                                "cut them at its own turn limit (truncated), the rollout's turn or context limit "
                                "stopped them, or the environment failed.")
@@ -508,7 +509,7 @@ CSS = ("body{font-family:system-ui,'DejaVu Sans',sans-serif;margin:1.2em 2em;max
        "h1{font-size:22px;margin:0 0 .2em}h2{font-size:18px;margin:1.2em 0 .4em}.sub{color:#666;margin-bottom:.8em}"
        ".headline{display:flex;flex-wrap:wrap;gap:10px;margin:.4em 0 1em;align-items:stretch}"
        ".who{width:100%;font-weight:600}.card{border:1px solid #d0d7de;border-radius:8px;padding:8px 14px;"
-       "background:#f6f8fa;min-width:130px}.label{font-size:12px;color:#555}.value{font-size:24px;font-weight:600}"
+       "background:#f6f8fa;min-width:110px}.label{font-size:12px;color:#555}.value{font-size:24px;font-weight:600}"
        ".note{font-size:11px;color:#777}.figs{display:grid;grid-template-columns:repeat(auto-fill,minmax(560px,1fr));"
        "gap:14px}figure{margin:0}img{width:100%;max-width:700px;border:1px solid #ddd}"
        "figcaption{font-size:13px;color:#444;max-width:700px}"

@@ -135,7 +135,8 @@ def test_sql_errors_are_one_line(tmp_path: Path) -> None:
     (tmp_path / "r1").mkdir()
     (tmp_path / "r1" / "config.yaml").write_text("{}")
     assert "only read-only" in one_error_line(cli("sql", "DROP TABLE events", "--runs-dir", str(tmp_path)))
-    assert "has no store" in one_error_line(cli("sql", "SELECT 1", "--runs-dir", str(tmp_path)))
+    assert "none of its 1 runs has a record" in one_error_line(cli("sql", "SELECT 1", "--runs-dir", str(tmp_path)))
+    assert "run r1 has no store" in one_error_line(cli("sql", "SELECT 1", "--run", "r1", "--runs-dir", str(tmp_path)))
 
 
 def test_replay_subcommands_errors_are_one_line(tmp_path: Path) -> None:
