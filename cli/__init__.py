@@ -7,7 +7,7 @@ One module per command group, each registering its commands on :data:`app`
 * :mod:`~cli.stack` — ``stack up|down|status``;
 * :mod:`~cli.topics` — ``topics list|describe``;
 * :mod:`~cli.ops` — ``status RUN``, ``stop RUN``;
-* :mod:`~cli.sql` — ``sql``;
+* :mod:`~cli.sql` — ``sql`` (SQL, or ``--query NAME``: a ready query of docs/analytics.md);
 * :mod:`~cli.report` — ``report``;
 * :mod:`~cli.replay` — ``replay into|rescore|step``;
 * :mod:`~cli.model` — ``init-model``;

@@ -11,6 +11,15 @@
   directory exists. With ``--debug`` it also goes to stderr. ``rollstream service`` is the
   exception: a service's log is its stderr (the supervisor writes it to
   ``runs/<run_id>/logs/<service>.log``; a container runtime keeps it).
+* **Global options** (``--bootstrap``, ``--store``, ``--home``, ``--debug``: the parameters of
+  :func:`main_options`) go before or after the command: :class:`Commands`, the app's group class,
+  gives every command and command group below it a copy of each (in its help's "Global options"
+  panel) whose callback sets the same value. A command added anywhere (``@app.command``, a
+  sub-app's command) gets them with no code of its own.
+* **Help** shows no type for a flag (typer 0.29 prints ``<bool>`` after every flag:
+  :func:`_flags_take_no_metavar`).
+* **A closed stdout** (``rollstream sql ... | head``) ends the command quietly: exit status 1 and
+  nothing on stderr, as rich's consoles do (:func:`main`).
 """
 
 from __future__ import annotations
@@ -27,10 +36,65 @@ from typing import Any, TypeVar
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup, TyperOption
 
 from schemas.config import ConfigError, redact_text
 from schemas.errors import one_line
 from schemas.topics import BadRunId
+
+GLOBAL_PANEL = "Global options (before or after the command)"
+
+
+class Commands(TyperGroup):
+    """The app's command group: every command (and group) below it also takes the global options
+    (the group's own parameters) after its name, as copies that set the same values."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        copies = [_after_command(p) for p in self.params if isinstance(p, TyperOption)]
+        todo = list(self.commands.values())
+        while todo:
+            cmd = todo.pop()
+            taken = {o for p in cmd.params for o in p.opts}
+            cmd.params.extend(c for c in copies if not set(c.opts) & taken)
+            todo += list(getattr(cmd, "commands", {}).values())
+
+
+def _after_command(param: TyperOption) -> TyperOption:
+    """A copy of a global option for the commands: no default, no environment variable (those
+    are the group's), and a callback that sets the value when the option is given."""
+    import copy
+
+    key = param.name or ""
+    late = copy.copy(param)
+    late.name = f"global_{key}"
+    late.default, late.envvar, late.show_envvar, late.expose_value = None, None, False, False
+    late.rich_help_panel = GLOBAL_PANEL
+    late.help = (param.help or "").split(". ")[0].rstrip(".") + " (global option)."
+
+    def given(_ctx: Any, _param: Any, value: Any) -> None:
+        if value:  # None when not given; a flag is only ever turned on
+            _set_globals(**{key.rstrip("_"): value})
+
+    late.callback = given
+    return late
+
+
+def _flags_take_no_metavar() -> None:
+    """typer's rich help shows an option's type after it, a flag's too (``--debug <bool>``,
+    ``--help <bool>``); a flag takes no value: show nothing."""
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "_no_flag_types", False):
+        return
+
+    def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
+        return None if self.is_flag or self.count else shown(self, ctx)
+
+    display_type_rich._no_flag_types = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_flags_take_no_metavar()
 
 app = typer.Typer(
     name="rollstream",
@@ -38,6 +102,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    cls=Commands,
 )
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -175,15 +240,39 @@ def fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
+def stdout_closed() -> bool:
+    """True when nobody reads stdout any more (the reader of its pipe exited: ``| head``)."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def friendly(fn: F) -> F:
-    """Turn errors into one ``error:`` line and exit status 1 (``--debug`` re-raises)."""
+    """Turn errors into one ``error:`` line and exit status 1 (``--debug`` re-raises); a closed
+    stdout goes on to :func:`main`, which ends quietly."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _state.get("cli_log") and not _state.get("argv_logged"):  # every option is parsed by now
+            _state["argv_logged"] = True
+            log.info("rollstream %s", redact_text(" ".join(sys.argv[1:])))
         try:
             return fn(*args, **kwargs)
         except typer.Exit:
             raise
+        except BrokenPipeError:
+            if stdout_closed():
+                raise
+            if opt("debug"):
+                raise
+            log.exception("unexpected error")
+            raise fail(f"unexpected BrokenPipeError (traceback in {log_file() or 'the log above'})") from None
         except KeyboardInterrupt:
             console.print("[yellow]interrupted[/yellow]")
             raise typer.Exit(130) from None
@@ -230,10 +319,19 @@ def main_options(
         help="Show tracebacks, and debug logs on stderr (they always go to <home>/logs/cli.log).",
     ),
 ) -> None:
-    """Global options (also from ROLLSTREAM_BOOTSTRAP / ROLLSTREAM_STORE / ROLLSTREAM_HOME / ROLLSTREAM_DEBUG)."""
-    _state.update(bootstrap=bootstrap or None, store=store or None, home=home_ or None, debug=debug)
-    if ctx.invoked_subcommand != "service":  # a service logs to its stderr (see the module doc)
-        log_to(home() / "logs" / "cli.log")
+    """Global options (also from ROLLSTREAM_BOOTSTRAP / ROLLSTREAM_STORE / ROLLSTREAM_HOME / ROLLSTREAM_DEBUG;
+    after the command too)."""
+    _state["cli_log"] = ctx.invoked_subcommand != "service"  # a service logs to its stderr (see the module doc)
+    _set_globals(bootstrap=bootstrap or None, store=store or None, home=home_ or None, debug=debug)
+
+
+def _set_globals(**values: Any) -> None:
+    """Set global options (before the command: all four; after it: those given) and log where
+    ``--home`` and ``--debug`` now say (the log file is created at its first record, so a
+    ``--home`` after the command leaves no log in the default home)."""
+    _state.update(values)
+    if _state.get("cli_log") and ({"home", "debug"} & set(values)):
+        setup_logging(debug=bool(opt("debug")), log_file=home() / "logs" / "cli.log")
 
 
 def version() -> None:
@@ -267,6 +365,9 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         code = app(prog_name="rollstream", standalone_mode=False)
+        sys.stdout.flush()  # here, not at exit, where a closed pipe is an "Exception ignored" message
+    except BrokenPipeError:
+        _end_quietly()
     except typer.TyperException as e:  # typer's (click's) parsing errors
         if type(e).__name__ == "NoArgsIsHelpError":  # the help is already printed
             sys.exit(e.exit_code)
@@ -277,3 +378,11 @@ def main() -> None:
         console.print("[yellow]interrupted[/yellow]")
         code = 130
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _end_quietly() -> None:
+    """stdout's reader went away (``| head``): exit 1 with nothing on stderr, as rich's consoles do
+    (stdout is pointed at /dev/null so that the interpreter's last flush is quiet)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(1)

@@ -17,11 +17,12 @@ def report(
     out_dir: Path = typer.Option(None, "--out", help="Output directory (default runs/<run>/report/)."),
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Directory of run folders."),
 ) -> None:
-    """Plots and a self-contained index.html from a run's record (two runs: overlaid curves).
+    """Plots and a self-contained index.html from a run's record (two runs: overlaid curves): a headline (accuracy before and after the warm-up and at the end, steps, samples, wall time; episode success for agentic runs), captioned plots, the config's difference from the defaults.
 
     The record is read from --store / ROLLSTREAM_STORE when given, else from the store each run's config names, else from the run's embedded store <runs-dir>/<run>/store.
     """
     from store import report as rp
+    from store.report_page import config_value, steps_done
 
     run_ids = [run] + ([run2] if run2 else [])
     if run2 and run2 == run:
@@ -34,6 +35,7 @@ def report(
     except rp.ReportError as e:
         raise UserError(str(e)) from None
     for r in runs:
-        out.print(f"{r['run_id']}: {len(r['train_steps'])} train steps, {len(r['evals'])} evals, "
+        total = config_value(r, "train", "steps")
+        out.print(f"{r['run_id']}: {steps_done(r)}{f'/{total}' if total else ''} steps done, {len(r['evals'])} evals, "
                   f"{sum(r['status'].values())} samples")
     out.print(f"report: {index}")

@@ -41,3 +41,23 @@ def record_dsn(runs_dir: str | Path, run_id: str, explicit: str | None = None) -
     section = raw.get("store") if isinstance(raw, dict) else None
     dsn = section.get("dsn") if isinstance(section, dict) else None
     return dsn if isinstance(dsn, str) and dsn else st.default_dsn(runs_dir, run_id)
+
+
+def has_record(runs_dir: str | Path, run_id: str) -> bool:
+    """True when the run's record can be read: its config names a store server (or a DSN that
+    :func:`record_dsn` cannot judge), or its embedded store exists (a chDB directory with its
+    ``metadata``)."""
+    dsn = record_dsn(runs_dir, run_id)
+    try:
+        if st.check_dsn(dsn) != "chdb":
+            return True
+    except st.StoreError:
+        return True  # reading it says what is wrong with it
+    return (Path(st.chdb_path(dsn)) / "metadata").is_dir()
+
+
+def latest_recorded_run(runs_dir: str | Path) -> str | None:
+    """The run of ``runs_dir`` started last (its ``config.yaml`` written last) that has a record
+    (:func:`has_record`); None when there is none."""
+    configs = sorted(Path(runs_dir).glob("*/config.yaml"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return next((p.parent.name for p in configs if has_record(runs_dir, p.parent.name)), None)

@@ -135,7 +135,8 @@ def test_sql_errors_are_one_line(tmp_path: Path) -> None:
     (tmp_path / "r1").mkdir()
     (tmp_path / "r1" / "config.yaml").write_text("{}")
     assert "only read-only" in one_error_line(cli("sql", "DROP TABLE events", "--runs-dir", str(tmp_path)))
-    assert "has no store" in one_error_line(cli("sql", "SELECT 1", "--runs-dir", str(tmp_path)))
+    assert "none of its 1 runs has a record" in one_error_line(cli("sql", "SELECT 1", "--runs-dir", str(tmp_path)))
+    assert "run r1 has no store" in one_error_line(cli("sql", "SELECT 1", "--run", "r1", "--runs-dir", str(tmp_path)))
 
 
 def test_replay_subcommands_errors_are_one_line(tmp_path: Path) -> None:
@@ -297,7 +298,7 @@ def test_service_sql_and_report_agree_on_the_store(bootstrap: str, tmp_path: Pat
     assert with_env.returncode == 0 and with_env.stdout == res.stdout, with_env.stderr
     report = cli("report", rid, "--runs-dir", str(runs), "--out", str(tmp_path / "rep"), env=dict(env, ROLLSTREAM_STORE=dsn))
     assert report.returncode == 0, report.stderr
-    assert (tmp_path / "rep" / "index.html").is_file() and f"{rid}: 0 train steps" in report.stdout
+    assert (tmp_path / "rep" / "index.html").is_file() and f"{rid}: 0 steps done" in report.stdout
     # without --store: the store the run's config names (what `rollstream run --store` writes there)
     (runs / rid / "config.yaml").write_text(f"store:\n  dsn: {dsn}\n")
     from_cfg = cli(*query, "--run", rid, "--runs-dir", str(runs), env=env)

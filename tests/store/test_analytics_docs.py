@@ -1,6 +1,7 @@
-"""docs/analytics.md cannot rot: every ```sql block runs against a record made by the real
-recorder from real events through the broker, returns rows and exactly the columns it names;
-and every column of every table and view of the store is documented with its exact type."""
+"""docs/analytics.md cannot rot: its ```sql blocks are the ready queries of store/queries.py as they
+are, every one runs against a record made by the real recorder from real events through the
+broker, returns rows and exactly the columns it names; and every column of every table and view
+of the store is documented with its exact type."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 import store as st
 from schemas.config import KafkaSettings
 from services.recorder import Recorder, RecorderSettings
+from store.queries import QUERIES as READY
+from store.queries import doc_names, render_doc
 from store.server import check_read_only
 from tests.store.recorded_run import publish, run_events
 
@@ -60,6 +63,13 @@ def recorded(bootstrap: str, store_dsn: str) -> tuple[Any, str]:
 
     asyncio.run(go())
     return st.connect(store_dsn), run_id
+
+
+def test_the_doc_shows_every_ready_query_as_it_is() -> None:
+    text = DOC.read_text()
+    assert doc_names(text) == list(READY), "docs/analytics.md shows other ready queries than store/queries.py"
+    assert render_doc(text) == text, "docs/analytics.md is stale: python -m store.queries docs/analytics.md"
+    assert sorted(QUERIES) == sorted(q.strip() for q in READY.values())  # no ```sql block without a name
 
 
 def test_the_doc_has_the_promised_queries() -> None:

@@ -1,15 +1,19 @@
-"""``rollstream report``: a small but real record (chDB store per run), one run and two runs overlaid."""
+"""``rollstream report``: a small but real record (chDB store per run, with multi-turn episodes), one
+run and two runs overlaid; the headline, captions and conventions of the page."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from store import report as rp
+from store import report_page as page
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,12 +22,15 @@ MAKE_RECORD = textwrap.dedent("""
     import sys
     from schemas import events as ev
     import store as st
-    from store.rows import COLUMNS, typed_rows
+    from store.rows import COLUMNS, event_row, typed_rows
 
     runs_dir, rid, shift = sys.argv[1], sys.argv[2], float(sys.argv[3])
     client = st.connect(st.default_dsn(runs_dir, rid))
     st.apply_ddl(client)
-    events = []
+    t0 = 1_800_000_000.0
+    events = [ev.RunStarted(run_id=rid, ts=t0, config_json="{}"),
+              ev.WeightsPublished(run_id=rid, ts=t0, policy_version=0, step=0, uri="/w/v0", num_bytes=2_000_000),
+              ev.EvalResult(run_id=rid, step=0, policy_version=0, split="init", metrics={"eval/accuracy": 0.05})]
     for step in range(4):
         ids = []
         for k, domain in enumerate(("math", "code")):
@@ -40,6 +47,21 @@ MAKE_RECORD = textwrap.dedent("""
             out = ev.SampleOutcome(run_id=rid, sample_id=sid, group_id=f"g{step}", status="trained",
                                    policy_version=step, trained_version=step, step=step)
             events += [task, gen, scored, out]
+        # one multi-turn episode per step: turns 1..3, every other one a success
+        sid = f"s{step}-ep"
+        task = ev.RolloutTask(run_id=rid, sample_id=sid, group_id=f"g{step}", index=2, group_size=3,
+                              prompt_id="grid", domain="grid", prompt="walk", policy_version=step)
+        gen = ev.Generation(run_id=rid, task=task, prompt_ids=[1], response_ids=[3], response_text="R",
+                            logprobs=[-0.1], loss_mask=[1], finish_reason="stop", policy_version=step,
+                            policy_version_end=step, num_turns=1 + step % 3, episode_id=f"{sid}@0000000{step}",
+                            env_finish=("terminated", "max_turns")[step % 2], success=step % 2 == 0)
+        scored = ev.ScoredSample(run_id=rid, generation=gen, reward=float(step % 2 == 0))
+        out = ev.SampleOutcome(run_id=rid, sample_id=sid, group_id=f"g{step}", status="trained",
+                               policy_version=step, trained_version=step, step=step)
+        events += [task, gen, scored, out]
+        ids.append(sid)
+        events.append(ev.WeightsPublished(run_id=rid, ts=t0 + 30 * step, policy_version=step + 1, step=step + 1,
+                                          uri=f"/w/v{step + 1}", num_bytes=2_000_000))
         events.append(ev.TrainStep(run_id=rid, step=step, policy_version=step, sample_ids=ids,
                                    staleness_hist={0: 1, 1: 1},
                                    metrics={"rollout/reward_mean": shift + 0.1 * step, "actor/approx_kl": 0.01 * step,
@@ -52,15 +74,19 @@ MAKE_RECORD = textwrap.dedent("""
     # one issued task that never came back
     events.append(ev.RolloutTask(run_id=rid, sample_id="lost", group_id="gx", index=0, group_size=1,
                                  prompt_id="px", domain="math", prompt="?"))
-    for e in events:
+    events.append(ev.RunFinished(run_id=rid, ts=t0 + 125.0, status="completed"))
+    for offset, e in enumerate(events):
         for table, rows in typed_rows(e).items():
             client.insert(table, rows, column_names=COLUMNS[table])
+        if isinstance(e, (ev.RunStarted, ev.RunFinished)):
+            client.insert("events", [event_row(f"rs.{rid}.control", 0, offset, rid, "control", None, e, None, e.ts)],
+                          column_names=COLUMNS["events"])
 """)
 
 
 def make_run(runs_dir: Path, rid: str, shift: float = 0.0) -> None:
     (runs_dir / rid).mkdir(parents=True, exist_ok=True)
-    (runs_dir / rid / "config.yaml").write_text(f"run:\n  name: {rid}\ntrain:\n  lr: 1.0e-5\n")
+    (runs_dir / rid / "config.yaml").write_text(f"run:\n  name: {rid}\ntrain:\n  lr: 2.0e-5\n  steps: 4\n")
     (runs_dir / rid / "summary.json").write_text(f'{{"run_id": "{rid}", "steps": 4, "samples": {{"trained": 8}}}}')
     res = subprocess.run([sys.executable, "-c", MAKE_RECORD, str(runs_dir), rid, str(shift)], cwd=ROOT,
                          capture_output=True, text=True, timeout=180)
@@ -80,7 +106,7 @@ def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def check_report(out: Path, n_imgs: int = 13) -> str:
+def check_report(out: Path, n_imgs: int = 16) -> str:
     index = (out / "index.html").read_text()
     assert index.count('<img src="data:image/png;base64,') == n_imgs
     pngs = sorted(out.glob("*.png"))
@@ -93,9 +119,21 @@ def check_report(out: Path, n_imgs: int = 13) -> str:
 def test_report_one_run(runs_dir: Path) -> None:
     res = cli("report", "run-a", "--runs-dir", str(runs_dir))
     assert res.returncode == 0, res.stderr
-    assert "report:" in res.stdout and "4 train steps" in res.stdout
+    assert "report:" in res.stdout and "run-a: 4/4 steps done" in res.stdout
     index = check_report(runs_dir / "run-a" / "report")
-    assert "run-a" in index and "train.lr" in index and "samples.trained" in index  # config + summary tables
+    # the headline comes first: accuracy before the warm-up, at the start and at the end, steps, samples, time
+    head = index[index.index("class='headline'"):index.index("class='figs'")]
+    for label, value in [("accuracy before warm-up", "5.0%"), ("accuracy after warm-up", "0.0%"),
+                         ("accuracy at the end", "30.0%"), ("episode success (training)", "50.0%"),
+                         ("steps", "4/4"), ("samples", "13"), ("wall time", "2 min 05 s")]:
+        assert f"<div class='label'>{label}</div><div class='value'>{value}</div>" in head, label
+    # written captions in page order (the accuracy first), stage names as words, the config as a diff
+    captions = re.findall(r"<figcaption>(.*?)</figcaption>", index)
+    assert len(captions) == 16 and all(len(c) > 30 and ".png" not in c for c in captions)
+    assert captions[0].startswith("Accuracy on the fixed held-out set")
+    assert "waiting in queue" in index and "queue_s" not in index
+    assert "<td>train.lr</td><td>1e-05</td><td>2e-05</td>" in index and "<td>run.seed</td>" not in index
+    assert "5 versions: 0–4" in index and "samples.trained" in index  # weights summarised; summary.json
 
 
 def test_report_two_runs_overlaid(runs_dir: Path, tmp_path: Path) -> None:
@@ -103,7 +141,7 @@ def test_report_two_runs_overlaid(runs_dir: Path, tmp_path: Path) -> None:
     res = cli("report", "run-a", "run-b", "--runs-dir", str(runs_dir), "--out", str(out))
     assert res.returncode == 0, res.stderr
     index = check_report(out)
-    assert "run-a vs run-b" in index
+    assert "run-a vs run-b" in index and index.count("class='headline'") == 2
 
 
 def test_report_errors_are_one_line(runs_dir: Path) -> None:
@@ -129,30 +167,54 @@ def test_report_store_in_use(runs_dir: Path) -> None:
         holder.wait()
 
 
-def test_figures_have_titles_and_axis_labels(runs_dir: Path) -> None:
-    runs = rp.load_runs(["run-a", "run-b"], runs_dir)
-    figs = rp.make_figures(runs)
-    assert {"reward_mean", "kl", "entropy", "response_len", "clipfrac", "staleness_mean", "train_tokens_per_s",
-            "eval_accuracy", "eval_accuracy_by_domain", "reward_by_domain", "staleness_hist", "latency",
-            "status"} <= set(figs)
-    for stem, fig in figs.items():
+@pytest.fixture(scope="module")
+def loaded(runs_dir: Path) -> list[dict[str, Any]]:
+    return rp.load_runs(["run-a", "run-b"], runs_dir)
+
+
+def test_figures_have_titles_axis_labels_and_captions(loaded: list[dict[str, Any]]) -> None:
+    figs = rp.make_figures(loaded)
+    assert list(figs) == list(page.ORDER)  # every plot, the agentic ones included, accuracy first
+    for stem, (fig, caption) in figs.items():
         ax = fig.axes[0]
-        assert ax.get_title() and ax.get_xlabel() and ax.get_ylabel(), stem
+        assert ax.get_title() and ax.get_xlabel() and caption, stem
         labels = {t.get_text() for t in ax.get_legend().get_texts()}
         assert any("run-a" in t for t in labels) and any("run-b" in t for t in labels), stem
-    assert runs[0]["status"] == {"issued": 1, "trained": 8}
-    assert dict((int(k), v) for k, v in runs[0]["staleness_hist"]) == {0: 4, 1: 4}
-    assert runs[0]["latency"]["gen_s"]["n"] == 8
+    assert "π_old" in figs["kl"][1] and "behaviour" in figs["kl"][1]  # which policies the KL compares
+    assert loaded[0]["status"] == {"issued": 1, "trained": 12}
+    assert dict((int(k), v) for k, v in loaded[0]["staleness_hist"]) == {0: 4, 1: 4}
+    assert loaded[0]["latency"]["gen_s"]["n"] == 12
+    assert [(t["num_turns"], t["episodes"]) for t in loaded[0]["episodes"]["turns"]] == [(1, 2), (2, 1), (3, 1)]
+
+
+def test_one_step_convention_log_status_and_integer_counts(loaded: list[dict[str, Any]]) -> None:
+    """Steps are steps done (a train step k is drawn at k + 1, as evals and `status` count); the
+    status counts are on a log scale; counts have integer ticks."""
+    figs = rp.make_figures(loaded[:1])
+    assert list(figs["reward_mean"][0].axes[0].lines[0].get_xdata()) == [1, 2, 3, 4]
+    assert list(figs["eval_accuracy"][0].axes[0].lines[0].get_xdata()) == [0, 1, 2, 3]  # evals: their steps
+    assert figs["status"][0].axes[0].get_yscale() == "log"
+    for stem in ("staleness_hist", "turns"):
+        ax = figs[stem][0].axes[0]
+        assert all(float(t).is_integer() for t in ax.get_xticks()), stem
+        assert all(float(t).is_integer() for t in ax.get_yticks()), stem
+    assert page.steps_done(loaded[0]) == 4 and page.wall_s(loaded[0]) == 125.0
 
 
 def test_empty_record_plots_no_data() -> None:
     empty = {"run_id": "e", "train_steps": [], "evals": [], "staleness_hist": [], "latency": {},
              "domain_reward": [], "status": {}}
     figs = rp.make_figures([empty])
-    for stem, fig in figs.items():
+    assert not set(page.AGENTIC) & set(figs)  # no episodes: no agentic plots
+    for stem, (fig, _caption) in figs.items():
         ax = fig.axes[0]
         assert any(t.get_text() == "no data" for t in ax.texts), stem
         assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title(), stem
+
+
+def test_config_diff_shows_only_what_differs_from_the_defaults() -> None:
+    rows, n_keys = page.config_diff([{"train": {"lr": 1e-5, "steps": 7}, "run": {"name": "x"}}, None])
+    assert rows == [["run.name", "run", "x", "—"], ["train.steps", 40, 7, "—"]] and n_keys > 100
 
 
 def test_extraction_reports_progress_per_query(runs_dir: Path) -> None:
@@ -160,8 +222,8 @@ def test_extraction_reports_progress_per_query(runs_dir: Path) -> None:
     seen: list[str] = []
     runs = rp.load_runs(["run-a", "run-b"], runs_dir, progress=seen.append)
     assert [r["run_id"] for r in runs] == ["run-a", "run-b"]
+    names = [*rp.QUERIES, *rp.AGENTIC_QUERIES]  # the runs have episodes
     for rid in ("run-a", "run-b"):
         mine = [m for m in seen if m.startswith(f"{rid}: ")]
-        assert [m.split(": ", 2)[1] for m in mine] == [f"query {i}/{len(rp.QUERIES)}" for i in
-                                                       range(1, len(rp.QUERIES) + 1)]
-        assert mine[0].endswith(rp.QUERIES[0]) and "previous took" in mine[-1]
+        assert [m.split(": ", 2)[1] for m in mine] == [f"query {i}/{len(names)}" for i in range(1, len(names) + 1)]
+        assert mine[0].endswith(names[0]) and "previous took" in mine[-1]

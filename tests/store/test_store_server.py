@@ -210,7 +210,7 @@ def test_sql_and_report_during_a_run(tmp_path: Path, bootstrap: str, run_id: str
         # the report reads the live record too
         rep = rollstream("report", run_id, "--runs-dir", str(runs), env=env, timeout=300)
         assert rep.returncode == 0, rep.stderr
-        assert "2 train steps" in rep.stdout and (runs / run_id / "report" / "index.html").is_file()
+        assert f"{run_id}: 2 steps done" in rep.stdout and (runs / run_id / "report" / "index.html").is_file()
     finally:
         recorder.send_signal(signal.SIGTERM)
         assert recorder.wait(timeout=60) == 0, log.read_text()[-2000:]
