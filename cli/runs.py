@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import typer
-
 from rich.markup import escape
 
 from cli.app import UserError, app, find_broker, friendly, out

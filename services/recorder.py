@@ -140,6 +140,8 @@ class Recorder(BatchService):
         self._next_report = 0.0
         self.tracking: TrackerFeed | None = None
         """The experiment trackers fed with this run's train steps and evals (None when off)."""
+        self.compacted: tuple[int, int] | None = None
+        """``(parts, bytes)`` deleted when the store was compacted at the end (None: it was not)."""
 
     def _load_stored_offsets(self) -> None:
         where = "WHERE run_id = {r:String}" if self.settings.run_id else ""
@@ -289,7 +291,7 @@ class Recorder(BatchService):
     def compact(self) -> None:
         """Delete the parts of the embedded store that merges made obsolete (:mod:`store.compact`)."""
         with self._lock:
-            parts, n_bytes = drop_outdated_parts(self._client, st.chdb_path(self.settings.dsn))
+            parts, n_bytes = self.compacted = drop_outdated_parts(self._client, st.chdb_path(self.settings.dsn))
         log.info("record compacted: %d merged-away parts deleted (%.1f MB)", parts, n_bytes / 1e6)
 
     async def run(self, stop: asyncio.Event | None = None) -> int:
