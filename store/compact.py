@@ -2,8 +2,9 @@
 
 ClickHouse writes each insert as a new part of a table and merges parts in the background; a part
 merged into a bigger one becomes *outdated* and stays on disk until a cleanup thread deletes it.
-In the embedded engine that thread never runs, so a run's record kept every part it was ever made
-of: about 7 times the active data after the main example (docs/analytics.md gives the bytes).
+In the embedded engine it deletes few or none of them before the process ends, so a run's record
+kept most parts it was ever made of: 3 to 9 times its active data after the main example
+(docs/analytics.md, "Disk", gives the bytes).
 
 :func:`drop_outdated_parts` deletes them: merges are paused (so no part becomes outdated
 meanwhile), the outdated parts are read from ``system.parts`` and their directories removed, and
