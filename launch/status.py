@@ -7,8 +7,8 @@ and whether the supervisor itself is still alive) with what the broker says
 version, the feeder's last task, the run's control history), and names a stall: no training
 step for ``run.stall_after_s`` seconds, with what every stage is doing. A run that ended before it
 finished (``interrupted``, ``failed``, or ``abandoned``: its supervisor gone) gets the command that
-resumes it (``resume``). On a finished run the lag is what was left unread at the end (samples
-scored after the last step), which is normal, and the table says so.
+resumes it (``resume``). On a finished run the lag is what was left at the end (the trainer's:
+samples scored after its last step, never trained), which is normal, and the table says so.
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def render(report: dict[str, Any], console: Console) -> None:
         lag = s.get("lag")
         lag_text = "-" if not lag else ", ".join(f"{t} {n}" for t, n in lag.items() if n) or "0"
         if lag and lag_text != "0" and phase in ("finished", "stopped"):
-            lag_text += " (left unread at the end: normal)"  # e.g. samples scored after the last step
+            lag_text += " (left at the end: normal)"  # e.g. samples scored after the last step
         elif lag and service_of(label) == "trainer" and lag_text != "0":
             lag_text += " (since its checkpoint)"  # the trainer commits with its checkpoints
         code = s.get("last_exit_code")
