@@ -1,5 +1,6 @@
 """``rollstream status RUN`` and ``rollstream stop RUN``: watch and stop a run from another
-terminal (:mod:`launch.status`, :mod:`launch.stop`)."""
+terminal (:mod:`launch.status`, :mod:`launch.stop`). ``status`` exits :data:`INTERRUPTED_EXIT`
+for a run that ended before it finished."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from typing import Any
 import typer
 
 from cli.app import UserError, app, console, find_broker, friendly, out
+
+INTERRUPTED_EXIT = 3
+"""``rollstream status``'s exit status for a run that ended before it finished (it can be resumed)."""
 
 
 def _run_files(run: str, runs_dir: Path) -> tuple[Path, Any, dict[str, Any] | None]:
@@ -72,6 +76,8 @@ def status_cmd(
     """Where a run stands, during the run or after it: each service's state, pid, restarts, last exit code and last error line (from runs/<run>/supervisor.json, which `rollstream run` keeps current), the consumer lag of each service's group, the trainer's step and policy version and the time since the last one; a stall is named with what each stage shows.
 
     Kafka is --bootstrap / ROLLSTREAM_BOOTSTRAP when given, else the one the run's supervisor used, else kafka.bootstrap of the run's config, else the local broker.
+
+    Exit status 3 when the run ended before it finished (interrupted, failed, or its supervisor gone): the output then names the command that resumes it (`rollstream resume RUN`, also "resume" in --format json).
     """
     import asyncio
     import json
@@ -96,6 +102,8 @@ def status_cmd(
         out.print(json.dumps(report, default=str), markup=False, soft_wrap=True)
     else:
         render(report, out)
+    if report["resume"]:
+        raise typer.Exit(INTERRUPTED_EXIT)
 
 
 @app.command("stop")

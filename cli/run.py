@@ -1,4 +1,5 @@
-"""``rollstream run`` (a whole run, or ``--prepare-only``) and ``rollstream service NAME`` (one
+"""``rollstream run`` (a whole run, ``--prepare-only`` or ``--dry-run``), ``rollstream resume RUN``
+(the same run again, from where it stopped) and ``rollstream service NAME`` (one
 service of a run in this process: the service's handler module, named by the table of services
 :data:`schemas.services.SERVICES`, builds its settings and runs it)."""
 
@@ -217,19 +218,108 @@ def run_cmd(
         help="--launcher ray: the Ray cluster to join (e.g. head-node:6379, or ray://head-node:10001); default: "
              "$RAY_ADDRESS, else a local Ray instance started with this machine's CPUs and GPUs and stopped at the end.",
     ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run",
+        help="Print the resolved config (the file plus --set) as YAML and run every check that comes before "
+             "anything starts; create nothing (no run folder, topics or model) and start nothing.",
+    ),
 ) -> None:
-    """Run a whole training run: broker, topics, model, every service; live progress; summary.json.
+    """Run a whole training run: broker, topics, model, every service; live progress; summary.json; the trained model in runs/<id>/final.
 
-    The config is checked first (keys, values, and that the generation engine and training strategy it names can run here): a bad one stops the command before anything starts. With --launcher ray, every service process is a Ray actor in one placement group of the run (bundles from the placement section), reserved before anything starts: a request the cluster's nodes cannot hold is refused in one line. The run directory must then be on storage every node sees at the same path.
+    The config is checked first (keys, values, and that the generation engine and training strategy it names can run here): a bad one stops the command before anything starts. With --launcher ray, every service process is a Ray actor in one placement group of the run (bundles from the placement section), reserved before anything starts: a request the cluster's nodes cannot hold is refused in one line. The run directory must then be on storage every node sees at the same path. An interrupted run goes on with `rollstream resume RUN`.
     """
     from launch import supervisor
     from schemas.topics import check_run_id
 
+    if dry_run and prepare_only:
+        raise UserError("--dry-run creates nothing and --prepare-only prepares the run: give one of them")
     cfg = read_config(config, set_)
     check_launcher(cfg, launcher, address, prepare_only)
     check_backends(cfg)
     cfg = with_store(cfg)
     rid = check_run_id(run_id) if run_id else supervisor.new_run_id(cfg)
+    if dry_run:
+        dry_run_report(cfg, rid, given_id=bool(run_id))
+        return
+    launch_run(cfg, rid, launcher=launcher, address=address, prepare_only=prepare_only)
+
+
+@app.command("resume")
+@friendly
+def resume_cmd(
+    run: str = typer.Argument(..., help="Run id (`rollstream runs list` lists them)."),
+    runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Directory of run folders."),
+    launcher: str = typer.Option("local", "--launcher", help="local or ray, as for `rollstream run`."),
+    address: str = typer.Option("", "--address", help="--launcher ray: the Ray cluster to join, as for `rollstream run`."),
+) -> None:
+    """Resume a run that ended before it finished (Ctrl-C, a failed service, a killed supervisor or machine).
+
+    It runs again with its own config (runs/RUN/config.yaml): every service starts again and goes on from what is durable (the trainer from its latest checkpoint, re-running the recorded steps after it; docs/reliability.md), then the run finishes as `rollstream run` does. A finished run is left alone (one line says so); a running one is refused. `rollstream status RUN` exits 3 for a run this resumes.
+    """
+    import msgspec
+
+    from launch import runs as rn
+    from launch.prepare import RunError, load_run_config
+    from launch.state import read_state
+    from schemas.topics import check_run_id
+
+    check_run_id(run)
+    run_dir = runs_dir.resolve() / run
+    if not (run_dir / "config.yaml").is_file():
+        raise UserError(f"run {run} not found: no {runs_dir / run / 'config.yaml'} (`rollstream runs list` lists runs)")
+    state = read_state(run_dir)
+    now = rn.state_of(run_dir, state)
+    if now in ("finished", "stopped"):
+        out.print(f"run {run} already finished ({now}; {run_dir / 'summary.json'}): nothing to resume")
+        return
+    if now == "running":
+        raise UserError(f"run {run} is running (supervisor pid {state and state.get('supervisor_pid')}); "
+                        f"`rollstream status {run}` follows it")
+    alive = rn.live_services(state)
+    if alive:
+        pids = ", ".join(f"{label} (pid {pid})" for label, pid in alive.items())
+        raise UserError(f"run {run} still has service processes of its last start: {pids}; end them "
+                        f"(kill PID) and resume again")
+    try:
+        cfg = load_run_config(str(runs_dir), run, [])
+    except RunError as e:
+        raise UserError(str(e)) from None
+    if Path(cfg.run.runs_dir).resolve() != runs_dir.resolve():  # the folder moved: where it is now
+        cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, runs_dir=str(runs_dir)))
+    check_launcher(cfg, launcher, address, False)
+    check_backends(cfg)
+    cfg = with_store(cfg)
+    progress = (state or {}).get("progress") or {}
+    console.print(f"resuming run {run} ({now} at step {progress.get('step', 0)}/{cfg.train.steps})")
+    launch_run(cfg, run, launcher=launcher, address=address)
+
+
+def dry_run_report(cfg: Any, rid: str, *, given_id: bool) -> None:
+    """``run --dry-run``: the resolved config on stdout, what the run would use on stderr; refuses
+    (one line) a run id that already finished and an explicit broker that does not answer."""
+    from infra.kafka import broker as stack
+    from launch.prepare import config_text
+    from launch.runs import resume_command
+    from runtime.probe import find_bootstrap
+    from store.runs import run_dir_of, store_dsn_of
+
+    run_dir = run_dir_of(cfg, rid)
+    if (run_dir / "summary.json").exists():
+        raise UserError(f"run {rid} already finished ({run_dir / 'summary.json'}); pick another --run-id")
+    explicit = find_bootstrap(opt("bootstrap"), cfg.kafka.bootstrap)
+    if explicit and cfg.kafka.security_protocol == "PLAINTEXT" and not stack.kafka_reachable(explicit, timeout_s=10):
+        raise UserError(f"no Kafka broker answers at {explicit}")
+    out.print(config_text(cfg), end="", markup=False, highlight=False)
+    kafka = explicit or f"the local broker of {home()} (started by `rollstream run` when it is not running)"
+    again = f"; it exists: this id resumes it ({resume_command(rid, cfg.run.runs_dir)})" if run_dir.exists() else ""
+    console.print(f"dry run: the config passed every check; run id {rid}" + ("" if given_id else " (a new one each time)")
+                  + f", run folder {run_dir}{again}; kafka {kafka}; store {store_dsn_of(cfg, rid)}; nothing was created")
+
+
+def launch_run(cfg: Any, rid: str, *, launcher: str, address: str, prepare_only: bool = False) -> None:
+    """Start (or resume) run ``rid`` of ``cfg`` with the launcher (the config is checked)."""
+    from launch import supervisor
+
     cluster = None
     if launcher == "ray":  # placed and reserved before anything of the run starts
         from launch import ray_launcher
@@ -303,6 +393,8 @@ def _run(cfg: Any, rid: str, prepare_only: bool, cluster: Any) -> None:
                   f"init {ev_['init'].get('accuracy_sampled')}, start {ev_['start'].get('accuracy_sampled')}, "
                   f"final {ev_['final']['accuracy_sampled']}")
     out.print(f"summary: {supervisor.run_dir_of(cfg, rid) / 'summary.json'}")
+    if summary.get("final_model"):
+        out.print(f"final model: {summary['final_model']}")
 
 
 @app.command("service")

@@ -10,7 +10,7 @@ from typing import Any
 import store as st
 from schemas import events as ev
 from schemas.config import RunConfig, to_dict
-from store.runs import store_dsn_of
+from store.runs import FINAL_DIR, run_dir_of, store_dsn_of
 
 
 @dataclass
@@ -76,7 +76,8 @@ class Progress:
 
 
 def summarize(cfg: RunConfig, run_id: str, progress: Progress, wall_s: float) -> dict[str, Any]:
-    """The run's summary, computed from the record (SQL over the run's store)."""
+    """The run's summary, computed from the record (SQL over the run's store); ``final_model`` is the
+    absolute path of the trained model (``runs/<id>/final``, ``None`` when the trainer wrote none)."""
     client = st.connect(store_dsn_of(cfg, run_id))
     p = {"r": run_id}
     status_rows = client.query(
@@ -131,5 +132,6 @@ def summarize(cfg: RunConfig, run_id: str, progress: Progress, wall_s: float) ->
             "train_tokens_per_s": round(float(steps[1] or 0) / float(steps[2]), 1) if steps[2] else None,
         },
         "weights_versions": progress.versions,
+        "final_model": str(final) if (final := run_dir_of(cfg, run_id) / FINAL_DIR).is_dir() else None,
     }
     return summary

@@ -5,7 +5,10 @@ It combines the supervisor's state file (``runs/<run_id>/supervisor.json``,
 and whether the supervisor itself is still alive) with what the broker says
 (:mod:`launch.runinfo`: consumer lag per service group, the trainer's step and policy
 version, the feeder's last task, the run's control history), and names a stall: no training
-step for ``run.stall_after_s`` seconds, with what every stage is doing.
+step for ``run.stall_after_s`` seconds, with what every stage is doing. A run that ended before it
+finished (``interrupted``, ``failed``, or ``abandoned``: its supervisor gone) gets the command that
+resumes it (``resume``). On a finished run the lag is what was left at the end (the trainer's:
+samples scored after its last step, never trained), which is normal, and the table says so.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from rich.table import Table
 
 from launch.healing import service_of
 from launch.runinfo import RunInfo, probe_run
+from launch.runs import resume_command
 from launch.state import pid_alive, read_state
 from runtime.probe import NO_BROKER
 from schemas.config import KafkaSettings
@@ -169,7 +173,13 @@ async def gather(run_id: str, run_dir: Path, *, bootstrap: str | None, kafka: Ka
         "services": services,
         "kafka": {"bootstrap": bootstrap, "topics": info is not None, "error": kafka_error},
         "stall": None,
+        "resume": None,
     }
+    # a run that ended before it finished (Ctrl-C, a failed service, its supervisor killed) resumes
+    # where it stopped; one with RunFinished on the record or a summary has nothing left to do
+    if (phase in ("interrupted", "failed", "abandoned") and not sup_alive and not (info and info.finished)
+            and not (run_dir / "summary.json").exists()):
+        report["resume"] = resume_command(run_id, run_dir.parent)
     if info is not None and phase in ("running", "draining", "starting", "abandoned") and idle is not None:
         report["stall"] = stall_text(
             idle_s=idle, stall_after_s=stall_after_s, any_weights=w is not None,
@@ -198,6 +208,8 @@ def render(report: dict[str, Any], console: Console) -> None:
     console.print(f"run {escape(report['run_id'])}: [{color}]{phase}[/{color}] ({who})")
     if report["finished"]:
         console.print(f"  finished: {report['finished']['status']}")
+    if report["resume"]:
+        console.print(f"  [red]interrupted before it finished[/red]: resume it with `{escape(report['resume'])}`")
     if report["error"]:
         console.print(f"  error: {escape(report['error'])}")
     step = report["step"] if report["step"] is not None else 0
@@ -222,7 +234,9 @@ def render(report: dict[str, Any], console: Console) -> None:
     for label, s in report["services"].items():
         lag = s.get("lag")
         lag_text = "-" if not lag else ", ".join(f"{t} {n}" for t, n in lag.items() if n) or "0"
-        if lag and service_of(label) == "trainer" and lag_text != "0":
+        if lag and lag_text != "0" and phase in ("finished", "stopped"):
+            lag_text += " (left at the end: normal)"  # e.g. samples scored after the last step
+        elif lag and service_of(label) == "trainer" and lag_text != "0":
             lag_text += " (since its checkpoint)"  # the trainer commits with its checkpoints
         code = s.get("last_exit_code")
         table.add_row(label, str(s.get("state", "")), str(s.get("pid") or "-"), str(s.get("restarts", 0)),

@@ -14,6 +14,8 @@ anything at or below it. An insert that fails stops the recorder (nothing of the
   (:mod:`store.server`), under one lock with its own inserts.
 * With ``stop_when_finished`` it exits once it has seen ``RunFinished`` and then an idle poll with
   zero lag: at once when ``producers_done_file`` exists, else after ``idle_exit_s`` of quiet.
+* Once it has seen ``RunFinished``, a recorder of an embedded store compacts it when it stops: the
+  parts merges made obsolete are deleted from disk (:mod:`store.compact`).
 * Experiment trackers (``tracking``, :mod:`store.tracking`) get each newly stored ``TrainStep`` /
   ``EvalResult`` of its run after the insert.
 
@@ -42,6 +44,7 @@ from schemas.config import KafkaSettings, RunConfig
 from schemas.services import SERVICES
 from schemas.topics import parse_topic
 from services import ServiceStart
+from store.compact import drop_outdated_parts
 from store.rows import COLUMNS, event_row, lag_row, typed_rows
 from store.runs import PRODUCERS_DONE, store_dsn_of
 from store.tracking import TrackerFeed, make_trackers
@@ -137,6 +140,8 @@ class Recorder(BatchService):
         self._next_report = 0.0
         self.tracking: TrackerFeed | None = None
         """The experiment trackers fed with this run's train steps and evals (None when off)."""
+        self.compacted: tuple[int, int] | None = None
+        """``(parts, bytes)`` deleted when the store was compacted at the end (None: it was not)."""
 
     def _load_stored_offsets(self) -> None:
         where = "WHERE run_id = {r:String}" if self.settings.run_id else ""
@@ -280,6 +285,14 @@ class Recorder(BatchService):
             self._stop_server()
             if self.tracking is not None:
                 await asyncio.to_thread(self.tracking.close)
+            if self.finished_seen and self._client is not None and st.check_dsn(self.settings.dsn) == "chdb":
+                await asyncio.to_thread(self.compact)
+
+    def compact(self) -> None:
+        """Delete the parts of the embedded store that merges made obsolete (:mod:`store.compact`)."""
+        with self._lock:
+            parts, n_bytes = self.compacted = drop_outdated_parts(self._client, st.chdb_path(self.settings.dsn))
+        log.info("record compacted: %d merged-away parts deleted (%.1f MB)", parts, n_bytes / 1e6)
 
     async def run(self, stop: asyncio.Event | None = None) -> int:
         """Record until ``stop`` (or SIGTERM/SIGINT, or the run finished with

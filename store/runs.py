@@ -14,6 +14,10 @@ PRODUCERS_DONE = "producers.done"
 service but the recorder has exited; the recorder then exits as soon as it has recorded everything
 (``RecorderSettings.producers_done_file``)."""
 
+FINAL_DIR = "final"
+"""In a run's folder: the run's final model, a plain Hugging Face directory with its tokenizer
+(the trainer writes it when it finishes: ``services.trainer.checkpoint.export_final``)."""
+
 
 def run_dir_of(cfg: RunConfig, run_id: str) -> Path:
     """``<run.runs_dir>/<run_id>`` (absolute)."""

@@ -152,7 +152,10 @@ class TrainConfig(Section):
     """Save a resumable checkpoint every K steps (0 = only at the start and the end). ``rollstream
     replay step RUN N`` starts from the latest checkpoint at or before N."""
     keep_checkpoints: NonNegativeInt = 0
-    """Keep the newest K checkpoints (0 = all; the one of step 0, the RL start, is always kept)."""
+    """Keep the newest K checkpoints (0 = all; the one of step 0, the RL start, is always kept).
+    Besides them the run keeps the last 3 published weight versions (``runs/<id>/weights``) and its
+    final model (``runs/<id>/final``); ``rollstream export RUN --step N DIR`` copies any of those
+    (docs/runs.md)."""
     eval_every: NonNegativeInt = 5
     """Greedy evaluation on the held-out set every K steps (0 = only start and end)."""
     eval_samples: NonNegativeInt = 0

@@ -7,6 +7,11 @@
   (step 0, the RL start, is always kept).
 * ``weights/v<version>``: the policy's weights of each published version; versions older than the
   last :data:`KEEP_WEIGHT_VERSIONS` are removed (slow rollout workers may still be loading one).
+* ``final/``: the policy when the trainer finished (after its last step, or a drain), written by
+  :func:`export_final`: the run's trained model, a plain Hugging Face directory with its tokenizer.
+
+Version ``k`` of the weights is the policy after ``k`` training steps, the model of checkpoint
+``step_<k>``.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ from pathlib import Path
 import msgspec
 
 from services.trainer.state import TrainerState
+from store.runs import FINAL_DIR
 from trainer.strategy import Strategy
 
-__all__ = ["KEEP_WEIGHT_VERSIONS", "STATE_FILE", "Checkpoints", "export_weights", "weights_dir"]
+__all__ = ["FINAL_DIR", "KEEP_WEIGHT_VERSIONS", "STATE_FILE", "Checkpoints", "export_final", "export_weights",
+           "weights_dir"]
 
 STATE_FILE = "stream_state.msgpack"
 """The :class:`TrainerState` of a checkpoint."""
@@ -95,3 +102,10 @@ def export_weights(strategy: Strategy, run_dir: Path, version: int) -> tuple[Pat
     if version >= KEEP_WEIGHT_VERSIONS and old.exists():
         shutil.rmtree(old, ignore_errors=True)
     return path, checksum, size
+
+
+def export_final(strategy: Strategy, run_dir: Path) -> Path:
+    """Export the policy as the run's final model, ``<run_dir>/final`` (replaced when there is one):
+    a complete Hugging Face directory with its tokenizer (merged weights with LoRA)."""
+    path, _ = strategy.export_weights(run_dir / FINAL_DIR)
+    return path

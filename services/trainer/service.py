@@ -14,8 +14,8 @@ checkpoint saved. It is composed of its parts, each a field:
 
 Per poll the service takes in scored samples, dead letters and control events, trains while
 complete groups fill a batch (outputs acknowledged, then the new weights announced), evaluates and
-checkpoints when due, and at the end (``train.steps``, or another's ``Drain``) evaluates, checkpoints
-and publishes its own ``Drain(origin="trainer")``; it exits when the feeder publishes ``RunFinished``.
+checkpoints when due, and at the end (``train.steps``, or another's ``Drain``) evaluates, exports the
+final model (``runs/<id>/final``), checkpoints and publishes its own ``Drain(origin="trainer")``; it exits when the feeder publishes ``RunFinished``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from schemas.config import RunConfig
 from schemas.devices import resolve_device
 from schemas.sanity import check_scored
 from schemas.services import SERVICES
-from services.trainer.checkpoint import Checkpoints, export_weights, weights_dir
+from services.trainer.checkpoint import Checkpoints, export_final, export_weights, weights_dir
 from services.trainer.evaluation import Evaluation
 from services.trainer.groups import Groups
 from services.trainer.history import History, Replay, read_history
@@ -396,10 +396,12 @@ class Trainer(BatchService):
             await self.runner.commit(positions)
 
     async def _finish(self, ctx: BatchContext) -> None:
-        """After the last step (or another's ``Drain``): final evaluation, checkpoint, ``Drain``,
+        """After the last step (or another's ``Drain``): final evaluation, final model, checkpoint, ``Drain``,
         leftovers closed as "run finished". What the record already has is not repeated."""
         step, steps = self.state.step, self.cfg.train.steps
         await self._evaluate(ctx)
+        final = await asyncio.to_thread(export_final, self.strategy, self.run_dir)
+        log.info("final model (policy version %d, after %d steps): %s", self.state.version, step, final)
         if self.checkpoints.steps()[-1:] != [step]:
             await self._checkpoint(ctx)
         if not self.history.trainer_drained:

@@ -58,9 +58,10 @@ def test_status_of_a_running_run_with_a_dead_supervisor_and_a_stall(bootstrap: s
                      "trainer": {"state": "running", "pid": os.getpid(), "restarts": 0}},
     })
     res = cli("status", run_id, "--runs-dir", str(tmp_path), "--format", "json", env=env(bootstrap))
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 3, res.stderr  # ended before it finished: resumable
     report = json.loads(res.stdout)
     assert report["phase"] == "abandoned" and report["supervisor"]["alive"] is False
+    assert report["resume"] == f"rollstream resume {run_id} --runs-dir {tmp_path}"
     assert (report["step"], report["steps"], report["policy_version"]) == (None, 6, 3)
     rollout, trainer = report["services"]["rollout"], report["services"]["trainer"]
     assert (rollout["state"], rollout["alive"], rollout["restarts"], rollout["last_exit_code"]) == ("gone", False, 1, -9)
@@ -69,8 +70,10 @@ def test_status_of_a_running_run_with_a_dead_supervisor_and_a_stall(bootstrap: s
     assert report["stall"].startswith("no training step for 3")  # 300 s and a bit
     assert "rollout lag ?, reward lag ?, scored lag ?; feeder has issued nothing for 3" in report["stall"]
     table = cli("status", run_id, "--runs-dir", str(tmp_path), env=env(bootstrap))
-    assert table.returncode == 0, table.stderr
+    assert table.returncode == 3, table.stderr
     assert f"run {run_id}: abandoned (supervisor pid 999999999 gone)" in table.stdout
+    assert f"interrupted before it finished: resume it with `rollstream resume {run_id} --runs-dir {tmp_path}`" \
+        in table.stdout
     assert "stalled: no training step" in table.stdout and "ERROR boom" in table.stdout
     assert "the supervisor is gone; still running: trainer" in table.stdout
 

@@ -171,13 +171,14 @@ class RunProc:
     """One ``rollstream run`` of ``run_id`` (see the module doc)."""
 
     def __init__(self, runs: Path, run_id: str, overrides: list[str], env: dict[str, str],
-                 bootstrap: str | None = None, config: Path | None = None) -> None:
+                 bootstrap: str | None = None, config: Path | None = None, resume: bool = False) -> None:
+        """``resume``: ``rollstream resume RUN`` (the run's own config) instead of ``rollstream run``."""
         self.runs, self.run_id, self.env = runs, run_id, env
         globals_ = ["--bootstrap", bootstrap] if bootstrap else []
         sets = [*overrides, f"run.runs_dir={runs}"]
-        self.cmd = [sys.executable, "-m", "cli", *globals_, "run",
-                    str(config or REPO / "examples" / "main.yaml"), "--run-id", run_id,
-                    *[a for kv in sets for a in ("--set", kv)]]
+        self.cmd = ([sys.executable, "-m", "cli", *globals_, "resume", run_id, "--runs-dir", str(runs)] if resume
+                    else [sys.executable, "-m", "cli", *globals_, "run", str(config or REPO / "examples" / "main.yaml"),
+                          "--run-id", run_id, *[a for kv in sets for a in ("--set", kv)]])
         runs.mkdir(parents=True, exist_ok=True)
         self.log = runs / f"{run_id}.run{int(time.time() * 1000) % 100000}.out"
         self._fh = open(self.log, "wb")

@@ -1,7 +1,7 @@
 """Resume from any point: a short `rollstream run` (real broker, real store) dies at once — every
 process SIGKILLed — at the start (the RL start is checkpointed, no step yet), in the middle (a
 step or more after its last checkpoint) or near the end (after the last step, before ``RunFinished``);
-the same command with the same ``--run-id`` then finishes the run. In SQL: every issued sample
+``rollstream status`` then exits 3 naming ``rollstream resume RUN``, which finishes the run. In SQL: every issued sample
 has exactly one terminal status, none is trained twice, no row is recorded twice, and the
 training steps are 0..N-1 exactly once (a step re-run after a resume from an older checkpoint is
 re-run from its recorded batch, not published again)."""
@@ -25,6 +25,7 @@ from tests.e2e.faults import (
     check_invariants,
     invariants,
     recovery_after,
+    rollstream,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -51,8 +52,8 @@ WARMUP_OVERRIDES = ["train.warmup_sft_steps=150"]
 
 
 def resume_run(runs: Path, bootstrap: str, point: str) -> FaultResult:
-    """Run, SIGKILL every process of the run at ``point``, run the same command again; assert it
-    completes with the invariants of the record."""
+    """Run, SIGKILL every process of the run at ``point``, resume it (``rollstream resume``); assert
+    it completes with the invariants of the record."""
     env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=bootstrap)
     run_id = f"e2e-resume-{point}-{uuid.uuid4().hex[:6]}"
     cond, what = CASES[point]
@@ -68,13 +69,19 @@ def resume_run(runs: Path, bootstrap: str, point: str) -> FaultResult:
         finished_before = watch.seen.finished is not None
         if point == "warmup":
             assert not watch.seen.versions, "the warm-up ended before the kill: the case did not happen"
-        second = RunProc(runs, run_id, overrides, env)
+        # `rollstream status` says the run ended before it finished, names the command, exits 3
+        asked = time.time()
+        told = rollstream("status", run_id, "--runs-dir", str(runs), env=env, timeout=60)
+        assert told.returncode == 3 and f"rollstream resume {run_id} --runs-dir {runs}" in told.stdout, told
+        second = RunProc(runs, run_id, overrides, env, resume=True)
         code = second.wait(400)
-        recovery = recovery_after(watch, killed_at)
+        # the recovery counts from the kill as if resumed at once (the status call left out)
+        recovery = recovery_after(watch, killed_at + (second.started - asked))
     assert code == 0, second.output()
     assert not finished_before, "the run finished before it was killed: the case did not happen"
     summary = json.loads((runs / run_id / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["samples"]["unaccounted"] == 0, summary
+    assert summary["final_model"] == str(runs / run_id / "final"), summary
     inv = invariants(runs, run_id, env)
     check_invariants(inv, STEPS)
     log = (runs / run_id / "logs" / "trainer.log").read_text()

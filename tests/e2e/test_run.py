@@ -33,6 +33,16 @@ def test_short_run_accounts_for_every_sample(tmp_path: Path, bootstrap: str, rep
     assert res.returncode == 0, res.stdout + res.stderr
     summary = json.loads((runs / run_id / "summary.json").read_text())
     assert summary["steps"] == 4
+    # the trained model: named by the summary, the policy after the last step, loadable as it is
+    from transformers import AutoModelForCausalLM
+
+    from weights import read_weights, weights_match
+
+    assert summary["final_model"] == str(runs / run_id / "final") and f"final model: {runs / run_id}" in res.stdout
+    assert weights_match(summary["final_model"], read_weights(runs / run_id / "weights" / "v00004"))
+    assert weights_match(summary["final_model"], AutoModelForCausalLM.from_pretrained(summary["final_model"]).state_dict())
+    # the record was compacted when the recorder stopped
+    assert "record compacted:" in (runs / run_id / "logs" / "recorder.log").read_text()
     evals = sql(f"SELECT split, mapContains(metrics, 'eval/accuracy_sampled') AS has FROM evals FINAL "
                 f"WHERE run_id = '{run_id}'", runs, run_id, env)
     assert len(evals) >= 3 and all(e["has"] == bool(sampled) for e in evals)

@@ -288,6 +288,29 @@ def test_stall_text_says_what_it_sees() -> None:
         stall_text(idle_s=600.0, feeder_idle_s=None, **{**base, "any_weights": False}))
 
 
+def test_the_lag_of_a_finished_run_is_said_to_be_normal() -> None:
+    """A finished run's trainer leaves the samples scored after its last step unread: the status
+    table says so instead of showing a bare number that reads as an alarm; a running run's stays bare."""
+    import io
+
+    from rich.console import Console
+
+    from launch.status import render
+
+    def table(phase: str) -> str:
+        buf = io.StringIO()
+        render({"run_id": "r", "phase": phase, "supervisor": {"pid": 1, "alive": phase == "running"},
+                "finished": None, "error": "", "resume": None, "step": 200, "steps": 200, "policy_version": 200,
+                "last_progress_s_ago": 5.0, "feeder": {"tasks_issued": None}, "draining": "",
+                "kafka": {"error": ""}, "stall": None,
+                "services": {"trainer": {"state": "exited", "pid": 2, "lag": {"scored": 281}}}},
+               Console(file=buf, width=200))
+        return buf.getvalue()
+
+    assert "scored 281 (left at the end: normal)" in table("finished")
+    assert "scored 281 (since its checkpoint)" in table("running")
+
+
 def test_phase_of_a_run() -> None:
     from launch.runinfo import RunInfo
     from launch.status import phase_of

@@ -58,6 +58,7 @@ async def test_the_producers_done_file_ends_the_wait_for_quiet_topics(bootstrap:
     rec = Recorder(settings)
     assert await asyncio.wait_for(rec.run(), timeout=120) == sent
     assert rec.finished_seen and rec.lag == 0
+    assert rec.compacted is not None  # the run finished: its embedded store was compacted at the end
 
 
 async def test_records_everything_once(bootstrap: str, run_id: str, store_dsn: str) -> None:

@@ -323,6 +323,15 @@ async def test_a_user_drain_ends_training_after_the_step_under_way(trainer: Any)
     assert own.reason == "trainer stopped after 1 of 5 steps: stopped by user" and own.origin == "trainer"
     assert [(e.split, e.step) for e in sent_of(ctx, ev.EvalResult)] == [("heldout", 1)]  # the final eval
     assert trainer.checkpoints.steps()[-1] == 1 and trainer.drained
+    # the final model: the policy where it stopped, a Hugging Face directory transformers loads
+    from transformers import AutoModelForCausalLM
+
+    from weights import weights_match
+
+    final = Path(trainer.s.run_dir) / "final"
+    assert weights_match(final, trainer.strategy.model.state_dict())
+    assert weights_match(final, AutoModelForCausalLM.from_pretrained(final).state_dict())
+    assert any(final.glob("tokenizer*.json"))
     closed = sent_of(ctx, ev.SampleOutcome)
     assert len(closed) == 8 and all(o.status == "filtered" and "run finished" in o.reason for o in closed)
     # its own drain coming back, and late samples: closed, nothing else
