@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.config import AlgorithmConfig, ConfigError, parse_config
+from schemas.config import AlgorithmConfig, ConfigError, RunConfig, parse_config
 from tests.floats import assert_same_update, gradient_terms, rounding_tol
 from tests.trainer.test_registry import config_choices
 from trainer import algorithm as alg
@@ -70,6 +70,10 @@ def test_every_estimator_takes_a_finite_step(model_dir: Path, estimator: str) ->
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
 def test_micro_batching_equals_one_batch_for_every_loss_and_aggregation(model_dir: Path, variant: str, agg: str) -> None:
     cfg = algo(pg_variant=variant, loss_agg_mode=agg, old_logprobs="recompute" if variant == "gspo" else "behaviour")
+    if variant == "gmpo" and agg != "seq-mean-token-mean":  # GMPO is a per-sequence objective: refused
+        with pytest.raises(ConfigError, match="gmpo is a per-sequence objective"):
+            RunConfig(algorithm=cfg)
+        return
     batch = samples(seed=1)
     a = TorchStrategy(model_dir, lr=1.0, micro_batch_size=12, algo=cfg, max_len=16)
     b = TorchStrategy(model_dir, lr=1.0, micro_batch_size=5, algo=cfg, max_len=16)
