@@ -480,8 +480,8 @@ def kl_cov_loss(
     ``ℓ = −A·ρ + coef·select·|log ρ|`` (``|log π − log π_old|``, the penalty of the authors' code):
     the tokens of largest covariance are held near ``π_old``, the rest train freely (no clip).
     ``select`` (B, T) is chosen over the whole batch, before micro-batching.
-    Metrics: ``loss/policy``, ``loss/cov_selected_frac``, ``loss/cov_kl`` (mean ``|log ρ|`` of the
-    selected tokens), ``actor/ratio_*``.
+    Metrics: ``loss/policy``, ``loss/cov_selected_frac``, ``loss/cov_kl`` (the penalty before its
+    coefficient, ``select·|log ρ|``, per trained token), ``actor/ratio_*``.
     """
     adv = _adv(advantages)  # (B, 1) or (B, T)
     log_ratio = _clamped_log_ratio(logprobs, old_logprobs)  # (B, T)
@@ -489,11 +489,10 @@ def kl_cov_loss(
     pg_losses = -adv * ratio + coef * select * log_ratio.abs()  # (B, T)
     loss = aggregate(pg_losses, mask, agg_mode, max_len)
     with torch.no_grad():
-        chosen = select * (mask > 0).to(select.dtype)  # (B, T)
         metrics = {
             "loss/policy": float(loss),
             "loss/cov_selected_frac": _mmean((select > 0).to(ratio.dtype), mask),
-            "loss/cov_kl": float((log_ratio.abs() * chosen).sum() / chosen.sum().clamp(min=1)),
+            "loss/cov_kl": _mmean(select * log_ratio.abs(), mask),
             **_ratio_metrics(ratio, log_ratio, mask),
         }
     return loss, metrics

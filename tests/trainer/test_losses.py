@@ -366,7 +366,7 @@ def test_kl_cov_penalises_only_the_chosen_tokens() -> None:
     adv, mask, chosen = torch.tensor([[1.0, 1.0, 1.0]]), torch.ones(1, 3), torch.tensor([[1.0, 0.0, 0.0]])
     loss, m = kl_cov_loss(lp, old, adv, mask, chosen, coef=2.0)
     want = (-math.exp(0.5) + 2 * 0.5 - math.exp(-0.5) - math.exp(0.2)) / 3
-    assert loss.item() == pytest.approx(want, rel=1e-6) and m["loss/cov_kl"] == pytest.approx(0.5)
+    assert loss.item() == pytest.approx(want, rel=1e-6) and m["loss/cov_kl"] == pytest.approx(0.5 / 3)
     loss.backward()
     assert lp.grad is not None
     assert lp.grad[0, 0].item() == pytest.approx((-math.exp(0.5) + 2.0) / 3, rel=1e-6)  # −Aρ + coef·sign(log ρ)
