@@ -535,8 +535,10 @@ def gpg_advantages_reference(rewards: list[float], group_ids: list[int]) -> tupl
         groups.setdefault(g, []).append(r)
     valid = [max(groups[g]) > min(groups[g]) for g in group_ids]
     alpha = len(rewards) / sum(valid) if any(valid) else 1.0
-    out = [alpha * (r - sum(groups[g]) / len(groups[g])) if v else 0.0
-           for r, g, v in zip(rewards, group_ids, valid, strict=True)]
+    out = [
+        alpha * (r - sum(groups[g]) / len(groups[g])) if v else 0.0
+        for r, g, v in zip(rewards, group_ids, valid, strict=True)
+    ]
     return out, alpha
 
 
@@ -551,8 +553,9 @@ def opo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, lengths: torc
     length = lengths.float()  # (B,)
     weighted, inv = _group_sums(length * r, group_ids)  # (K,)
     total_len, _ = _group_sums(length, group_ids)  # (K,)
-    baseline = torch.where(total_len[inv] > 0, weighted[inv] / total_len[inv].clamp(min=1e-12),
-                           group_mean(r, group_ids))  # (B,)
+    baseline = torch.where(
+        total_len[inv] > 0, weighted[inv] / total_len[inv].clamp(min=1e-12), group_mean(r, group_ids)
+    )  # (B,)
     return r - baseline
 
 
@@ -561,7 +564,11 @@ def opo_advantages_reference(rewards: list[float], group_ids: list[int], lengths
     for r, g in zip(rewards, group_ids, strict=True):
         members = [(rj, lj) for rj, gj, lj in zip(rewards, group_ids, lengths, strict=True) if gj == g]
         total = sum(lj for _, lj in members)
-        b = sum(rj * lj for rj, lj in members) / total if total > 0 else sum(rj for rj, _ in members) / len(members)
+        b = (
+            sum(rj * lj for rj, lj in members) / total
+            if total > 0
+            else sum(rj for rj, _ in members) / len(members)
+        )
         out.append(r - b)
     return out
 
@@ -615,14 +622,3 @@ def pass_at_k_advantages_reference(
         else:
             out.append((1.0 - mean - math.comb(n - c - 1, kk - 1) / math.comb(n - 1, kk - 1)) / (std + eps))
     return out
-
-
-def remax_advantages(rewards: torch.Tensor, baselines: torch.Tensor) -> torch.Tensor:
-    """ReMax (Li et al. 2023, *ReMax: A Simple, Effective, and Efficient RL Method for LLMs*):
-    ``A_i = r_i − b_i`` with ``b_i`` the reward of a greedy response to the same prompt.
-    rewards, baselines (B,) -> (B,)."""
-    return rewards.float() - baselines.float()
-
-
-def remax_advantages_reference(rewards: list[float], baselines: list[float]) -> list[float]:
-    return [r - b for r, b in zip(rewards, baselines, strict=True)]

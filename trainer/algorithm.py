@@ -490,7 +490,7 @@ def _pg(cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advantages
 
 
 # --------------------------------------------------------------------------- newer objectives (issue 37)
-# Estimators gpg, opo, pass_at_k, remax; losses sapo, gmpo, clip_cov, kl_cov (the last two choose
+# Estimators gpg, opo, pass_at_k (remax: refused by the config); losses sapo, gmpo, clip_cov, kl_cov (the last two choose
 # their tokens over the whole batch: :func:`select_tokens` before micro-batching).
 
 
@@ -511,6 +511,14 @@ def _opo(cfg: AlgorithmConfig, x: EstimatorInput) -> Estimate:
 def _pass_at_k(cfg: AlgorithmConfig, x: EstimatorInput) -> Estimate:
     adv = A.pass_at_k_advantages(x.r, x.group_ids, cfg.pass_k, cfg.pass_k_threshold)  # (B,)
     return Estimate(adv.unsqueeze(1) * x.mask)  # (B, T)
+
+
+@registry.advantage_estimator("remax")
+def _remax(cfg: AlgorithmConfig, x: EstimatorInput) -> Estimate:
+    """ReMax (Li et al. 2023): ``A = r − r_greedy``, the reward of a greedy response to the same
+    prompt as baseline. No service generates that response yet: the run config refuses ``remax``
+    before anything starts, so this is never reached from a run."""
+    raise ValueError("adv_estimator=remax is not supported yet (no greedy baseline rollouts)")
 
 
 @registry.policy_loss("sapo")

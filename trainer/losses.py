@@ -287,8 +287,12 @@ def sapo_loss(
 
 
 def sapo_loss_reference(
-    logprobs: list[list[float]], old_logprobs: list[list[float]], advantages: list[list[float]],
-    mask: list[list[int]], tau_pos: float = 1.0, tau_neg: float = 1.05,
+    logprobs: list[list[float]],
+    old_logprobs: list[list[float]],
+    advantages: list[list[float]],
+    mask: list[list[int]],
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
 ) -> float:
     """Plain-loop SAPO with ``token-mean`` aggregation (for testing :func:`sapo_loss`)."""
     total, count = 0.0, 0
@@ -345,8 +349,12 @@ def gmpo_loss(
 
 
 def gmpo_loss_reference(
-    logprobs: list[list[float]], old_logprobs: list[list[float]], advantages: list[list[float]],
-    mask: list[list[int]], clip_low: float = 0.4, clip_high: float = 0.4,
+    logprobs: list[list[float]],
+    old_logprobs: list[list[float]],
+    advantages: list[list[float]],
+    mask: list[list[int]],
+    clip_low: float = 0.4,
+    clip_high: float = 0.4,
 ) -> float:
     """Plain-loop GMPO with ``seq-mean-token-mean`` aggregation (for testing :func:`gmpo_loss`)."""
     seq_losses = []
@@ -359,7 +367,7 @@ def gmpo_loss_reference(
         for t in idx:
             lr = min(max(lp_row[t] - old_row[t], -_MAX_LOG_RATIO), _MAX_LOG_RATIO)
             lr_clip = min(max(lr, -clip_low), clip_high)
-            total += (min(lr, lr_clip) if a > 0 else max(lr, lr_clip) if a < 0 else 0.0)
+            total += min(lr, lr_clip) if a > 0 else max(lr, lr_clip) if a < 0 else 0.0
         seq_losses.append(-a * math.exp(total / len(idx)))
     return sum(seq_losses) / max(len(seq_losses), 1)
 
@@ -506,13 +514,21 @@ def token_covariance_reference(
     n = max(len(cells), 1)
     mean_lp = sum(logprobs[b][t] for b, t in cells) / n
     mean_a = sum(advantages[b][t] for b, t in cells) / n
-    return [[(logprobs[b][t] - mean_lp) * (advantages[b][t] - mean_a) if v else 0.0 for t, v in enumerate(row)]
-            for b, row in enumerate(mask)]
+    return [
+        [(logprobs[b][t] - mean_lp) * (advantages[b][t] - mean_a) if v else 0.0 for t, v in enumerate(row)]
+        for b, row in enumerate(mask)
+    ]
 
 
 def clip_cov_candidates_reference(
-    logprobs: list[list[float]], old_logprobs: list[list[float]], advantages: list[list[float]],
-    mask: list[list[int]], cov_low: float = 1.0, cov_high: float = 5.0, clip_low: float = 0.2, clip_high: float = 0.2,
+    logprobs: list[list[float]],
+    old_logprobs: list[list[float]],
+    advantages: list[list[float]],
+    mask: list[list[int]],
+    cov_low: float = 1.0,
+    cov_high: float = 5.0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
 ) -> list[tuple[int, int]]:
     """Plain-loop candidates of :func:`clip_cov_select` (the draw among them is random)."""
     cov = token_covariance_reference(logprobs, advantages, mask)
@@ -539,8 +555,12 @@ def kl_cov_select_reference(
 
 
 def kl_cov_loss_reference(
-    logprobs: list[list[float]], old_logprobs: list[list[float]], advantages: list[list[float]],
-    mask: list[list[int]], select: list[list[int]], coef: float = 1.0,
+    logprobs: list[list[float]],
+    old_logprobs: list[list[float]],
+    advantages: list[list[float]],
+    mask: list[list[int]],
+    select: list[list[int]],
+    coef: float = 1.0,
 ) -> float:
     """Plain-loop KL-Cov with ``token-mean`` aggregation (for testing :func:`kl_cov_loss`)."""
     total, count = 0.0, 0

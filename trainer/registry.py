@@ -158,10 +158,17 @@ def selective_policy_loss(name: str, select: TokenSelectFn) -> Callable[[Selecti
     def register(fn: SelectiveLossFn) -> SelectiveLossFn:
         _add(SELECTIVE_LOSSES, "policy loss", name, SelectiveLoss(select, fn))
 
-        def whole_batch(cfg: AlgorithmConfig, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
-                        advantages: torch.Tensor, mask: torch.Tensor, max_len: int | None
-                        ) -> tuple[torch.Tensor, dict[str, float]]:
-            chosen = select(cfg, logprobs.detach(), old_logprobs, advantages, mask, torch.Generator().manual_seed(0))
+        def whole_batch(
+            cfg: AlgorithmConfig,
+            logprobs: torch.Tensor,
+            old_logprobs: torch.Tensor,
+            advantages: torch.Tensor,
+            mask: torch.Tensor,
+            max_len: int | None,
+        ) -> tuple[torch.Tensor, dict[str, float]]:
+            chosen = select(
+                cfg, logprobs.detach(), old_logprobs, advantages, mask, torch.Generator().manual_seed(0)
+            )
             return fn(cfg, logprobs, old_logprobs, advantages, mask, max_len, chosen)
 
         _add(POLICY_LOSSES, "policy loss", name, whole_batch)

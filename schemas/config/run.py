@@ -414,6 +414,9 @@ def newer_objectives(cfg: RunConfig) -> str | None:
     """The keys of ``sapo``, ``gmpo``, ``clip_cov``, ``kl_cov`` and ``pass_at_k`` are set only for
     the choice that reads them, and each of the newer objectives gets what it needs."""
     s, a = cfg.algorithm, "algorithm."
+    if s.adv_estimator == "remax":
+        return (f"{a}adv_estimator=remax is not supported yet: its baseline is the reward of one greedy "
+                "response per prompt, which the feeder and rollout workers do not generate; use rloo or grpo")
     defaults = AlgorithmConfig()
     for key, (selector, reader) in _READ_BY.items():
         if getattr(s, key) != getattr(defaults, key) and getattr(s, selector) != reader:

@@ -194,13 +194,13 @@ class AlgorithmConfig(Section):
 
     # --- advantage estimator
     adv_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce", "gae", "raft", "step_reinforce", "gigpo",
-                           "gpg", "opo", "pass_at_k"] = "grpo"
+                           "gpg", "opo", "pass_at_k", "remax"] = "grpo"
     """Advantage estimator: ``grpo`` (group mean/std), ``dr_grpo`` (group mean, no std), ``rloo``
     (leave-one-out mean), ``reinforce`` (REINFORCE++: token returns whitened over the batch), ``gae``
     (PPO with a critic), ``raft`` (RAFT++: best of each group, advantage 1), ``step_reinforce`` and
     ``gigpo`` (step-level, for multi-turn episodes), ``gpg`` (group mean, rescaled by the share of
     groups with a signal), ``opo`` (length-weighted group mean), ``pass_at_k`` (analytic pass@k
-    advantages)."""
+    advantages); ``remax`` (a greedy response's reward as baseline) is refused: not supported yet."""
     reinforce_baseline: bool = True
     """``reinforce``: subtract the group mean reward first (REINFORCE++-baseline); False = plain REINFORCE++."""
     gamma: UnitInterval = 1.0

@@ -327,6 +327,7 @@ NEWER_RULE_CASES = [
     (["algorithm.adv_estimator=opo", "algorithm.norm_mean_type=group"],
      "algorithm.adv_estimator=opo subtracts its own baseline"),
     (["algorithm.clip_cov_ratio=0"], "algorithm.clip_cov_ratio=0"),
+    (["algorithm.adv_estimator=remax"], "algorithm.adv_estimator=remax is not supported yet"),
 ]
 
 

@@ -316,7 +316,9 @@ def test_opo_vectorised_equals_loop(batch: tuple[list[float], list[int]], data: 
 
 
 def test_opo_baseline_weighs_rewards_by_length() -> None:
-    adv = opo_advantages(torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0, 0, 0]), torch.tensor([3.0, 1.0, 0.0]))
+    adv = opo_advantages(
+        torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0, 0, 0]), torch.tensor([3.0, 1.0, 0.0])
+    )
     assert adv.tolist() == pytest.approx([0.25, -0.75, -0.75])  # b = (3·1 + 1·0 + 0·0) / 4
     assert opo_advantages(torch.tensor([2.0]), torch.tensor([5]), torch.tensor([4.0])).tolist() == [0.0]
 

@@ -258,7 +258,9 @@ def policy_batch(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     lp = torch.tensor(draw(st.lists(st.floats(-8.0, -0.01), min_size=b * t, max_size=b * t))).view(b, t)
     d = torch.tensor(draw(st.lists(LOG_RATIO, min_size=b * t, max_size=b * t))).view(b, t)
     adv = torch.tensor(draw(st.lists(ADV, min_size=b, max_size=b))).unsqueeze(1).expand(b, t).contiguous()
-    mask = torch.tensor(draw(st.lists(st.integers(0, 1), min_size=b * t, max_size=b * t)), dtype=torch.float).view(b, t)
+    mask = torch.tensor(
+        draw(st.lists(st.integers(0, 1), min_size=b * t, max_size=b * t)), dtype=torch.float
+    ).view(b, t)
     garbage = torch.full_like(lp, 1e4)
     return torch.where(mask > 0, lp, -garbage), torch.where(mask > 0, lp - d, garbage), adv, mask
 
@@ -277,7 +279,11 @@ def test_sapo_matches_the_loop_and_stays_finite(batch: tuple[torch.Tensor, ...])
     # per token at most (4/τ)·|A| ≤ 12; float32 sigmoid/exp and a mean over the tokens
     assert loss.item() == pytest.approx(want, abs=rounding_tol(12.0, 4 * lp.numel()))
     loss.backward()
-    assert lp.grad is not None and bool(torch.isfinite(lp.grad).all()) and math.isfinite(m["loss/sapo_gate_mean"])
+    assert (
+        lp.grad is not None
+        and bool(torch.isfinite(lp.grad).all())
+        and math.isfinite(m["loss/sapo_gate_mean"])
+    )
     assert bool((lp.grad[mask == 0] == 0).all())
 
 
@@ -306,7 +312,9 @@ def test_gmpo_matches_the_loop_and_stays_finite(batch: tuple[torch.Tensor, ...])
     loss, _ = gmpo_loss(lp, old, adv, mask, clip_low=0.4, clip_high=0.4)
     want = gmpo_loss_reference(*lists(lp.detach(), old, adv), mask.int().tolist(), 0.4, 0.4)
     # a sequence's loss is |A|·exp(mean of log ratios ≤ 20): relative rounding of exp of a float32 mean
-    size = max(abs(want), 3.0 * math.exp(20.0) if bool((((lp - old) > 19) & (mask > 0)).any()) else 3.0 * math.e)
+    size = max(
+        abs(want), 3.0 * math.exp(20.0) if bool((((lp - old) > 19) & (mask > 0)).any()) else 3.0 * math.e
+    )
     assert loss.item() == pytest.approx(want, abs=rounding_tol(size, 25 * lp.shape[1]))
     loss.backward()
     assert lp.grad is not None and bool(torch.isfinite(lp.grad).all())
@@ -325,7 +333,9 @@ def test_gmpo_clips_tokens_one_sided_in_log_space() -> None:
     loss.backward()
     assert lp.grad is not None
     assert lp.grad[0, 1].item() == 0.0 and lp.grad[1, 2].item() == 0.0  # the clipped tokens
-    assert lp.grad[0, 0].item() == pytest.approx(-2 * pos / 3 / 2, rel=1e-6)  # d/dlog ρ of −A·e^{mean}: −A·r/|o|/B
+    assert lp.grad[0, 0].item() == pytest.approx(
+        -2 * pos / 3 / 2, rel=1e-6
+    )  # d/dlog ρ of −A·e^{mean}: −A·r/|o|/B
 
 
 def test_gmpo_with_equal_token_ratios_inside_the_clip_is_gspo() -> None:
@@ -348,13 +358,18 @@ def test_kl_cov_choice_and_loss_match_the_loop(batch: tuple[torch.Tensor, ...], 
     chosen = kl_cov_select(lp, adv, mask, ratio)
     picked = {(int(b), int(t)) for b, t in chosen.nonzero().tolist()}
     want = kl_cov_select_reference(*lists(lp, adv), mask.int().tolist(), ratio)
-    if len(set(round(c, 3) for row in want_cov for c in row)) == sum(len(r) for r in want_cov):  # no near-ties
+    if len(set(round(c, 3) for row in want_cov for c in row)) == sum(
+        len(r) for r in want_cov
+    ):  # no near-ties
         assert picked == set(want)
     assert len(picked) == len(want) and all(mask[b, t] > 0 and cov[b, t] > 0 for b, t in picked)
     lp_g = lp.clone().requires_grad_(True)
     loss, m = kl_cov_loss(lp_g, old, adv, mask, chosen, coef=1.0)
     ref = kl_cov_loss_reference(*lists(lp, old, adv), mask.int().tolist(), chosen.int().tolist(), 1.0)
-    size = max(abs(ref), 5.0 * math.exp(20.0) if bool((((lp - old) > 19) & (mask > 0)).any()) else 5.0 * math.exp(1.5))
+    size = max(
+        abs(ref),
+        5.0 * math.exp(20.0) if bool((((lp - old) > 19) & (mask > 0)).any()) else 5.0 * math.exp(1.5),
+    )
     assert loss.item() == pytest.approx(ref, abs=rounding_tol(size, 4 * lp.numel()))
     loss.backward()
     assert lp_g.grad is not None and bool(torch.isfinite(lp_g.grad).all()) and math.isfinite(m["loss/cov_kl"])
@@ -369,7 +384,9 @@ def test_kl_cov_penalises_only_the_chosen_tokens() -> None:
     assert loss.item() == pytest.approx(want, rel=1e-6) and m["loss/cov_kl"] == pytest.approx(0.5 / 3)
     loss.backward()
     assert lp.grad is not None
-    assert lp.grad[0, 0].item() == pytest.approx((-math.exp(0.5) + 2.0) / 3, rel=1e-6)  # −Aρ + coef·sign(log ρ)
+    assert lp.grad[0, 0].item() == pytest.approx(
+        (-math.exp(0.5) + 2.0) / 3, rel=1e-6
+    )  # −Aρ + coef·sign(log ρ)
     assert lp.grad[0, 1].item() == pytest.approx(-math.exp(-0.5) / 3, rel=1e-6)
 
 
@@ -381,13 +398,26 @@ def test_kl_cov_chooses_nothing_without_a_positive_covariance() -> None:
 
 @settings(max_examples=30, deadline=None)
 @given(policy_batch(), st.sampled_from([0.1, 0.5, 1.0]), st.integers(0, 3))
-def test_clip_cov_draws_its_tokens_among_the_loops_candidates(batch: tuple[torch.Tensor, ...], ratio: float,
-                                                              seed: int) -> None:
+def test_clip_cov_draws_its_tokens_among_the_loops_candidates(
+    batch: tuple[torch.Tensor, ...], ratio: float, seed: int
+) -> None:
     lp, old, adv, mask = batch
     adv = adv + 0.25 * torch.arange(lp.shape[1])
+
     def draw() -> torch.Tensor:
-        return clip_cov_select(lp, old, adv, mask, ratio, cov_low=-0.5, cov_high=2.0, clip_low=0.2, clip_high=0.28,
-                               generator=torch.Generator().manual_seed(seed))
+        return clip_cov_select(
+            lp,
+            old,
+            adv,
+            mask,
+            ratio,
+            cov_low=-0.5,
+            cov_high=2.0,
+            clip_low=0.2,
+            clip_high=0.28,
+            generator=torch.Generator().manual_seed(seed),
+        )
+
     chosen = draw()
     cand = set(clip_cov_candidates_reference(*lists(lp, old, adv), mask.int().tolist(), -0.5, 2.0, 0.2, 0.28))
     picked = {(int(b), int(t)) for b, t in chosen.nonzero().tolist()}
