@@ -29,21 +29,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ["grpo", "gae", "rloo", "reinforce", "dr_grpo"]
-NEWER = ["gpg", "opo", "pass_at_k", "sapo", "gmpo", "clip_cov", "kl_cov"]
-"""Rows of the newer estimators and losses (examples/algos/<name>.yaml each)."""
-GROUPS = {"default": DEFAULT, "newer": NEWER}
-"""Names ``--estimators`` accepts for a list of rows (``all``: every examples/algos file)."""
-
-
-def expand(spec: str) -> list[str]:
-    """The rows ``--estimators`` names: comma-separated example names or :data:`GROUPS` names."""
-    names: list[str] = []
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
-        if part == "all":
-            names += sorted(p.stem for p in (ROOT / "examples" / "algos").glob("*.yaml"))
-        else:
-            names += GROUPS.get(part, [part])
-    return list(dict.fromkeys(names))
 
 
 def run_one(name: str, steps: int, runs_dir: Path, extra: list[str], tag: str) -> dict[str, Any]:
@@ -66,11 +51,27 @@ def run_one(name: str, steps: int, runs_dir: Path, extra: list[str], tag: str) -
             "curve": summary["eval"]["curve"], "samples": summary["samples"]}
 
 
+NEWER = ["gpg", "opo", "pass_at_k", "sapo", "gmpo", "clip_cov", "kl_cov"]
+"""Rows of the newer estimators and losses (examples/algos/<name>.yaml each)."""
+GROUPS = {"default": DEFAULT, "newer": NEWER}
+"""Names ``--estimators`` accepts for a list of rows (``all``: every examples/algos file)."""
+
+
+def expand(spec: str) -> list[str]:
+    """The rows ``--estimators`` names: comma-separated example names or :data:`GROUPS` names."""
+    names: list[str] = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        if part == "all":
+            names += sorted(p.stem for p in (ROOT / "examples" / "algos").glob("*.yaml"))
+        else:
+            names += GROUPS.get(part, [part])
+    return list(dict.fromkeys(names))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60, help="RL steps per estimator (default 60)")
-    ap.add_argument("--estimators", default=",".join(DEFAULT),
-                    help="comma-separated examples/algos names, or default, newer, all")
+    ap.add_argument("--estimators", default=",".join(DEFAULT), help="comma-separated examples/algos names")
     ap.add_argument("--runs-dir", default="", help="where the runs go (default: a temporary directory)")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra config override for every run")
     ap.add_argument("--min-gain", type=float, default=20.0, help="points an estimator must gain (default 20)")

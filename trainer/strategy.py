@@ -538,14 +538,14 @@ class TorchStrategy:
             extras["old_values"] = values
             extras["returns"] = returns
             metrics["critic/returns_mean"] = L._mmean(returns, mask)
-        if kl is not None:
-            alg.update_kl_coef(cfg, self.algo_state, float((kl * (mask > 0)).sum(1).mean()), len(samples))
         if alg.selects_tokens(cfg):  # clip_cov / kl_cov: tokens chosen over the whole batch
             current = prox if prox is not None else per_sample(self.logprobs(seen))  # (B, T) π at the step's start
             chosen, m = alg.select_tokens(cfg, current, old_lp, adv * (mask > 0), mask, self.step)
             if chosen is not None:
                 extras["pg_select"] = chosen
             metrics.update(m)
+        if kl is not None:
+            alg.update_kl_coef(cfg, self.algo_state, float((kl * (mask > 0)).sum(1).mean()), len(samples))
         out = batch.replace(old_logprobs=old_lp, advantages=adv * (mask > 0), loss_mask=mask, extras=extras)
         return (split_rows(out, layout) if layout is not None else out), metrics
 
