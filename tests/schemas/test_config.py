@@ -300,15 +300,6 @@ def test_the_tiny_model_spec_is_checked_alone_too() -> None:
         parse_raw({}, ["num_layers=0"], root=TinyModelSpec)
 
 
-EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").rglob("*.yaml"))
-
-
-@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_every_example_config_parses(path: Path) -> None:
-    cfg = parse_config(path.read_text(), source=str(path))
-    assert msgspec.convert(to_dict(cfg, reveal_secrets=True), RunConfig) == cfg
-
-
 # --------------------------------------------------------------------------- the newer objectives' rules (issue 37)
 
 NEWER_RULE_CASES = [
@@ -345,3 +336,12 @@ def test_the_newer_objectives_accept_their_own_keys() -> None:
     assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high) == (0.4, 0.4)  # GMPO's log-space range
     assert parse_config("", ["algorithm.pg_variant=sapo", "algorithm.sapo_tau_neg=2"]).algorithm.sapo_tau_neg == 2.0
     assert parse_config("", ["algorithm.pg_variant=kl_cov", "algorithm.kl_cov_coef=0.5"]).algorithm.kl_cov_coef == 0.5
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_every_example_config_parses(path: Path) -> None:
+    cfg = parse_config(path.read_text(), source=str(path))
+    assert msgspec.convert(to_dict(cfg, reveal_secrets=True), RunConfig) == cfg

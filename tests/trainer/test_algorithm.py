@@ -350,6 +350,25 @@ def test_deprecated_norm_std_still_loads() -> None:
         parse_config("algorithm: {norm_std: false, norm_std_type: batch}")
 
 
+def test_a_selective_loss_chooses_over_the_whole_batch_and_keeps_its_rows(model_dir: Path) -> None:
+    """kl_cov: the prepared batch carries the choice (at most ``⌊ratio·N⌋`` trained tokens,
+    ``pg_select``), and ``skip_zero_advantage`` keeps a row with a chosen token even when its
+    advantage is 0 (its penalty still has a gradient)."""
+    import dataclasses
+
+    cfg = algo(pg_variant="kl_cov", kl_cov_ratio=0.5)
+    s = TorchStrategy(model_dir, lr=1e-3, micro_batch_size=5, algo=cfg, max_len=16, skip_zero_advantage=True)
+    data = [dataclasses.replace(x, reward=1.0) if x.group_id == "g0" else x for x in samples(seed=2)]
+    batch, metrics = s.prepare(data)  # group g0: all rewards equal, advantage 0
+    chosen = batch.extras["pg_select"]  # (B, T)
+    assert 0 < float(chosen.sum()) == metrics["loss/cov_selected"] <= int(0.5 * batch.num_tokens)
+    assert bool((batch.loss_mask[chosen > 0] > 0).all())
+    zero_rows = (batch.advantages == 0).all(dim=1) & (chosen > 0).any(dim=1)  # (B,)
+    assert bool(zero_rows.any())  # the case this checks is there: a chosen token in a zero-advantage row
+    kept = s.gradient_rows(batch)
+    assert kept.num_rows == int(((batch.advantages != 0).any(dim=1) | (chosen > 0).any(dim=1)).sum())
+
+
 @pytest.mark.parametrize("where", ["reward", "loss"])
 def test_full_kl_over_the_vocabulary(model_dir: Path, where: str) -> None:
     cfg = algo(add_token_level_kl=True, kl_penalty="full") if where == "reward" else \
@@ -369,22 +388,3 @@ def test_full_kl_over_the_vocabulary(model_dir: Path, where: str) -> None:
     else:
         assert first["actor/kl"] == pytest.approx(0.0, abs=1e-6)
         assert s.train_step(samples())["actor/kl"] > 0
-
-
-def test_a_selective_loss_chooses_over_the_whole_batch_and_keeps_its_rows(model_dir: Path) -> None:
-    """kl_cov: the prepared batch carries the choice (at most ``⌊ratio·N⌋`` trained tokens,
-    ``pg_select``), and ``skip_zero_advantage`` keeps a row with a chosen token even when its
-    advantage is 0 (its penalty still has a gradient)."""
-    import dataclasses
-
-    cfg = algo(pg_variant="kl_cov", kl_cov_ratio=0.5)
-    s = TorchStrategy(model_dir, lr=1e-3, micro_batch_size=5, algo=cfg, max_len=16, skip_zero_advantage=True)
-    data = [dataclasses.replace(x, reward=1.0) if x.group_id == "g0" else x for x in samples(seed=2)]
-    batch, metrics = s.prepare(data)  # group g0: all rewards equal, advantage 0
-    chosen = batch.extras["pg_select"]  # (B, T)
-    assert 0 < float(chosen.sum()) == metrics["loss/cov_selected"] <= int(0.5 * batch.num_tokens)
-    assert bool((batch.loss_mask[chosen > 0] > 0).all())
-    zero_rows = (batch.advantages == 0).all(dim=1) & (chosen > 0).any(dim=1)  # (B,)
-    assert bool(zero_rows.any())  # the case this checks is there: a chosen token in a zero-advantage row
-    kept = s.gradient_rows(batch)
-    assert kept.num_rows == int(((batch.advantages != 0).any(dim=1) | (chosen > 0).any(dim=1)).sum())

@@ -8,32 +8,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.floats import assert_close, rounding_tol
+from trainer import losses as L
 from trainer.losses import (
     aggregate,
     cispo_loss,
-    clip_cov_candidates_reference,
-    clip_cov_loss,
-    clip_cov_select,
     entropy_from_logits,
     entropy_loss,
-    gmpo_loss,
-    gmpo_loss_reference,
     gspo_loss,
-    kl_cov_loss,
-    kl_cov_loss_reference,
-    kl_cov_select,
-    kl_cov_select_reference,
     kl_loss,
     kl_penalty,
     masked_is,
     masked_mean,
     pg_loss,
     ppo_loss,
-    sapo_loss,
-    sapo_loss_reference,
     tis_weights,
-    token_covariance,
-    token_covariance_reference,
     topr_loss,
     value_loss,
 )
@@ -237,13 +225,6 @@ def test_ppo_hand_computed_clipping() -> None:
     assert torch.allclose(lp.grad, torch.tensor([[0.0, -0.5, 1.5, 0.0]]) / 4)
 
 
-def test_masked_mean_and_entropy() -> None:
-    assert masked_mean(torch.ones(2, 2), torch.zeros(2, 2)).item() == 0.0
-    uniform = entropy_from_logits(torch.zeros(1, 1, 8))
-    assert uniform.item() == pytest.approx(math.log(8))
-    assert entropy_from_logits(torch.tensor([[[0.0, -1e9]]])).item() == pytest.approx(0.0, abs=1e-6)
-
-
 # --------------------------------------------------------------------------- newer objectives (issue 37)
 
 LOG_RATIO = st.sampled_from([0.0, 0.05, -0.1, 0.3, -0.6, 1.5, -3.0, 25.0, -99.0])
@@ -274,8 +255,8 @@ def lists(*xs: torch.Tensor) -> list[list[list[float]]]:
 def test_sapo_matches_the_loop_and_stays_finite(batch: tuple[torch.Tensor, ...]) -> None:
     lp, old, adv, mask = batch
     lp = lp.clone().requires_grad_(True)
-    loss, m = sapo_loss(lp, old, adv, mask, tau_pos=1.0, tau_neg=1.05)
-    want = sapo_loss_reference(*lists(lp.detach(), old, adv), mask.int().tolist(), 1.0, 1.05)
+    loss, m = L.sapo_loss(lp, old, adv, mask, tau_pos=1.0, tau_neg=1.05)
+    want = L.sapo_loss_reference(*lists(lp.detach(), old, adv), mask.int().tolist(), 1.0, 1.05)
     # per token at most (4/τ)·|A| ≤ 12; float32 sigmoid/exp and a mean over the tokens
     assert loss.item() == pytest.approx(want, abs=rounding_tol(12.0, 4 * lp.numel()))
     loss.backward()
@@ -291,12 +272,12 @@ def test_sapo_gradient_is_the_policy_gradient_on_policy_and_decays_off_it() -> N
     lp = torch.tensor([[-1.0, -2.0, -0.5, -0.3]], requires_grad=True)
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
     mask = torch.ones(1, 4)
-    sapo_loss(lp, lp.detach(), adv, mask)[0].backward()
+    L.sapo_loss(lp, lp.detach(), adv, mask)[0].backward()
     assert lp.grad is not None
     assert torch.allclose(lp.grad, -adv / 4, atol=1e-7)  # ρ = 1: w = 4σ(0)(1 − σ(0))·1 = 1, as −A·log π
     # ρ = 2 on every token: w = 4σ(τ)(1 − σ(τ))·2, smaller for the larger τ of negative advantages
     far = lp.detach().clone().requires_grad_(True)
-    sapo_loss(far, far.detach() - math.log(2.0), adv, mask, tau_pos=1.0, tau_neg=2.0)[0].backward()
+    L.sapo_loss(far, far.detach() - math.log(2.0), adv, mask, tau_pos=1.0, tau_neg=2.0)[0].backward()
     assert far.grad is not None
     for tau, g in ((1.0, far.grad[0, 0]), (2.0, -far.grad[0, 2])):
         s = 1 / (1 + math.exp(-tau))
@@ -309,8 +290,8 @@ def test_sapo_gradient_is_the_policy_gradient_on_policy_and_decays_off_it() -> N
 def test_gmpo_matches_the_loop_and_stays_finite(batch: tuple[torch.Tensor, ...]) -> None:
     lp, old, adv, mask = batch
     lp = lp.clone().requires_grad_(True)
-    loss, _ = gmpo_loss(lp, old, adv, mask, clip_low=0.4, clip_high=0.4)
-    want = gmpo_loss_reference(*lists(lp.detach(), old, adv), mask.int().tolist(), 0.4, 0.4)
+    loss, _ = L.gmpo_loss(lp, old, adv, mask, clip_low=0.4, clip_high=0.4)
+    want = L.gmpo_loss_reference(*lists(lp.detach(), old, adv), mask.int().tolist(), 0.4, 0.4)
     # a sequence's loss is |A|·exp(mean of log ratios ≤ 20): relative rounding of exp of a float32 mean
     size = max(
         abs(want), 3.0 * math.exp(20.0) if bool((((lp - old) > 19) & (mask > 0)).any()) else 3.0 * math.e
@@ -325,7 +306,7 @@ def test_gmpo_clips_tokens_one_sided_in_log_space() -> None:
     old = torch.zeros(2, 3)
     lp = torch.tensor([[0.1, 1.0, -1.0], [0.1, 1.0, -1.0]], requires_grad=True)
     adv = torch.tensor([2.0, -1.0])
-    loss, m = gmpo_loss(lp, old, adv, torch.ones(2, 3), clip_low=0.4, clip_high=0.4)
+    loss, m = L.gmpo_loss(lp, old, adv, torch.ones(2, 3), clip_low=0.4, clip_high=0.4)
     # A > 0 clips log ρ above 0.4 only: (0.1 + 0.4 − 1.0)/3; A < 0 below −0.4 only: (0.1 + 1.0 − 0.4)/3
     pos, neg = math.exp((0.1 + 0.4 - 1.0) / 3), math.exp((0.1 + 1.0 - 0.4) / 3)
     assert loss.item() == pytest.approx((-2 * pos + neg) / 2, rel=1e-6)
@@ -342,7 +323,7 @@ def test_gmpo_with_equal_token_ratios_inside_the_clip_is_gspo() -> None:
     lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -9.0]])
     old = lp - torch.tensor([[0.1], [-0.2]])
     adv, mask = torch.tensor([1.5, -1.0]), torch.tensor([[1, 1, 1], [1, 1, 0]])
-    got, _ = gmpo_loss(lp, old, adv, mask)
+    got, _ = L.gmpo_loss(lp, old, adv, mask)
     want, _ = gspo_loss(lp, old, adv, mask, clip_low=1.0, clip_high=1.0)
     assert got.item() == pytest.approx(want.item(), rel=1e-6)
 
@@ -352,20 +333,20 @@ def test_gmpo_with_equal_token_ratios_inside_the_clip_is_gspo() -> None:
 def test_kl_cov_choice_and_loss_match_the_loop(batch: tuple[torch.Tensor, ...], ratio: float) -> None:
     lp, old, adv, mask = batch
     adv = adv + 0.25 * torch.arange(lp.shape[1])  # per-token advantages: covariance within a row too
-    cov = token_covariance(lp, adv, mask)
-    want_cov = token_covariance_reference(*lists(lp, adv), mask.int().tolist())
+    cov = L.token_covariance(lp, adv, mask)
+    want_cov = L.token_covariance_reference(*lists(lp, adv), mask.int().tolist())
     assert_close(cov, torch.tensor(want_cov), terms=2 * lp.numel())
-    chosen = kl_cov_select(lp, adv, mask, ratio)
+    chosen = L.kl_cov_select(lp, adv, mask, ratio)
     picked = {(int(b), int(t)) for b, t in chosen.nonzero().tolist()}
-    want = kl_cov_select_reference(*lists(lp, adv), mask.int().tolist(), ratio)
+    want = L.kl_cov_select_reference(*lists(lp, adv), mask.int().tolist(), ratio)
     if len(set(round(c, 3) for row in want_cov for c in row)) == sum(
         len(r) for r in want_cov
     ):  # no near-ties
         assert picked == set(want)
     assert len(picked) == len(want) and all(mask[b, t] > 0 and cov[b, t] > 0 for b, t in picked)
     lp_g = lp.clone().requires_grad_(True)
-    loss, m = kl_cov_loss(lp_g, old, adv, mask, chosen, coef=1.0)
-    ref = kl_cov_loss_reference(*lists(lp, old, adv), mask.int().tolist(), chosen.int().tolist(), 1.0)
+    loss, m = L.kl_cov_loss(lp_g, old, adv, mask, chosen, coef=1.0)
+    ref = L.kl_cov_loss_reference(*lists(lp, old, adv), mask.int().tolist(), chosen.int().tolist(), 1.0)
     size = max(
         abs(ref),
         5.0 * math.exp(20.0) if bool((((lp - old) > 19) & (mask > 0)).any()) else 5.0 * math.exp(1.5),
@@ -379,7 +360,7 @@ def test_kl_cov_penalises_only_the_chosen_tokens() -> None:
     old = torch.zeros(1, 3)
     lp = torch.tensor([[0.5, -0.5, 0.2]], requires_grad=True)
     adv, mask, chosen = torch.tensor([[1.0, 1.0, 1.0]]), torch.ones(1, 3), torch.tensor([[1.0, 0.0, 0.0]])
-    loss, m = kl_cov_loss(lp, old, adv, mask, chosen, coef=2.0)
+    loss, m = L.kl_cov_loss(lp, old, adv, mask, chosen, coef=2.0)
     want = (-math.exp(0.5) + 2 * 0.5 - math.exp(-0.5) - math.exp(0.2)) / 3
     assert loss.item() == pytest.approx(want, rel=1e-6) and m["loss/cov_kl"] == pytest.approx(0.5 / 3)
     loss.backward()
@@ -392,8 +373,8 @@ def test_kl_cov_penalises_only_the_chosen_tokens() -> None:
 
 def test_kl_cov_chooses_nothing_without_a_positive_covariance() -> None:
     lp = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])
-    assert kl_cov_select(lp, torch.zeros(2), torch.ones(2, 2), 1.0).sum() == 0  # zero advantages
-    assert kl_cov_select(lp, torch.ones(2), torch.zeros(2, 2), 1.0).sum() == 0  # nothing trained
+    assert L.kl_cov_select(lp, torch.zeros(2), torch.ones(2, 2), 1.0).sum() == 0  # zero advantages
+    assert L.kl_cov_select(lp, torch.ones(2), torch.zeros(2, 2), 1.0).sum() == 0  # nothing trained
 
 
 @settings(max_examples=30, deadline=None)
@@ -405,7 +386,7 @@ def test_clip_cov_draws_its_tokens_among_the_loops_candidates(
     adv = adv + 0.25 * torch.arange(lp.shape[1])
 
     def draw() -> torch.Tensor:
-        return clip_cov_select(
+        return L.clip_cov_select(
             lp,
             old,
             adv,
@@ -419,11 +400,13 @@ def test_clip_cov_draws_its_tokens_among_the_loops_candidates(
         )
 
     chosen = draw()
-    cand = set(clip_cov_candidates_reference(*lists(lp, old, adv), mask.int().tolist(), -0.5, 2.0, 0.2, 0.28))
+    cand = set(
+        L.clip_cov_candidates_reference(*lists(lp, old, adv), mask.int().tolist(), -0.5, 2.0, 0.2, 0.28)
+    )
     picked = {(int(b), int(t)) for b, t in chosen.nonzero().tolist()}
     trained = int(mask.sum())
     k = min(max(int(ratio * trained), 1), trained)
-    cov = token_covariance(lp, adv, mask)
+    cov = L.token_covariance(lp, adv, mask)
     clear = all(min(abs(cov[b, t] + 0.5), abs(cov[b, t] - 2.0)) > 1e-4 for b, t in mask.nonzero().tolist())
     if clear:  # no covariance term within rounding of a bound
         assert picked <= cand and len(picked) == min(k, len(cand))
@@ -436,7 +419,7 @@ def test_clip_cov_is_ppo_with_the_chosen_tokens_detached() -> None:
     adv, mask = torch.tensor([1.0, -2.0]), torch.ones(2, 3)
     chosen = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
     a, b = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
-    got, m = clip_cov_loss(a, old, adv, mask, chosen, clip_low=0.2, clip_high=0.2)
+    got, m = L.clip_cov_loss(a, old, adv, mask, chosen, clip_low=0.2, clip_high=0.2)
     want, _ = ppo_loss(b, old, adv, mask, clip_low=0.2, clip_high=0.2)
     assert got.item() == pytest.approx(want.item(), rel=1e-6)  # the value is PPO's
     got.backward()
@@ -464,3 +447,10 @@ def test_a_selective_loss_called_plainly_chooses_over_its_inputs(variant: str) -
     with_choice, _ = alg.selective_policy_loss(cfg, lp, old, adv, mask, None, chosen)
     assert plain.item() == with_choice.item()
     assert alg.select_tokens(msgspec.convert({}, AlgorithmConfig), lp, old, adv, mask, seed=0) == (None, {})
+
+
+def test_masked_mean_and_entropy() -> None:
+    assert masked_mean(torch.ones(2, 2), torch.zeros(2, 2)).item() == 0.0
+    uniform = entropy_from_logits(torch.zeros(1, 1, 8))
+    assert uniform.item() == pytest.approx(math.log(8))
+    assert entropy_from_logits(torch.tensor([[[0.0, -1e9]]])).item() == pytest.approx(0.0, abs=1e-6)
