@@ -9,7 +9,7 @@ same for every estimator since the seed is shared) and at the end, the gain in p
 time. An estimator "learns" when it gains at least ``--min-gain`` points; the exit status is 1
 when one does not.
 
-    .venv/bin/python bench/algos.py [--steps 60] [--estimators grpo,gae,...] [--runs-dir DIR]
+    .venv/bin/python bench/algos.py [--steps 60] [--estimators grpo,gae,...|newer|all] [--runs-dir DIR]
                                     [--set KEY=VALUE ...] [--json OUT]
 
 Wall times are comparable only within one invocation (same machine, same moment).
@@ -51,6 +51,23 @@ def run_one(name: str, steps: int, runs_dir: Path, extra: list[str], tag: str) -
             "curve": summary["eval"]["curve"], "samples": summary["samples"]}
 
 
+NEWER = ["gpg", "opo", "pass_at_k", "sapo", "gmpo", "clip_cov", "kl_cov"]
+"""Rows of the newer estimators and losses (examples/algos/<name>.yaml each)."""
+GROUPS = {"default": DEFAULT, "newer": NEWER}
+"""Names ``--estimators`` accepts for a list of rows (``all``: every examples/algos file)."""
+
+
+def expand(spec: str) -> list[str]:
+    """The rows ``--estimators`` names: comma-separated example names or :data:`GROUPS` names."""
+    names: list[str] = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        if part == "all":
+            names += sorted(p.stem for p in (ROOT / "examples" / "algos").glob("*.yaml"))
+        else:
+            names += GROUPS.get(part, [part])
+    return list(dict.fromkeys(names))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60, help="RL steps per estimator (default 60)")
@@ -60,7 +77,7 @@ def main() -> int:
     ap.add_argument("--min-gain", type=float, default=20.0, help="points an estimator must gain (default 20)")
     ap.add_argument("--json", default="", help="also write the results as JSON here")
     args = ap.parse_args()
-    names = [n.strip() for n in args.estimators.split(",") if n.strip()]
+    names = expand(args.estimators)
     missing = [n for n in names if not (ROOT / "examples" / "algos" / f"{n}.yaml").exists()]
     if missing:
         print(f"error: no examples/algos/{missing[0]}.yaml", file=sys.stderr)

@@ -12,6 +12,7 @@ papers: ``docs/algorithms.md``.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -498,3 +499,126 @@ def gigpo_advantages_reference(
     keys = [f"{g}/{a}" for g, a in zip(group_ids, anchor_ids, strict=True)]
     a_step = grpo_advantages_reference(g_t, keys, norm_std, eps)
     return [episode_weight * a_ep_by[e] + step_weight * s for e, s in zip(episode_ids, a_step, strict=True)]
+
+
+# --------------------------------------------------------------------------- newer outcome estimators (issue 37)
+
+
+def _group_sums(x: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Σ_{j∈g} x_j, dense group index)``: the sum per group (K,) and each sample's group (N,)."""
+    inv, k = _group_index(group_ids)
+    return torch.zeros(k, dtype=x.dtype).index_add_(0, inv, x), inv
+
+
+def gpg_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """GPG (Chu et al. 2025, *GPG: A Simple and Strong RL Baseline for Model Reasoning*).
+
+    ``A_i = α·(r_i − mean_{g(i)} r)`` with ``α = B / B_valid``: ``B`` samples in the batch,
+    ``B_valid`` of them in groups whose rewards are not all equal (the others get ``A = 0``
+    exactly, and ``α`` restores the gradient's scale they dilute; ``α = 1`` when no group is valid).
+    rewards, group_ids (B,) -> (advantages (B,), α).
+    """
+    r = rewards.float()  # (B,)
+    inv, k = _group_index(group_ids)
+    big = torch.finfo(r.dtype).max
+    hi = torch.full((k,), -big).scatter_reduce(0, inv, r, "amax")[inv]  # (B,)
+    lo = torch.full((k,), big).scatter_reduce(0, inv, r, "amin")[inv]  # (B,)
+    valid = hi > lo  # (B,)
+    n_valid = int(valid.sum())
+    alpha = r.numel() / n_valid if n_valid else 1.0
+    return torch.where(valid, alpha * (r - group_mean(r, group_ids)), torch.zeros_like(r)), alpha
+
+
+def gpg_advantages_reference(rewards: list[float], group_ids: list[int]) -> tuple[list[float], float]:
+    groups: dict[int, list[float]] = {}
+    for r, g in zip(rewards, group_ids, strict=True):
+        groups.setdefault(g, []).append(r)
+    valid = [max(groups[g]) > min(groups[g]) for g in group_ids]
+    alpha = len(rewards) / sum(valid) if any(valid) else 1.0
+    out = [
+        alpha * (r - sum(groups[g]) / len(groups[g])) if v else 0.0
+        for r, g, v in zip(rewards, group_ids, valid, strict=True)
+    ]
+    return out, alpha
+
+
+def opo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """OPO (Hao et al. 2025, *On-Policy RL with Optimal Reward Baseline*): the length-weighted
+    group baseline ``b_g = Σ_{j∈g} l_j r_j / Σ_{j∈g} l_j``, ``A_i = r_i − b_{g(i)}``.
+
+    ``l`` = each sample's trained tokens; a group with no trained token uses its plain mean. A
+    group of one gets 0. rewards, group_ids, lengths (B,) -> (B,).
+    """
+    r = rewards.float()  # (B,)
+    length = lengths.float()  # (B,)
+    weighted, inv = _group_sums(length * r, group_ids)  # (K,)
+    total_len, _ = _group_sums(length, group_ids)  # (K,)
+    baseline = torch.where(
+        total_len[inv] > 0, weighted[inv] / total_len[inv].clamp(min=1e-12), group_mean(r, group_ids)
+    )  # (B,)
+    return r - baseline
+
+
+def opo_advantages_reference(rewards: list[float], group_ids: list[int], lengths: list[float]) -> list[float]:
+    out = []
+    for r, g in zip(rewards, group_ids, strict=True):
+        members = [(rj, lj) for rj, gj, lj in zip(rewards, group_ids, lengths, strict=True) if gj == g]
+        total = sum(lj for _, lj in members)
+        b = (
+            sum(rj * lj for rj, lj in members) / total
+            if total > 0
+            else sum(rj for rj, _ in members) / len(members)
+        )
+        out.append(r - b)
+    return out
+
+
+def _log_comb(n: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``log C(n, k)`` elementwise (float64), ``−inf`` where ``k < 0`` or ``k > n``."""
+    n, k = n.double(), k.double()
+    ok = (k >= 0) & (k <= n)
+    n_, k_ = torch.where(ok, n, 0.0), torch.where(ok, k, 0.0)
+    out = torch.lgamma(n_ + 1) - torch.lgamma(k_ + 1) - torch.lgamma(n_ - k_ + 1)
+    return torch.where(ok, out, torch.full_like(out, -math.inf))
+
+
+def pass_at_k_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, k: int, threshold: float = 0.5, eps: float = 1e-6
+) -> torch.Tensor:
+    """Pass@k training advantages, analytic form (Chen et al. 2025, *Pass@k Training for Adaptively
+    Balancing Exploration and Exploitation of Large Reasoning Models*).
+
+    A group of ``n`` samples, ``c`` of them correct (``r > threshold``), ``k' = min(k, n − 1)`` (at
+    least 1: with ``k' = n`` there is one subset and no signal; a group that lost members keeps one). Over
+    the ``C(n, k')`` subsets of ``k'`` samples, the mean pass@k reward is ``R = 1 − C(n−c, k')/C(n, k')``
+    and its std ``σ = sqrt(R(1 − R))``; a correct sample gets ``A⁺ = (1 − R)/(σ + eps)``, an incorrect
+    one ``A⁻ = (1 − R − C(n−c−1, k'−1)/C(n−1, k'−1))/(σ + eps)`` (its subsets that hold no correct
+    sample). ``k = 1`` is GRPO on 0/1 correctness (population std). rewards, group_ids (B,) -> (B,).
+    """
+    correct = (rewards.float() > threshold).double()  # (B,)
+    c, inv = _group_sums(correct, group_ids)  # (K,)
+    n, _ = _group_sums(torch.ones_like(correct), group_ids)  # (K,)
+    kk = torch.clamp(torch.clamp(n - 1, max=float(k)), min=1.0)  # (K,)
+    mean = 1.0 - torch.exp(_log_comb(n - c, kk) - _log_comb(n, kk))  # (K,)
+    std = (mean * (1.0 - mean)).clamp(min=0).sqrt()  # (K,)
+    miss = torch.exp(_log_comb(n - c - 1, kk - 1) - _log_comb(n - 1, kk - 1))  # (K,)
+    a_pos = (1.0 - mean) / (std + eps)  # (K,)
+    a_neg = (1.0 - mean - miss) / (std + eps)  # (K,)
+    return torch.where(correct > 0, a_pos[inv], a_neg[inv]).float()  # (B,)
+
+
+def pass_at_k_advantages_reference(
+    rewards: list[float], group_ids: list[int], k: int, threshold: float = 0.5, eps: float = 1e-6
+) -> list[float]:
+    out = []
+    for r, g in zip(rewards, group_ids, strict=True):
+        members = [rj for rj, gj in zip(rewards, group_ids, strict=True) if gj == g]
+        n, c = len(members), sum(rj > threshold for rj in members)
+        kk = max(min(k, n - 1), 1)
+        mean = 1.0 - math.comb(n - c, kk) / math.comb(n, kk)
+        std = math.sqrt(mean * (1.0 - mean))
+        if r > threshold:
+            out.append((1.0 - mean) / (std + eps))
+        else:
+            out.append((1.0 - mean - math.comb(n - c - 1, kk - 1) / math.comb(n - 1, kk - 1)) / (std + eps))
+    return out

@@ -487,3 +487,107 @@ def _pg(cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advantages
         log_ratio = logprobs - old_logprobs  # (B, T)
         metrics.update(L._ratio_metrics(torch.exp(log_ratio), log_ratio, mask))
     return loss, metrics
+
+
+# --------------------------------------------------------------------------- newer objectives (issue 37)
+# Estimators gpg, opo, pass_at_k (remax: refused by the config); losses sapo, gmpo, clip_cov, kl_cov (the last two choose
+# their tokens over the whole batch: :func:`select_tokens` before micro-batching).
+
+
+@registry.advantage_estimator("gpg")
+def _gpg(cfg: AlgorithmConfig, x: EstimatorInput) -> Estimate:
+    """GPG: group-centred reward times α = B / B_valid (``norm_std_type: group`` is the paper's F_norm = std)."""
+    adv, alpha = A.gpg_advantages(x.r, x.group_ids)  # (B,)
+    return Estimate(adv.unsqueeze(1) * x.mask, metrics={"gpg/alpha": alpha})  # (B, T)
+
+
+@registry.advantage_estimator("opo")
+def _opo(cfg: AlgorithmConfig, x: EstimatorInput) -> Estimate:
+    """OPO: the group baseline weighted by each sample's trained tokens."""
+    return Estimate(A.opo_advantages(x.r, x.group_ids, x.mask.sum(dim=1)).unsqueeze(1) * x.mask)  # (B, T)
+
+
+@registry.advantage_estimator("pass_at_k")
+def _pass_at_k(cfg: AlgorithmConfig, x: EstimatorInput) -> Estimate:
+    adv = A.pass_at_k_advantages(x.r, x.group_ids, cfg.pass_k, cfg.pass_k_threshold)  # (B,)
+    return Estimate(adv.unsqueeze(1) * x.mask)  # (B, T)
+
+
+@registry.advantage_estimator("remax")
+def _remax(cfg: AlgorithmConfig, x: EstimatorInput) -> Estimate:
+    """ReMax (Li et al. 2023): ``A = r − r_greedy``, the reward of a greedy response to the same
+    prompt as baseline. No service generates that response yet: the run config refuses ``remax``
+    before anything starts, so this is never reached from a run."""
+    raise ValueError("adv_estimator=remax is not supported yet (no greedy baseline rollouts)")
+
+
+@registry.policy_loss("sapo")
+def _sapo(cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+          max_len: int | None) -> tuple[Tensor, dict[str, float]]:
+    return L.sapo_loss(logprobs, old_logprobs, advantages, mask, cfg.sapo_tau_pos, cfg.sapo_tau_neg,
+                       cfg.loss_agg_mode, max_len=max_len)
+
+
+@registry.policy_loss("gmpo")
+def _gmpo(cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+          max_len: int | None) -> tuple[Tensor, dict[str, float]]:
+    return L.gmpo_loss(logprobs, old_logprobs, advantages, mask, cfg.clip_low, cfg.clip_high, cfg.loss_agg_mode,
+                       max_len=max_len)
+
+
+def _clip_cov_select(cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
+                     mask: Tensor, generator: torch.Generator) -> Tensor:
+    return L.clip_cov_select(logprobs, old_logprobs, advantages, mask, cfg.clip_cov_ratio, cfg.clip_cov_lb,
+                             cfg.clip_cov_ub, cfg.clip_low, cfg.clip_high, generator)
+
+
+@registry.selective_policy_loss("clip_cov", _clip_cov_select)
+def _clip_cov(cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+              max_len: int | None, select: Tensor) -> tuple[Tensor, dict[str, float]]:
+    return L.clip_cov_loss(logprobs, old_logprobs, advantages, mask, select, cfg.clip_low, cfg.clip_high,
+                           cfg.loss_agg_mode, max_len=max_len)
+
+
+def _kl_cov_select(cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
+                   mask: Tensor, generator: torch.Generator) -> Tensor:
+    return L.kl_cov_select(logprobs, advantages, mask, cfg.kl_cov_ratio)
+
+
+@registry.selective_policy_loss("kl_cov", _kl_cov_select)
+def _kl_cov(cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+            max_len: int | None, select: Tensor) -> tuple[Tensor, dict[str, float]]:
+    return L.kl_cov_loss(logprobs, old_logprobs, advantages, mask, select, cfg.kl_cov_coef, cfg.loss_agg_mode,
+                         max_len=max_len)
+
+
+def selects_tokens(cfg: AlgorithmConfig) -> bool:
+    """Whether ``pg_variant`` chooses tokens over the whole batch (:func:`select_tokens`)."""
+    return registry.selective(cfg.pg_variant) is not None
+
+
+def select_tokens(
+    cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, seed: int
+) -> tuple[Tensor | None, dict[str, float]]:
+    """The whole batch's token choice of a selective ``pg_variant`` (``clip_cov``, ``kl_cov``), or
+    ``None`` for the others. logprobs (B, T) of the policy at the start of the step; old_logprobs,
+    advantages, mask (B, T) as the loss gets them; ``seed`` seeds the random draw (the step number,
+    so a resumed or replayed step draws the same tokens). Metric ``loss/cov_selected``: tokens chosen."""
+    entry = registry.selective(cfg.pg_variant)
+    if entry is None:
+        return None, {}
+    with torch.no_grad():
+        chosen = entry.select(cfg, logprobs, old_logprobs, advantages, mask, torch.Generator().manual_seed(seed))
+        cov = L.token_covariance(logprobs, advantages, mask)  # (B, T)
+    return chosen, {"loss/cov_selected": float(chosen.sum()), "actor/cov_mean": L._mmean(cov, mask)}
+
+
+def selective_policy_loss(
+    cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+    max_len: int | None, select: Tensor,
+) -> tuple[Tensor, dict[str, float]]:
+    """:func:`policy_loss` of a selective ``pg_variant`` with the batch's token choice ``select`` (B, T)
+    (rows as the other tensors: a micro-batch's rows of :func:`select_tokens`' result)."""
+    entry = registry.selective(cfg.pg_variant)
+    if entry is None:
+        raise ValueError(f"pg_variant={cfg.pg_variant} chooses no tokens")
+    return entry.loss(cfg, logprobs, old_logprobs, advantages, mask, max_len, select)

@@ -11,6 +11,7 @@ Formulas and papers: ``docs/algorithms.md``.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -240,6 +241,337 @@ def cispo_loss(
             **_ratio_metrics(ratio, log_ratio, mask),
         }
     return loss, metrics
+
+
+# --------------------------------------------------------------------------- newer objectives (issue 37)
+# SAPO, GMPO, Clip-Cov and KL-Cov. Each has a ``*_reference`` plain-loop twin (the definition,
+# for tests). Every log ratio is clamped to ±_MAX_LOG_RATIO before ``exp``.
+
+
+def _clamped_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """``clamp(log π − log π_old, ±20)``.  (B, T) -> (B, T)."""
+    return (logprobs - old_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+
+
+def sapo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    agg_mode: AggMode = "token-mean",
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """SAPO (Gao et al. 2025, Qwen, *Soft Adaptive Policy Optimization*): a soft gate instead of the clip.
+
+    ``ℓ = −f(ρ)·A`` with ``f(ρ) = (4/τ)·σ(τ(ρ − 1))``, ``τ = τ_pos`` where ``A > 0`` else ``τ_neg``.
+    Its gradient is ``−w·A·∇log π`` with ``w = 4σ(1 − σ)·ρ``: 1 at ``ρ = 1`` (the on-policy
+    gradient), decaying smoothly as ``ρ`` leaves 1, faster for larger ``τ`` (``τ_neg > τ_pos``
+    damps negative-advantage tokens more). Metric ``loss/sapo_gate_mean``: mean of ``4σ(1 − σ)``.
+    """
+    adv = _adv(advantages)  # (B, 1) or (B, T)
+    log_ratio = _clamped_log_ratio(logprobs, old_logprobs)  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    tau = torch.where(adv > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))  # (B, T)
+    gate = torch.sigmoid(tau * (ratio - 1.0))  # (B, T)
+    pg_losses = -(4.0 / tau) * gate * adv  # (B, T)
+    loss = aggregate(pg_losses, mask, agg_mode, max_len)
+    with torch.no_grad():
+        metrics = {
+            "loss/policy": float(loss),
+            "loss/sapo_gate_mean": _mmean(4.0 * gate * (1.0 - gate), mask),
+            **_ratio_metrics(ratio, log_ratio, mask),
+        }
+    return loss, metrics
+
+
+def sapo_loss_reference(
+    logprobs: list[list[float]],
+    old_logprobs: list[list[float]],
+    advantages: list[list[float]],
+    mask: list[list[int]],
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+) -> float:
+    """Plain-loop SAPO with ``token-mean`` aggregation (for testing :func:`sapo_loss`)."""
+    total, count = 0.0, 0
+    for lp_row, old_row, a_row, m_row in zip(logprobs, old_logprobs, advantages, mask, strict=True):
+        for lp, old, a, m in zip(lp_row, old_row, a_row, m_row, strict=True):
+            if not m:
+                continue
+            rho = math.exp(min(max(lp - old, -_MAX_LOG_RATIO), _MAX_LOG_RATIO))
+            tau = tau_pos if a > 0 else tau_neg
+            total += -(4.0 / tau) / (1.0 + math.exp(-tau * (rho - 1.0))) * a
+            count += 1
+    return total / max(count, 1)
+
+
+def gmpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.4,
+    clip_high: float = 0.4,
+    agg_mode: AggMode = "seq-mean-token-mean",
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GMPO (Zhao et al. 2025, *Geometric-Mean Policy Optimization*): the geometric mean of the
+    token ratios of a sequence, each clipped in log space.
+
+    ``A_i`` = the sequence's mean advantage over its trained tokens, ``s = sgn(A_i)``;
+    ``c_t = s·min(s·log ρ_t, s·clip(log ρ_t, −ε_low, ε_high))`` (PPO's one-sided clip, per token,
+    on the log ratio: ``ε = 0.4`` is the ratio range ``(e^−0.4, e^0.4)``);
+    ``r_i = exp(mean_t c_t)``; ``ℓ_{i,t} = −A_i·r_i`` on every token of the sequence, so
+    ``seq-mean-token-mean`` gives the paper's ``mean_i(−A_i·r_i)``. Unlike GRPO's arithmetic mean
+    of ratios, one outlier token ratio moves ``r_i`` only by its ``1/|o_i|``-th root.
+    """
+    m = (mask > 0).to(logprobs.dtype)  # (B, T)
+    adv = _adv(advantages).expand_as(logprobs)  # (B, T)
+    n = m.sum(-1, keepdim=True)  # (B, 1)
+    seq_adv = (adv * m).sum(-1, keepdim=True) / n.clamp(min=1)  # (B, 1)
+    sign = torch.sign(seq_adv)  # (B, 1)
+    log_ratio = _clamped_log_ratio(logprobs, old_logprobs)  # (B, T)
+    clipped = log_ratio.clamp(-clip_low, clip_high)  # (B, T)
+    c = sign * torch.minimum(sign * log_ratio, sign * clipped)  # (B, T)
+    seq_ratio = torch.exp((c * m).sum(-1, keepdim=True) / n.clamp(min=1))  # (B, 1)
+    pg_losses = (-seq_adv * seq_ratio).expand_as(logprobs)  # (B, T)
+    loss = aggregate(pg_losses, mask, agg_mode, max_len)
+    with torch.no_grad():
+        ratio = torch.exp(log_ratio)  # (B, T)
+        metrics = {
+            "loss/policy": float(loss),
+            "loss/clipfrac": _mmean(((c != log_ratio) & (sign != 0)).to(ratio.dtype), mask),
+            **_ratio_metrics(ratio, log_ratio, mask),
+        }
+    return loss, metrics
+
+
+def gmpo_loss_reference(
+    logprobs: list[list[float]],
+    old_logprobs: list[list[float]],
+    advantages: list[list[float]],
+    mask: list[list[int]],
+    clip_low: float = 0.4,
+    clip_high: float = 0.4,
+) -> float:
+    """Plain-loop GMPO with ``seq-mean-token-mean`` aggregation (for testing :func:`gmpo_loss`)."""
+    seq_losses = []
+    for lp_row, old_row, a_row, m_row in zip(logprobs, old_logprobs, advantages, mask, strict=True):
+        idx = [t for t, v in enumerate(m_row) if v]
+        if not idx:
+            continue
+        a = sum(a_row[t] for t in idx) / len(idx)
+        total = 0.0
+        for t in idx:
+            lr = min(max(lp_row[t] - old_row[t], -_MAX_LOG_RATIO), _MAX_LOG_RATIO)
+            lr_clip = min(max(lr, -clip_low), clip_high)
+            total += min(lr, lr_clip) if a > 0 else max(lr, lr_clip) if a < 0 else 0.0
+        seq_losses.append(-a * math.exp(total / len(idx)))
+    return sum(seq_losses) / max(len(seq_losses), 1)
+
+
+@torch.no_grad()
+def token_covariance(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each trained token's term of ``Cov(log π, A)``: ``(log π_t − mean log π)·(A_t − mean A)``,
+    both means over the trained tokens (Cui et al. 2025). (B, T) -> (B, T), 0 on masked positions."""
+    m = (mask > 0).to(logprobs.dtype)  # (B, T)
+    adv = _adv(advantages).expand_as(logprobs)  # (B, T)
+    n = m.sum().clamp(min=1)
+    centred_lp = logprobs - (logprobs * m).sum() / n  # (B, T)
+    centred_adv = adv - (adv * m).sum() / n  # (B, T)
+    return centred_lp * centred_adv * m
+
+
+def _selected_count(ratio: float, mask: torch.Tensor) -> int:
+    """``max(⌊ratio · trained tokens⌋, 1)`` (0 when nothing is trained)."""
+    total = int((mask > 0).sum())
+    return min(max(int(ratio * total), 1), total)
+
+
+@torch.no_grad()
+def clip_cov_select(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ratio: float = 2e-4,
+    cov_low: float = 1.0,
+    cov_high: float = 5.0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Clip-Cov's tokens (Cui et al. 2025): ``max(⌊ratio·N⌋, 1)`` tokens drawn uniformly at random
+    (``generator``) from the trained tokens whose :func:`token_covariance` lies strictly inside
+    ``(cov_low, cov_high)`` and that PPO's clip does not already clip. (B, T) -> (B, T) float 0/1."""
+    adv = _adv(advantages).expand_as(logprobs)  # (B, T)
+    ratio_t = torch.exp(_clamped_log_ratio(logprobs, old_logprobs))  # (B, T)
+    ppo_clipped = -adv * ratio_t.clamp(1.0 - clip_low, 1.0 + clip_high) > -adv * ratio_t  # (B, T)
+    cov = token_covariance(logprobs, advantages, mask)  # (B, T)
+    cand = (mask > 0) & ~ppo_clipped & (cov > cov_low) & (cov < cov_high)  # (B, T)
+    flat = cand.flatten().nonzero().squeeze(1)  # (C,) candidates, row-major
+    k = min(_selected_count(ratio, mask), int(flat.numel()))
+    chosen = flat[torch.randperm(int(flat.numel()), generator=generator)[:k]]  # (k,)
+    out = torch.zeros(cand.numel(), dtype=logprobs.dtype)
+    out[chosen] = 1.0
+    return out.view_as(logprobs)
+
+
+@torch.no_grad()
+def kl_cov_select(
+    logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, ratio: float = 2e-4
+) -> torch.Tensor:
+    """KL-Cov's tokens (Cui et al. 2025): the ``max(⌊ratio·N⌋, 1)`` trained tokens of largest
+    :func:`token_covariance`, among those with a positive one (ties: earlier position first).
+    (B, T) -> (B, T) float 0/1."""
+    cov = token_covariance(logprobs, advantages, mask).flatten()  # (B·T,)
+    cand = ((mask > 0).flatten() & (cov > 0)).nonzero().squeeze(1)  # (C,)
+    order = torch.sort(cov[cand], descending=True, stable=True).indices  # (C,)
+    chosen = cand[order[: min(_selected_count(ratio, mask), int(cand.numel()))]]
+    out = torch.zeros(cov.numel(), dtype=logprobs.dtype)
+    out[chosen] = 1.0
+    return out.view_as(logprobs)
+
+
+def clip_cov_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    select: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    agg_mode: AggMode = "token-mean",
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clip-Cov (Cui et al. 2025, *The Entropy Mechanism of RL for Reasoning LMs*): PPO's clipped
+    loss, with the gradient of the ``select``ed tokens (:func:`clip_cov_select`) detached.
+
+    ``ℓ = max(−Aρ, −A·clip(ρ, 1−ε_low, 1+ε_high))``, ``sg(ℓ)`` where ``select = 1``: the tokens
+    whose probability and advantage move together most strongly (which drives entropy down)
+    are not updated. ``select`` (B, T) is chosen over the whole batch, before micro-batching.
+    Metrics: ``loss/policy``, ``loss/clipfrac``, ``loss/cov_selected_frac``, ``actor/ratio_*``.
+    """
+    adv = _adv(advantages)  # (B, 1) or (B, T)
+    log_ratio = _clamped_log_ratio(logprobs, old_logprobs)  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    pg_loss1 = -adv * ratio  # (B, T)
+    pg_loss2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)  # (B, T)
+    clipped = torch.maximum(pg_loss1, pg_loss2)  # (B, T)
+    pg_losses = torch.where(select > 0, clipped.detach(), clipped)  # (B, T)
+    loss = aggregate(pg_losses, mask, agg_mode, max_len)
+    with torch.no_grad():
+        metrics = {
+            "loss/policy": float(loss),
+            "loss/clipfrac": _mmean((pg_loss2 > pg_loss1).to(ratio.dtype), mask),
+            "loss/cov_selected_frac": _mmean((select > 0).to(ratio.dtype), mask),
+            **_ratio_metrics(ratio, log_ratio, mask),
+        }
+    return loss, metrics
+
+
+def kl_cov_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    select: torch.Tensor,
+    coef: float = 1.0,
+    agg_mode: AggMode = "token-mean",
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL-Cov (Cui et al. 2025): the unclipped surrogate, plus a KL penalty on the ``select``ed
+    tokens (:func:`kl_cov_select`).
+
+    ``ℓ = −A·ρ + coef·select·|log ρ|`` (``|log π − log π_old|``, the penalty of the authors' code):
+    the tokens of largest covariance are held near ``π_old``, the rest train freely (no clip).
+    ``select`` (B, T) is chosen over the whole batch, before micro-batching.
+    Metrics: ``loss/policy``, ``loss/cov_selected_frac``, ``loss/cov_kl`` (the penalty before its
+    coefficient, ``select·|log ρ|``, per trained token), ``actor/ratio_*``.
+    """
+    adv = _adv(advantages)  # (B, 1) or (B, T)
+    log_ratio = _clamped_log_ratio(logprobs, old_logprobs)  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    pg_losses = -adv * ratio + coef * select * log_ratio.abs()  # (B, T)
+    loss = aggregate(pg_losses, mask, agg_mode, max_len)
+    with torch.no_grad():
+        metrics = {
+            "loss/policy": float(loss),
+            "loss/cov_selected_frac": _mmean((select > 0).to(ratio.dtype), mask),
+            "loss/cov_kl": _mmean(select * log_ratio.abs(), mask),
+            **_ratio_metrics(ratio, log_ratio, mask),
+        }
+    return loss, metrics
+
+
+def token_covariance_reference(
+    logprobs: list[list[float]], advantages: list[list[float]], mask: list[list[int]]
+) -> list[list[float]]:
+    """Plain-loop :func:`token_covariance`."""
+    cells = [(b, t) for b, row in enumerate(mask) for t, v in enumerate(row) if v]
+    n = max(len(cells), 1)
+    mean_lp = sum(logprobs[b][t] for b, t in cells) / n
+    mean_a = sum(advantages[b][t] for b, t in cells) / n
+    return [
+        [(logprobs[b][t] - mean_lp) * (advantages[b][t] - mean_a) if v else 0.0 for t, v in enumerate(row)]
+        for b, row in enumerate(mask)
+    ]
+
+
+def clip_cov_candidates_reference(
+    logprobs: list[list[float]],
+    old_logprobs: list[list[float]],
+    advantages: list[list[float]],
+    mask: list[list[int]],
+    cov_low: float = 1.0,
+    cov_high: float = 5.0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+) -> list[tuple[int, int]]:
+    """Plain-loop candidates of :func:`clip_cov_select` (the draw among them is random)."""
+    cov = token_covariance_reference(logprobs, advantages, mask)
+    out = []
+    for b, row in enumerate(mask):
+        for t, v in enumerate(row):
+            rho = math.exp(min(max(logprobs[b][t] - old_logprobs[b][t], -_MAX_LOG_RATIO), _MAX_LOG_RATIO))
+            a = advantages[b][t]
+            clipped = -a * min(max(rho, 1.0 - clip_low), 1.0 + clip_high) > -a * rho
+            if v and not clipped and cov_low < cov[b][t] < cov_high:
+                out.append((b, t))
+    return out
+
+
+def kl_cov_select_reference(
+    logprobs: list[list[float]], advantages: list[list[float]], mask: list[list[int]], ratio: float = 2e-4
+) -> list[tuple[int, int]]:
+    """Plain-loop :func:`kl_cov_select`: the chosen ``(row, position)`` pairs."""
+    cov = token_covariance_reference(logprobs, advantages, mask)
+    total = sum(v > 0 for row in mask for v in row)
+    k = min(max(int(ratio * total), 1), total)
+    cand = [(b, t) for b, row in enumerate(mask) for t, v in enumerate(row) if v and cov[b][t] > 0]
+    return sorted(cand, key=lambda bt: -cov[bt[0]][bt[1]])[:k]  # sorted() is stable: ties keep position order
+
+
+def kl_cov_loss_reference(
+    logprobs: list[list[float]],
+    old_logprobs: list[list[float]],
+    advantages: list[list[float]],
+    mask: list[list[int]],
+    select: list[list[int]],
+    coef: float = 1.0,
+) -> float:
+    """Plain-loop KL-Cov with ``token-mean`` aggregation (for testing :func:`kl_cov_loss`)."""
+    total, count = 0.0, 0
+    for b, row in enumerate(mask):
+        for t, v in enumerate(row):
+            if not v:
+                continue
+            lr = min(max(logprobs[b][t] - old_logprobs[b][t], -_MAX_LOG_RATIO), _MAX_LOG_RATIO)
+            total += -advantages[b][t] * math.exp(lr) + coef * select[b][t] * abs(lr)
+            count += 1
+    return total / max(count, 1)
 
 
 def pg_loss(

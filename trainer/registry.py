@@ -5,6 +5,8 @@ and ``algorithm.pg_variant``.
   with how the estimator takes the KL (per token or per sample) and its default normalisation;
 * :func:`policy_loss` registers ``fn(cfg, logprobs, old_logprobs, advantages, mask, max_len) ->
   (loss, metrics)`` under a name.
+* :func:`selective_policy_loss` registers a loss whose few special tokens are chosen over the
+  whole batch before micro-batching (Clip-Cov, KL-Cov), with its choosing function.
 
 The built-in ones are in :mod:`trainer.algorithm` (registered when it is imported), each a short
 adapter from the config to a pure function of :mod:`trainer.advantages` / :mod:`trainer.losses`.
@@ -121,3 +123,60 @@ def _get(table: dict[str, T], what: str, name: str) -> T:
     if name not in table:
         raise ValueError(f"unknown {what} {name!r} (registered: {', '.join(sorted(table))})")
     return table[name]
+
+
+# --------------------------------------------------------------------------- losses that select tokens over the batch
+
+TokenSelectFn = Callable[
+    [AlgorithmConfig, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator], torch.Tensor
+]
+"""``fn(cfg, logprobs, old_logprobs, advantages, mask, generator) -> select`` (B, T) float 0/1."""
+SelectiveLossFn = Callable[
+    [AlgorithmConfig, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int | None, torch.Tensor],
+    tuple[torch.Tensor, dict[str, float]],
+]
+
+
+@dataclass(frozen=True)
+class SelectiveLoss:
+    """A policy loss that treats some tokens differently, chosen over the whole batch (Clip-Cov,
+    KL-Cov): ``select`` runs once per step on the whole batch (before micro-batching, so the choice
+    does not depend on how the batch is split) and ``loss`` gets its result as last argument."""
+
+    select: TokenSelectFn
+    loss: SelectiveLossFn
+
+
+SELECTIVE_LOSSES: dict[str, SelectiveLoss] = {}
+
+
+def selective_policy_loss(name: str, select: TokenSelectFn) -> Callable[[SelectiveLossFn], SelectiveLossFn]:
+    """Register the decorated ``fn(cfg, logprobs, old_logprobs, advantages, mask, max_len, select)``
+    with its token choice ``select`` as ``algorithm.pg_variant: <name>``. Its plain entry in
+    :data:`POLICY_LOSSES` chooses over the tensors it is given (generator seed 0)."""
+
+    def register(fn: SelectiveLossFn) -> SelectiveLossFn:
+        _add(SELECTIVE_LOSSES, "policy loss", name, SelectiveLoss(select, fn))
+
+        def whole_batch(
+            cfg: AlgorithmConfig,
+            logprobs: torch.Tensor,
+            old_logprobs: torch.Tensor,
+            advantages: torch.Tensor,
+            mask: torch.Tensor,
+            max_len: int | None,
+        ) -> tuple[torch.Tensor, dict[str, float]]:
+            chosen = select(
+                cfg, logprobs.detach(), old_logprobs, advantages, mask, torch.Generator().manual_seed(0)
+            )
+            return fn(cfg, logprobs, old_logprobs, advantages, mask, max_len, chosen)
+
+        _add(POLICY_LOSSES, "policy loss", name, whole_batch)
+        return fn
+
+    return register
+
+
+def selective(name: str) -> SelectiveLoss | None:
+    """The token choice and loss of ``name`` when it is a selective loss, else ``None``."""
+    return SELECTIVE_LOSSES.get(name)

@@ -490,7 +490,8 @@ class TorchStrategy:
 
         The returned batch's ``old_logprobs`` are the ratio's denominators, ``advantages`` are
         per token (B, L - 1) with every weight applied, ``loss_mask`` has every mask applied, and
-        ``extras`` hold ``ref_logprobs``, ``old_values`` and ``returns`` when they are used.
+        ``extras`` hold ``ref_logprobs``, ``old_values`` and ``returns`` when they are used, and
+        ``pg_select`` (the tokens a ``clip_cov`` / ``kl_cov`` loss treats apart) for those losses.
         """
         cfg = self.algo
         self._check_reference()
@@ -537,6 +538,12 @@ class TorchStrategy:
             extras["old_values"] = values
             extras["returns"] = returns
             metrics["critic/returns_mean"] = L._mmean(returns, mask)
+        if alg.selects_tokens(cfg):  # clip_cov / kl_cov: tokens chosen over the whole batch
+            current = prox if prox is not None else per_sample(self.logprobs(seen))  # (B, T) π at the step's start
+            chosen, m = alg.select_tokens(cfg, current, old_lp, adv * (mask > 0), mask, self.step)
+            if chosen is not None:
+                extras["pg_select"] = chosen
+            metrics.update(m)
         if kl is not None:
             alg.update_kl_coef(cfg, self.algo_state, float((kl * (mask > 0)).sum(1).mean()), len(samples))
         out = batch.replace(old_logprobs=old_lp, advantages=adv * (mask > 0), loss_mask=mask, extras=extras)
@@ -557,8 +564,13 @@ class TorchStrategy:
         ids = micro.input_ids.to(self.device)
         lp = pad_left(token_logprobs(logits, ids[:, k0:], self.temperature), k0)  # (b, l - 1)
         mask = micro.loss_mask.to(self.device)
-        loss, metrics = alg.policy_loss(cfg, lp, micro.old_logprobs.to(self.device),
-                                        micro.advantages.to(self.device), mask, self.max_len)
+        if "pg_select" in micro.extras:  # a selective loss (clip_cov, kl_cov): the batch's token choice
+            loss, metrics = alg.selective_policy_loss(cfg, lp, micro.old_logprobs.to(self.device),
+                                                      micro.advantages.to(self.device), mask, self.max_len,
+                                                      micro.extras["pg_select"].to(self.device))
+        else:
+            loss, metrics = alg.policy_loss(cfg, lp, micro.old_logprobs.to(self.device),
+                                            micro.advantages.to(self.device), mask, self.max_len)
         if cfg.entropy_loss_coef:
             ent = pad_left(entropy_from_logits(logits[:, :-1] / self.temperature), k0)  # (b, l - 1)
             e_loss, m = L.entropy_loss(ent, mask, cfg.entropy_loss_coef, cfg.loss_agg_mode, self.max_len)
@@ -642,6 +654,8 @@ class TorchStrategy:
         if not self.skip_zero_advantage or self.critic is not None or cfg.use_kl_loss or cfg.entropy_loss_coef:
             return batch
         keep = (batch.advantages != 0).any(dim=1)  # (B,); NaN counts as non-zero
+        if "pg_select" in batch.extras:  # kl_cov penalises its chosen tokens whatever their advantage
+            keep = keep | (batch.extras["pg_select"] > 0).any(dim=1)
         if bool(keep.all()):
             return batch
         if not bool(keep.any()):

@@ -393,3 +393,54 @@ def tiny_model(cfg: RunConfig) -> str | None:
         return shape
     return (f"rollout.max_new_tokens={tokens} must be < model.init.max_position_embeddings="
             f"{spec.max_position_embeddings} (the prompt needs room too)")
+
+
+_READ_BY: dict[str, tuple[str, str]] = {
+    "sapo_tau_pos": ("pg_variant", "sapo"),
+    "sapo_tau_neg": ("pg_variant", "sapo"),
+    "clip_cov_ratio": ("pg_variant", "clip_cov"),
+    "clip_cov_lb": ("pg_variant", "clip_cov"),
+    "clip_cov_ub": ("pg_variant", "clip_cov"),
+    "kl_cov_ratio": ("pg_variant", "kl_cov"),
+    "kl_cov_coef": ("pg_variant", "kl_cov"),
+    "pass_k": ("adv_estimator", "pass_at_k"),
+    "pass_k_threshold": ("adv_estimator", "pass_at_k"),
+}
+"""The ``algorithm`` keys of the newer objectives and the one choice that reads each."""
+
+
+@rule
+def newer_objectives(cfg: RunConfig) -> str | None:
+    """The keys of ``sapo``, ``gmpo``, ``clip_cov``, ``kl_cov`` and ``pass_at_k`` are set only for
+    the choice that reads them, and each of the newer objectives gets what it needs."""
+    s, a = cfg.algorithm, "algorithm."
+    if s.adv_estimator == "remax":
+        return (f"{a}adv_estimator=remax is not supported yet: its baseline is the reward of one greedy "
+                "response per prompt, which the feeder and rollout workers do not generate; use rloo or grpo")
+    defaults = AlgorithmConfig()
+    for key, (selector, reader) in _READ_BY.items():
+        if getattr(s, key) != getattr(defaults, key) and getattr(s, selector) != reader:
+            return (f"{a}{key} is set but only {a}{selector}={reader} reads it "
+                    f"(got {selector}={getattr(s, selector)}); remove it")
+    if s.pg_variant in ("sapo", "kl_cov") and (s.pg_clip_low is not None or s.pg_clip_high is not None):
+        return f"{a}pg_variant={s.pg_variant} has no ratio clip: remove {a}pg_clip_low / {a}pg_clip_high"
+    if s.pg_variant == "gmpo" and s.loss_agg_mode != "seq-mean-token-mean":
+        return (f"{a}pg_variant=gmpo is a per-sequence objective: set {a}loss_agg_mode=seq-mean-token-mean "
+                f"(got {s.loss_agg_mode})")
+    if s.clip_cov_lb >= s.clip_cov_ub:
+        return f"{a}clip_cov_lb={s.clip_cov_lb:g} must be < {a}clip_cov_ub={s.clip_cov_ub:g}"
+    if s.pg_variant == "kl_cov" and s.old_logprobs == "recompute":
+        return (f"{a}pg_variant=kl_cov penalises |log π − log π_old|, which is 0 throughout a step with "
+                f"{a}old_logprobs=recompute (one update per batch): use old_logprobs=behaviour")
+    if s.adv_estimator == "pass_at_k":
+        if s.pass_k >= cfg.rollout.group_size:
+            return (f"{a}pass_k={s.pass_k} must be < rollout.group_size={cfg.rollout.group_size} "
+                    "(pass@k over all of a group's samples has one subset: no signal)")
+        if s.norm_mean_type not in (None, "none") or s.norm_std_type not in (None, "none") or s.whiten_rewards \
+                or s.add_token_level_kl:
+            return (f"{a}adv_estimator=pass_at_k reads correctness from the shaped rewards and normalises "
+                    f"itself: leave {a}norm_mean_type, norm_std_type, whiten_rewards and add_token_level_kl unset")
+    if s.adv_estimator in ("gpg", "opo") and s.norm_mean_type not in (None, "none"):
+        return (f"{a}adv_estimator={s.adv_estimator} subtracts its own baseline: leave {a}norm_mean_type "
+                "unset (or none)")
+    return None

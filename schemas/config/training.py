@@ -196,11 +196,14 @@ class AlgorithmConfig(Section):
     """RL algorithm knobs (names follow ROLL / verl). Formulas and papers: ``docs/algorithms.md``."""
 
     # --- advantage estimator
-    adv_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce", "gae", "raft", "step_reinforce", "gigpo"] = "grpo"
+    adv_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce", "gae", "raft", "step_reinforce", "gigpo",
+                           "gpg", "opo", "pass_at_k", "remax"] = "grpo"
     """Advantage estimator: ``grpo`` (group mean/std), ``dr_grpo`` (group mean, no std), ``rloo``
     (leave-one-out mean), ``reinforce`` (REINFORCE++: token returns whitened over the batch), ``gae``
     (PPO with a critic), ``raft`` (RAFT++: best of each group, advantage 1), ``step_reinforce`` and
-    ``gigpo`` (step-level, for multi-turn episodes)."""
+    ``gigpo`` (step-level, for multi-turn episodes), ``gpg`` (group mean, rescaled by the share of
+    groups with a signal), ``opo`` (length-weighted group mean), ``pass_at_k`` (analytic pass@k
+    advantages); ``remax`` (a greedy response's reward as baseline) is refused: not supported yet."""
     reinforce_baseline: bool = True
     """``reinforce``: subtract the group mean reward first (REINFORCE++-baseline); False = plain REINFORCE++."""
     gamma: UnitInterval = 1.0
@@ -217,10 +220,17 @@ class AlgorithmConfig(Section):
     """``step_reinforce`` / ``gigpo``: weight of the step-level term."""
     step_reward_gamma: UnitInterval = 0.95
     """``step_reinforce`` / ``gigpo``: discount over the steps (turns) of an episode."""
+    pass_k: PositiveInt = 4
+    """``pass_at_k``: the k of pass@k (below ``rollout.group_size``)."""
+    pass_k_threshold: float = 0.5
+    """``pass_at_k``: a sample counts as correct when its reward (after shaping) is above this."""
 
     # --- policy loss
-    pg_variant: Literal["ppo", "gspo", "topr", "cispo", "pg"] = "ppo"
-    """Policy loss: PPO clip, GSPO (sequence-level ratio), TOPR, CISPO, plain policy gradient."""
+    pg_variant: Literal["ppo", "gspo", "topr", "cispo", "pg", "sapo", "gmpo", "clip_cov", "kl_cov"] = "ppo"
+    """Policy loss: PPO clip, GSPO (sequence-level ratio), TOPR, CISPO, plain policy gradient, SAPO
+    (soft gate), GMPO (geometric mean of clipped token ratios), Clip-Cov and KL-Cov (PPO / the plain
+    surrogate, holding back the tokens of largest covariance between log-prob and advantage).
+    ``gmpo`` reads ``pg_clip_low`` / ``pg_clip_high`` as bounds of the log ratio (unset: 0.4 each)."""
     pg_clip: NonNegativeFloat = 0.2
     """Ratio clip ε (both sides unless ``pg_clip_low`` / ``pg_clip_high`` are set)."""
     pg_clip_low: NonNegativeFloat | None = None
@@ -231,6 +241,20 @@ class AlgorithmConfig(Section):
     """``ppo``: dual-clip (the loss of a negative-advantage token is capped at ``−c·A``)."""
     dual_clip_c: AboveOne = 3.0
     """Dual-clip constant ``c``."""
+    sapo_tau_pos: PositiveFloat = 1.0
+    """``sapo``: gate temperature τ of positive-advantage tokens (larger = the gate closes sooner as ρ leaves 1)."""
+    sapo_tau_neg: PositiveFloat = 1.05
+    """``sapo``: gate temperature τ of negative-advantage tokens."""
+    clip_cov_ratio: PositiveFraction = 2e-4
+    """``clip_cov``: share of the batch's trained tokens whose gradient is detached (at least one)."""
+    clip_cov_lb: float = 1.0
+    """``clip_cov``: a token is a candidate when its covariance term is above this ..."""
+    clip_cov_ub: float = 5.0
+    """``clip_cov``: ... and below this."""
+    kl_cov_ratio: PositiveFraction = 2e-4
+    """``kl_cov``: share of the batch's trained tokens (largest covariance first, at least one) that get the KL penalty."""
+    kl_cov_coef: NonNegativeFloat = 1.0
+    """``kl_cov``: coefficient of the penalty ``|log π − log π_old|`` on those tokens."""
     loss_agg_mode: AggMode = "token-mean"
     """How per-token losses become one number: ``token-mean``, ``seq-mean-token-mean``,
     ``seq-mean-token-sum``, ``seq-mean-token-sum-norm`` (token sum / ``rollout.max_new_tokens``)."""
@@ -345,14 +369,14 @@ class AlgorithmConfig(Section):
         """ε_low in effect."""
         if self.pg_clip_low is not None:
             return self.pg_clip_low
-        return 1.0 if self.pg_variant == "cispo" else self.pg_clip
+        return 1.0 if self.pg_variant == "cispo" else 0.4 if self.pg_variant == "gmpo" else self.pg_clip
 
     @property
     def clip_high(self) -> float:
         """ε_high in effect."""
         if self.pg_clip_high is not None:
             return self.pg_clip_high
-        return 0.28 if self.pg_variant == "cispo" else self.pg_clip
+        return 0.28 if self.pg_variant == "cispo" else 0.4 if self.pg_variant == "gmpo" else self.pg_clip
 
     @property
     def uses_reference(self) -> bool:

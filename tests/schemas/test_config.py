@@ -300,6 +300,44 @@ def test_the_tiny_model_spec_is_checked_alone_too() -> None:
         parse_raw({}, ["num_layers=0"], root=TinyModelSpec)
 
 
+# --------------------------------------------------------------------------- the newer objectives' rules (issue 37)
+
+NEWER_RULE_CASES = [
+    (["algorithm.sapo_tau_neg=2"], "algorithm.sapo_tau_neg is set but only algorithm.pg_variant=sapo reads it"),
+    (["algorithm.pg_variant=ppo", "algorithm.kl_cov_ratio=0.01"],
+     "algorithm.kl_cov_ratio is set but only algorithm.pg_variant=kl_cov reads it (got pg_variant=ppo)"),
+    (["algorithm.pass_k=2"], "algorithm.pass_k is set but only algorithm.adv_estimator=pass_at_k reads it"),
+    (["algorithm.pg_variant=sapo", "algorithm.pg_clip_high=0.3"], "algorithm.pg_variant=sapo has no ratio clip"),
+    (["algorithm.pg_variant=gmpo"], "algorithm.pg_variant=gmpo is a per-sequence objective: set "
+                                    "algorithm.loss_agg_mode=seq-mean-token-mean (got token-mean)"),
+    (["algorithm.pg_variant=clip_cov", "algorithm.clip_cov_lb=5"], "algorithm.clip_cov_lb=5 must be < algorithm.clip_cov_ub=5"),
+    (["algorithm.pg_variant=kl_cov", "algorithm.old_logprobs=recompute"], "use old_logprobs=behaviour"),
+    (["algorithm.adv_estimator=pass_at_k", "algorithm.pass_k=8"], "algorithm.pass_k=8 must be < rollout.group_size=8"),
+    (["algorithm.adv_estimator=pass_at_k", "algorithm.whiten_rewards=true"],
+     "algorithm.adv_estimator=pass_at_k reads correctness from the shaped rewards"),
+    (["algorithm.adv_estimator=opo", "algorithm.norm_mean_type=group"],
+     "algorithm.adv_estimator=opo subtracts its own baseline"),
+    (["algorithm.clip_cov_ratio=0"], "algorithm.clip_cov_ratio=0"),
+    (["algorithm.adv_estimator=remax"], "algorithm.adv_estimator=remax is not supported yet"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "words"), NEWER_RULE_CASES, ids=[" ".join(o) for o, _ in NEWER_RULE_CASES])
+def test_the_newer_objectives_refuse_what_they_do_not_read(overrides: list[str], words: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_config("", overrides)
+    line = str(e.value)
+    assert line.startswith("config: ") and words in line and "\n" not in line, line
+
+
+def test_the_newer_objectives_accept_their_own_keys() -> None:
+    cfg = parse_config("", ["algorithm.pg_variant=gmpo", "algorithm.loss_agg_mode=seq-mean-token-mean",
+                            "algorithm.adv_estimator=pass_at_k", "algorithm.pass_k=2"])
+    assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high) == (0.4, 0.4)  # GMPO's log-space range
+    assert parse_config("", ["algorithm.pg_variant=sapo", "algorithm.sapo_tau_neg=2"]).algorithm.sapo_tau_neg == 2.0
+    assert parse_config("", ["algorithm.pg_variant=kl_cov", "algorithm.kl_cov_coef=0.5"]).algorithm.kl_cov_coef == 0.5
+
+
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").rglob("*.yaml"))
 
 

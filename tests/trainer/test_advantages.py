@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -14,9 +16,15 @@ from trainer.advantages import (
     gae_advantages_reference,
     gigpo_advantages,
     gigpo_advantages_reference,
+    gpg_advantages,
+    gpg_advantages_reference,
     grpo_advantages,
     grpo_advantages_reference,
     normalize_rewards,
+    opo_advantages,
+    opo_advantages_reference,
+    pass_at_k_advantages,
+    pass_at_k_advantages_reference,
     raft_advantages,
     raft_mask,
     raft_mask_reference,
@@ -274,3 +282,68 @@ def test_grpo_singleton_group_and_dr_grpo() -> None:
     assert grpo_advantages(torch.tensor([3.0]), torch.tensor([0])).tolist() == [0.0]
     adv = grpo_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0]]), norm_std=False)
     assert adv.tolist() == [[0.75, -0.25, -0.25, -0.25]]
+
+
+# --------------------------------------------------------------------------- newer estimators (issue 37)
+
+
+@settings(max_examples=40, deadline=None)
+@given(grouped())
+def test_gpg_vectorised_equals_loop(batch: tuple[list[float], list[int]]) -> None:
+    rewards, ids = batch
+    got, alpha = gpg_advantages(torch.tensor(rewards), torch.tensor(ids))
+    want, want_alpha = gpg_advantages_reference(rewards, ids)
+    assert alpha == want_alpha
+    assert close(got, want, atol=1e-5 * max(alpha, 1.0) * 4)
+
+
+def test_gpg_rescales_by_the_share_of_groups_with_a_signal() -> None:
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])  # group 1: all right, group 2: all wrong
+    g = torch.tensor([0, 0, 1, 1, 2, 2])
+    adv, alpha = gpg_advantages(r, g)
+    assert alpha == 3.0  # B = 6 samples, 2 of them in a group whose rewards differ
+    assert adv.tolist() == [1.5, -1.5, 0.0, 0.0, 0.0, 0.0]
+    assert gpg_advantages(torch.ones(4), torch.tensor([0, 0, 1, 1])) == (pytest.approx(torch.zeros(4)), 1.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(grouped(), st.data())
+def test_opo_vectorised_equals_loop(batch: tuple[list[float], list[int]], data: st.DataObject) -> None:
+    rewards, ids = batch
+    lengths = data.draw(st.lists(st.integers(0, 30), min_size=len(rewards), max_size=len(rewards)))
+    got = opo_advantages(torch.tensor(rewards), torch.tensor(ids), torch.tensor(lengths))
+    assert close(got, opo_advantages_reference(rewards, ids, [float(x) for x in lengths]), atol=1e-5)
+
+
+def test_opo_baseline_weighs_rewards_by_length() -> None:
+    adv = opo_advantages(
+        torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0, 0, 0]), torch.tensor([3.0, 1.0, 0.0])
+    )
+    assert adv.tolist() == pytest.approx([0.25, -0.75, -0.75])  # b = (3·1 + 1·0 + 0·0) / 4
+    assert opo_advantages(torch.tensor([2.0]), torch.tensor([5]), torch.tensor([4.0])).tolist() == [0.0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(grouped(), st.integers(1, 6))
+def test_pass_at_k_vectorised_equals_loop(batch: tuple[list[float], list[int]], k: int) -> None:
+    rewards, ids = batch
+    got = pass_at_k_advantages(torch.tensor(rewards), torch.tensor(ids), k, threshold=0.5)
+    want = pass_at_k_advantages_reference(rewards, ids, k, threshold=0.5)
+    # |A| ≤ ~n/σ_min; lgamma in float64 then a float32 result: relative rounding of the value
+    assert torch.allclose(got, torch.tensor(want, dtype=torch.float), rtol=1e-5, atol=1e-5)
+
+
+def test_pass_at_k_by_hand_and_pass_at_1_is_grpo_on_correctness() -> None:
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0])  # n = 4, c = 1, k = 2
+    adv = pass_at_k_advantages(r, torch.zeros(4, dtype=torch.long), k=2)
+    mean = 1 - math.comb(3, 2) / math.comb(4, 2)  # 1/2 of the pairs hold the right answer
+    std = math.sqrt(mean * (1 - mean))
+    a_neg = (1 - mean - math.comb(2, 1) / math.comb(3, 1)) / (std + 1e-6)
+    assert adv.tolist() == pytest.approx([(1 - mean) / (std + 1e-6), a_neg, a_neg, a_neg], rel=1e-6)
+    rewards, ids = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0]), torch.tensor([0, 0, 0, 1, 1, 1])
+    p = grpo_advantages(rewards, ids, eps=0.0) * math.sqrt(3 / 2)  # GRPO, divided by the population std
+    assert torch.allclose(pass_at_k_advantages(rewards, ids, k=1), p, atol=1e-5)
+    # a group whose members are all right or all wrong has no signal; k ≥ n falls back to n − 1
+    assert pass_at_k_advantages(torch.ones(3), torch.zeros(3, dtype=torch.long), k=2).tolist() == [0.0] * 3
+    k_big = pass_at_k_advantages(r, torch.zeros(4, dtype=torch.long), k=9)
+    assert torch.equal(k_big, pass_at_k_advantages(r, torch.zeros(4, dtype=torch.long), k=3))

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.config import AlgorithmConfig, ConfigError, parse_config
+from schemas.config import AlgorithmConfig, ConfigError, RunConfig, parse_config
 from tests.floats import assert_same_update, gradient_terms, rounding_tol
 from tests.trainer.test_registry import config_choices
 from trainer import algorithm as alg
@@ -52,6 +52,10 @@ ESTIMATORS = sorted(config_choices("adv_estimator"))  # every one the config acc
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 def test_every_estimator_takes_a_finite_step(model_dir: Path, estimator: str) -> None:
+    if estimator == "remax":  # refused until the rollout generates the greedy baselines
+        with pytest.raises(ConfigError, match="adv_estimator=remax is not supported yet"):
+            RunConfig(algorithm=algo(adv_estimator="remax"))
+        return
     cfg = algo(adv_estimator=estimator, critic="value_head" if estimator == "gae" else "none")
     s = TorchStrategy(model_dir, lr=1e-3, micro_batch_size=5, algo=cfg, max_len=16)
     s.init_critic()
@@ -70,6 +74,10 @@ def test_every_estimator_takes_a_finite_step(model_dir: Path, estimator: str) ->
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
 def test_micro_batching_equals_one_batch_for_every_loss_and_aggregation(model_dir: Path, variant: str, agg: str) -> None:
     cfg = algo(pg_variant=variant, loss_agg_mode=agg, old_logprobs="recompute" if variant == "gspo" else "behaviour")
+    if variant == "gmpo" and agg != "seq-mean-token-mean":  # GMPO is a per-sequence objective: refused
+        with pytest.raises(ConfigError, match="gmpo is a per-sequence objective"):
+            RunConfig(algorithm=cfg)
+        return
     batch = samples(seed=1)
     a = TorchStrategy(model_dir, lr=1.0, micro_batch_size=12, algo=cfg, max_len=16)
     b = TorchStrategy(model_dir, lr=1.0, micro_batch_size=5, algo=cfg, max_len=16)
@@ -340,6 +348,25 @@ def test_deprecated_norm_std_still_loads() -> None:
     assert alg.resolved_norm(parse_config("algorithm: {norm_std: true}").algorithm) == ("group", "group")
     with pytest.raises(ConfigError, match="norm_std_type"):
         parse_config("algorithm: {norm_std: false, norm_std_type: batch}")
+
+
+def test_a_selective_loss_chooses_over_the_whole_batch_and_keeps_its_rows(model_dir: Path) -> None:
+    """kl_cov: the prepared batch carries the choice (at most ``⌊ratio·N⌋`` trained tokens,
+    ``pg_select``), and ``skip_zero_advantage`` keeps a row with a chosen token even when its
+    advantage is 0 (its penalty still has a gradient)."""
+    import dataclasses
+
+    cfg = algo(pg_variant="kl_cov", kl_cov_ratio=0.5)
+    s = TorchStrategy(model_dir, lr=1e-3, micro_batch_size=5, algo=cfg, max_len=16, skip_zero_advantage=True)
+    data = [dataclasses.replace(x, reward=1.0) if x.group_id == "g0" else x for x in samples(seed=2)]
+    batch, metrics = s.prepare(data)  # group g0: all rewards equal, advantage 0
+    chosen = batch.extras["pg_select"]  # (B, T)
+    assert 0 < float(chosen.sum()) == metrics["loss/cov_selected"] <= int(0.5 * batch.num_tokens)
+    assert bool((batch.loss_mask[chosen > 0] > 0).all())
+    zero_rows = (batch.advantages == 0).all(dim=1) & (chosen > 0).any(dim=1)  # (B,)
+    assert bool(zero_rows.any())  # the case this checks is there: a chosen token in a zero-advantage row
+    kept = s.gradient_rows(batch)
+    assert kept.num_rows == int(((batch.advantages != 0).any(dim=1) | (chosen > 0).any(dim=1)).sum())
 
 
 @pytest.mark.parametrize("where", ["reward", "loss"])

@@ -7,6 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.floats import assert_close, rounding_tol
+from trainer import losses as L
 from trainer.losses import (
     aggregate,
     cispo_loss,
@@ -221,6 +223,230 @@ def test_ppo_hand_computed_clipping() -> None:
     lp.requires_grad_(True)
     ppo_loss(lp, old, adv, mask, 0.2, 0.28)[0].backward()
     assert torch.allclose(lp.grad, torch.tensor([[0.0, -0.5, 1.5, 0.0]]) / 4)
+
+
+# --------------------------------------------------------------------------- newer objectives (issue 37)
+
+LOG_RATIO = st.sampled_from([0.0, 0.05, -0.1, 0.3, -0.6, 1.5, -3.0, 25.0, -99.0])
+ADV = st.sampled_from([-2.0, -0.5, 0.0, 1.0, 3.0])
+
+
+@st.composite
+def policy_batch(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logprobs, old_logprobs, advantages, mask)`` (B, T): per-sequence advantages, log ratios up
+    to the extremes, and garbage (huge finite numbers) under the mask."""
+    b, t = draw(st.integers(1, 4)), draw(st.integers(1, 6))
+    lp = torch.tensor(draw(st.lists(st.floats(-8.0, -0.01), min_size=b * t, max_size=b * t))).view(b, t)
+    d = torch.tensor(draw(st.lists(LOG_RATIO, min_size=b * t, max_size=b * t))).view(b, t)
+    adv = torch.tensor(draw(st.lists(ADV, min_size=b, max_size=b))).unsqueeze(1).expand(b, t).contiguous()
+    mask = torch.tensor(
+        draw(st.lists(st.integers(0, 1), min_size=b * t, max_size=b * t)), dtype=torch.float
+    ).view(b, t)
+    garbage = torch.full_like(lp, 1e4)
+    return torch.where(mask > 0, lp, -garbage), torch.where(mask > 0, lp - d, garbage), adv, mask
+
+
+def lists(*xs: torch.Tensor) -> list[list[list[float]]]:
+    return [x.tolist() for x in xs]
+
+
+@settings(max_examples=30, deadline=None)
+@given(policy_batch())
+def test_sapo_matches_the_loop_and_stays_finite(batch: tuple[torch.Tensor, ...]) -> None:
+    lp, old, adv, mask = batch
+    lp = lp.clone().requires_grad_(True)
+    loss, m = L.sapo_loss(lp, old, adv, mask, tau_pos=1.0, tau_neg=1.05)
+    want = L.sapo_loss_reference(*lists(lp.detach(), old, adv), mask.int().tolist(), 1.0, 1.05)
+    # per token at most (4/τ)·|A| ≤ 12; float32 sigmoid/exp and a mean over the tokens
+    assert loss.item() == pytest.approx(want, abs=rounding_tol(12.0, 4 * lp.numel()))
+    loss.backward()
+    assert (
+        lp.grad is not None
+        and bool(torch.isfinite(lp.grad).all())
+        and math.isfinite(m["loss/sapo_gate_mean"])
+    )
+    assert bool((lp.grad[mask == 0] == 0).all())
+
+
+def test_sapo_gradient_is_the_policy_gradient_on_policy_and_decays_off_it() -> None:
+    lp = torch.tensor([[-1.0, -2.0, -0.5, -0.3]], requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    mask = torch.ones(1, 4)
+    L.sapo_loss(lp, lp.detach(), adv, mask)[0].backward()
+    assert lp.grad is not None
+    assert torch.allclose(lp.grad, -adv / 4, atol=1e-7)  # ρ = 1: w = 4σ(0)(1 − σ(0))·1 = 1, as −A·log π
+    # ρ = 2 on every token: w = 4σ(τ)(1 − σ(τ))·2, smaller for the larger τ of negative advantages
+    far = lp.detach().clone().requires_grad_(True)
+    L.sapo_loss(far, far.detach() - math.log(2.0), adv, mask, tau_pos=1.0, tau_neg=2.0)[0].backward()
+    assert far.grad is not None
+    for tau, g in ((1.0, far.grad[0, 0]), (2.0, -far.grad[0, 2])):
+        s = 1 / (1 + math.exp(-tau))
+        assert g.item() == pytest.approx(-4 * s * (1 - s) * 2 / 4, rel=1e-5)
+    assert abs(far.grad[0, 2].item()) < abs(far.grad[0, 0].item())
+
+
+@settings(max_examples=30, deadline=None)
+@given(policy_batch())
+def test_gmpo_matches_the_loop_and_stays_finite(batch: tuple[torch.Tensor, ...]) -> None:
+    lp, old, adv, mask = batch
+    lp = lp.clone().requires_grad_(True)
+    loss, _ = L.gmpo_loss(lp, old, adv, mask, clip_low=0.4, clip_high=0.4)
+    want = L.gmpo_loss_reference(*lists(lp.detach(), old, adv), mask.int().tolist(), 0.4, 0.4)
+    # a sequence's loss is |A|·exp(mean of log ratios ≤ 20): relative rounding of exp of a float32 mean
+    size = max(
+        abs(want), 3.0 * math.exp(20.0) if bool((((lp - old) > 19) & (mask > 0)).any()) else 3.0 * math.e
+    )
+    assert loss.item() == pytest.approx(want, abs=rounding_tol(size, 25 * lp.shape[1]))
+    loss.backward()
+    assert lp.grad is not None and bool(torch.isfinite(lp.grad).all())
+    assert bool((lp.grad[mask == 0] == 0).all())
+
+
+def test_gmpo_clips_tokens_one_sided_in_log_space() -> None:
+    old = torch.zeros(2, 3)
+    lp = torch.tensor([[0.1, 1.0, -1.0], [0.1, 1.0, -1.0]], requires_grad=True)
+    adv = torch.tensor([2.0, -1.0])
+    loss, m = L.gmpo_loss(lp, old, adv, torch.ones(2, 3), clip_low=0.4, clip_high=0.4)
+    # A > 0 clips log ρ above 0.4 only: (0.1 + 0.4 − 1.0)/3; A < 0 below −0.4 only: (0.1 + 1.0 − 0.4)/3
+    pos, neg = math.exp((0.1 + 0.4 - 1.0) / 3), math.exp((0.1 + 1.0 - 0.4) / 3)
+    assert loss.item() == pytest.approx((-2 * pos + neg) / 2, rel=1e-6)
+    assert m["loss/clipfrac"] == pytest.approx(2 / 6)
+    loss.backward()
+    assert lp.grad is not None
+    assert lp.grad[0, 1].item() == 0.0 and lp.grad[1, 2].item() == 0.0  # the clipped tokens
+    assert lp.grad[0, 0].item() == pytest.approx(
+        -2 * pos / 3 / 2, rel=1e-6
+    )  # d/dlog ρ of −A·e^{mean}: −A·r/|o|/B
+
+
+def test_gmpo_with_equal_token_ratios_inside_the_clip_is_gspo() -> None:
+    lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -9.0]])
+    old = lp - torch.tensor([[0.1], [-0.2]])
+    adv, mask = torch.tensor([1.5, -1.0]), torch.tensor([[1, 1, 1], [1, 1, 0]])
+    got, _ = L.gmpo_loss(lp, old, adv, mask)
+    want, _ = gspo_loss(lp, old, adv, mask, clip_low=1.0, clip_high=1.0)
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(policy_batch(), st.sampled_from([0.05, 0.2, 0.5, 1.0]))
+def test_kl_cov_choice_and_loss_match_the_loop(batch: tuple[torch.Tensor, ...], ratio: float) -> None:
+    lp, old, adv, mask = batch
+    adv = adv + 0.25 * torch.arange(lp.shape[1])  # per-token advantages: covariance within a row too
+    cov = L.token_covariance(lp, adv, mask)
+    want_cov = L.token_covariance_reference(*lists(lp, adv), mask.int().tolist())
+    assert_close(cov, torch.tensor(want_cov), terms=2 * lp.numel())
+    chosen = L.kl_cov_select(lp, adv, mask, ratio)
+    picked = {(int(b), int(t)) for b, t in chosen.nonzero().tolist()}
+    want = L.kl_cov_select_reference(*lists(lp, adv), mask.int().tolist(), ratio)
+    if len(set(round(c, 3) for row in want_cov for c in row)) == sum(
+        len(r) for r in want_cov
+    ):  # no near-ties
+        assert picked == set(want)
+    assert len(picked) == len(want) and all(mask[b, t] > 0 and cov[b, t] > 0 for b, t in picked)
+    lp_g = lp.clone().requires_grad_(True)
+    loss, m = L.kl_cov_loss(lp_g, old, adv, mask, chosen, coef=1.0)
+    ref = L.kl_cov_loss_reference(*lists(lp, old, adv), mask.int().tolist(), chosen.int().tolist(), 1.0)
+    size = max(
+        abs(ref),
+        5.0 * math.exp(20.0) if bool((((lp - old) > 19) & (mask > 0)).any()) else 5.0 * math.exp(1.5),
+    )
+    assert loss.item() == pytest.approx(ref, abs=rounding_tol(size, 4 * lp.numel()))
+    loss.backward()
+    assert lp_g.grad is not None and bool(torch.isfinite(lp_g.grad).all()) and math.isfinite(m["loss/cov_kl"])
+
+
+def test_kl_cov_penalises_only_the_chosen_tokens() -> None:
+    old = torch.zeros(1, 3)
+    lp = torch.tensor([[0.5, -0.5, 0.2]], requires_grad=True)
+    adv, mask, chosen = torch.tensor([[1.0, 1.0, 1.0]]), torch.ones(1, 3), torch.tensor([[1.0, 0.0, 0.0]])
+    loss, m = L.kl_cov_loss(lp, old, adv, mask, chosen, coef=2.0)
+    want = (-math.exp(0.5) + 2 * 0.5 - math.exp(-0.5) - math.exp(0.2)) / 3
+    assert loss.item() == pytest.approx(want, rel=1e-6) and m["loss/cov_kl"] == pytest.approx(0.5 / 3)
+    loss.backward()
+    assert lp.grad is not None
+    assert lp.grad[0, 0].item() == pytest.approx(
+        (-math.exp(0.5) + 2.0) / 3, rel=1e-6
+    )  # −Aρ + coef·sign(log ρ)
+    assert lp.grad[0, 1].item() == pytest.approx(-math.exp(-0.5) / 3, rel=1e-6)
+
+
+def test_kl_cov_chooses_nothing_without_a_positive_covariance() -> None:
+    lp = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])
+    assert L.kl_cov_select(lp, torch.zeros(2), torch.ones(2, 2), 1.0).sum() == 0  # zero advantages
+    assert L.kl_cov_select(lp, torch.ones(2), torch.zeros(2, 2), 1.0).sum() == 0  # nothing trained
+
+
+@settings(max_examples=30, deadline=None)
+@given(policy_batch(), st.sampled_from([0.1, 0.5, 1.0]), st.integers(0, 3))
+def test_clip_cov_draws_its_tokens_among_the_loops_candidates(
+    batch: tuple[torch.Tensor, ...], ratio: float, seed: int
+) -> None:
+    lp, old, adv, mask = batch
+    adv = adv + 0.25 * torch.arange(lp.shape[1])
+
+    def draw() -> torch.Tensor:
+        return L.clip_cov_select(
+            lp,
+            old,
+            adv,
+            mask,
+            ratio,
+            cov_low=-0.5,
+            cov_high=2.0,
+            clip_low=0.2,
+            clip_high=0.28,
+            generator=torch.Generator().manual_seed(seed),
+        )
+
+    chosen = draw()
+    cand = set(
+        L.clip_cov_candidates_reference(*lists(lp, old, adv), mask.int().tolist(), -0.5, 2.0, 0.2, 0.28)
+    )
+    picked = {(int(b), int(t)) for b, t in chosen.nonzero().tolist()}
+    trained = int(mask.sum())
+    k = min(max(int(ratio * trained), 1), trained)
+    cov = L.token_covariance(lp, adv, mask)
+    clear = all(min(abs(cov[b, t] + 0.5), abs(cov[b, t] - 2.0)) > 1e-4 for b, t in mask.nonzero().tolist())
+    if clear:  # no covariance term within rounding of a bound
+        assert picked <= cand and len(picked) == min(k, len(cand))
+    assert torch.equal(draw(), chosen)  # the same seed draws the same tokens
+
+
+def test_clip_cov_is_ppo_with_the_chosen_tokens_detached() -> None:
+    lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -1.2]])
+    old = lp + torch.tensor([[0.1, -0.5, 0.0], [0.3, 0.0, -0.1]])
+    adv, mask = torch.tensor([1.0, -2.0]), torch.ones(2, 3)
+    chosen = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    a, b = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
+    got, m = L.clip_cov_loss(a, old, adv, mask, chosen, clip_low=0.2, clip_high=0.2)
+    want, _ = ppo_loss(b, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)  # the value is PPO's
+    got.backward()
+    want.backward()
+    assert a.grad is not None and b.grad is not None
+    assert torch.equal(a.grad * chosen, torch.zeros(2, 3))
+    assert torch.allclose(a.grad * (1 - chosen), b.grad * (1 - chosen))
+    assert m["loss/cov_selected_frac"] == pytest.approx(2 / 6)
+
+
+@pytest.mark.parametrize("variant", ["clip_cov", "kl_cov"])
+def test_a_selective_loss_called_plainly_chooses_over_its_inputs(variant: str) -> None:
+    import msgspec
+
+    from schemas.config import AlgorithmConfig
+    from trainer import algorithm as alg
+    from trainer import registry
+
+    cfg = msgspec.convert({"pg_variant": variant, f"{variant}_ratio": 0.5}, AlgorithmConfig)
+    lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -1.2]])
+    old, adv, mask = lp + 0.1, torch.tensor([[1.0, 2.0, -1.0], [0.5, -2.0, 1.0]]), torch.ones(2, 3)
+    chosen, metrics = alg.select_tokens(cfg, lp, old, adv, mask, seed=0)
+    assert chosen is not None and metrics["loss/cov_selected"] == float(chosen.sum())
+    plain, _ = registry.loss(variant)(cfg, lp, old, adv, mask, None)
+    with_choice, _ = alg.selective_policy_loss(cfg, lp, old, adv, mask, None, chosen)
+    assert plain.item() == with_choice.item()
+    assert alg.select_tokens(msgspec.convert({}, AlgorithmConfig), lp, old, adv, mask, seed=0) == (None, {})
 
 
 def test_masked_mean_and_entropy() -> None:
