@@ -15,12 +15,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.config import AlgorithmConfig, ConfigError, RunConfig, parse_config
+from tests.e2e.test_algos import EXAMPLES
+from tests.e2e.test_algos import EXTRA as E2E_EXTRA
+from tests.e2e.test_algos import OWN_METRIC as E2E_OWN_METRIC
+from tests.e2e.test_algos import TINY as E2E_TINY
 from tests.floats import assert_same_update, gradient_terms, rounding_tol
 from tests.trainer.test_registry import config_choices
 from trainer import algorithm as alg
 from trainer.advantages import grpo_advantages_reference, whiten
 from trainer.batch import TrainSample, collate
-from trainer.strategy import TorchStrategy
+from trainer.strategy import TorchStrategy, strategy_kwargs
 
 
 def algo(**kw: object) -> AlgorithmConfig:
@@ -68,6 +72,28 @@ def test_every_estimator_takes_a_finite_step(model_dir: Path, estimator: str) ->
     assert changed
     if estimator == "gae":
         assert "loss/value" in metrics and metrics["critic/grad_norm"] > 0
+
+
+ALGOS = Path(__file__).resolve().parents[2] / "examples" / "algos"
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_every_algos_example_takes_a_step_of_its_own_config(model_dir: Path, name: str) -> None:
+    """The in-process half of tests/e2e/test_algos.py: each example's own config (at the e2e test's
+    tiny sizes) builds its strategy as the trainer service does and takes a finite step with the
+    example's own metrics."""
+    text = (ALGOS / f"{name}.yaml").read_text()
+    cfg = parse_config(text, [*E2E_TINY, *E2E_EXTRA.get(name, [])], source=f"examples/algos/{name}.yaml")
+    s = TorchStrategy(model_dir, **{**strategy_kwargs(cfg, "cpu"), "max_len": 16})
+    if cfg.algorithm.uses_reference:
+        s.init_reference()
+    s.init_critic()
+    metrics = s.train_step(samples(n=cfg.rollout.group_size, turns=2 if name in ("step_reinforce", "gigpo") else 1))
+    assert s.step == 1
+    assert all(math.isfinite(v) for v in metrics.values()), metrics
+    assert "loss/policy" in metrics and "rollout/advantage_abs_mean" in metrics
+    if name in E2E_OWN_METRIC:
+        assert E2E_OWN_METRIC[name] in metrics, sorted(metrics)
 
 
 @pytest.mark.parametrize("variant", sorted(config_choices("pg_variant")))
