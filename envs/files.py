@@ -142,11 +142,16 @@ def field_of(obj: dict[str, Any], key: str) -> Any:
 def _messages(value: list[Any], key: str) -> tuple[str, str]:
     """``(system, user)`` of a chat-message prompt: system messages, then one user message."""
     roles = [m.get("role") if isinstance(m, dict) else None for m in value]
-    if roles.count("user") != 1 or any(r not in ("system", "user") for r in roles) or roles[-1] != "user" or not all(
-        isinstance(m.get("content"), str) for m in value
+    if (
+        roles.count("user") != 1
+        or any(r not in ("system", "user") for r in roles)
+        or roles[-1] != "user"
+        or not all(isinstance(m.get("content"), str) for m in value)
     ):
-        raise ValueError(f"prompt key {key!r} is a list of messages with roles {roles}; "
-                         "one user message (after system messages) with text content is supported")
+        raise ValueError(
+            f"prompt key {key!r} is a list of messages with roles {roles}; "
+            "one user message (after system messages) with text content is supported"
+        )
     return "\n".join(m["content"] for m in value[:-1]), value[-1]["content"]
 
 
@@ -248,7 +253,9 @@ def _pick_split(obj: Any, wanted: str, defaults: tuple[str, ...], key: str, path
     splits = list(obj)
     if wanted:
         if wanted not in splits:
-            raise ValueError(f"kwargs.{key}={wanted!r}: {path} has no such split; splits: {', '.join(splits)}")
+            raise ValueError(
+                f"kwargs.{key}={wanted!r}: {path} has no such split; splits: {', '.join(splits)}"
+            )
         return obj[wanted]
     for name in (*defaults, *(splits if len(splits) == 1 else ())):
         if name in splits:
@@ -283,7 +290,9 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def read_rows(objects: Iterator[tuple[str, dict[str, Any] | str]], k: FileKwargs) -> tuple[list[Row], BadRows]:
+def read_rows(
+    objects: Iterator[tuple[str, dict[str, Any] | str]], k: FileKwargs
+) -> tuple[list[Row], BadRows]:
     """The good rows of ``objects`` and one line per bad one."""
     rows, bad = [], BadRows()
     for where, obj in objects:
@@ -310,8 +319,15 @@ class FileSource:
 
     default_verifier = "math"
 
-    def __init__(self, name: str, kwargs: FileKwargs, train: list[Row], heldout: list[Row],
-                 bad: BadRows, notices: list[str]) -> None:
+    def __init__(
+        self,
+        name: str,
+        kwargs: FileKwargs,
+        train: list[Row],
+        heldout: list[Row],
+        bad: BadRows,
+        notices: list[str],
+    ) -> None:
         self.name, self.kwargs = name, kwargs
         self.prefix = Path(kwargs.path).stem or name
         """Of every prompt id: the name of ``path`` without its extension (``word_problems``)."""
@@ -339,12 +355,19 @@ class FileSource:
         if dropped:
             self.notices.append(f"{kwargs.path}: {dropped} training rows dropped: their prompt is held out")
         if not self._train:
-            raise ValueError(f"kwargs.path={kwargs.path!r}: no training rows left ({len(train)} good rows, "
-                             f"{len(bad)} bad, {dropped} held out)")
+            raise ValueError(
+                f"kwargs.path={kwargs.path!r}: no training rows left ({len(train)} good rows, "
+                f"{len(bad)} bad, {dropped} held out)"
+            )
 
     def _problem(self, row: Row) -> Problem:
-        return Problem(prompt_id=f"{self.prefix}:{_digest(row.system, row.prompt)}", prompt=row.prompt,
-                       reference=row.answer, verifier=self.default_verifier, system_prompt=row.system)
+        return Problem(
+            prompt_id=f"{self.prefix}:{_digest(row.system, row.prompt)}",
+            prompt=row.prompt,
+            reference=row.answer,
+            verifier=self.default_verifier,
+            system_prompt=row.system,
+        )
 
     @property
     def train_count(self) -> int:
@@ -363,9 +386,15 @@ class FileSource:
     def heldout(self, n: int) -> list[Problem]:
         """The first ``n`` distinct held-out prompts, in file order."""
         if n > len(self._heldout):
-            how = "eval_path / eval_split" if self.kwargs.eval_path or self.kwargs.eval_split else "eval_fraction"
-            raise ValueError(f"{n} held-out prompts asked, {len(self._heldout)} held out of {self.kwargs.path}; "
-                             f"lower data.heldout_size or hold out more ({how})")
+            how = (
+                "eval_path / eval_split"
+                if self.kwargs.eval_path or self.kwargs.eval_split
+                else "eval_fraction"
+            )
+            raise ValueError(
+                f"{n} held-out prompts asked, {len(self._heldout)} held out of {self.kwargs.path}; "
+                f"lower data.heldout_size or hold out more ({how})"
+            )
         return self._heldout[:n]
 
     def is_heldout(self, problem: Problem) -> bool:
@@ -379,10 +408,14 @@ class FileSource:
 def _check_path(path: str, key: str, is_dir: bool) -> Path:
     p = Path(path)
     if not p.exists():
-        raise ValueError(f"kwargs.{key}={path!r}: no such {'directory' if is_dir else 'file'} "
-                         f"(a relative path is read from {Path.cwd()})")
+        raise ValueError(
+            f"kwargs.{key}={path!r}: no such {'directory' if is_dir else 'file'} "
+            f"(a relative path is read from {Path.cwd()})"
+        )
     if is_dir and not p.is_dir():
-        raise ValueError(f"kwargs.{key}={path!r} is a file; source 'dataset' reads a directory written by save_to_disk")
+        raise ValueError(
+            f"kwargs.{key}={path!r} is a file; source 'dataset' reads a directory written by save_to_disk"
+        )
     if not is_dir and p.is_dir():
         raise ValueError(f"kwargs.{key}={path!r} is a directory, not a file")
     return p
@@ -399,24 +432,30 @@ def parse_kwargs(name: str, kwargs: dict[str, Any]) -> FileKwargs:
         msg = str(e)
         unknown = re.match(r"Object contains unknown field `(.*)`", msg)
         if unknown:
-            raise ValueError(f"unknown kwarg {unknown.group(1)!r}; "
-                             f"kwargs: {', '.join(FileKwargs.__struct_fields__)}") from None
+            raise ValueError(
+                f"unknown kwarg {unknown.group(1)!r}; kwargs: {', '.join(FileKwargs.__struct_fields__)}"
+            ) from None
         if msg.startswith("Object missing required field `path`"):
-            raise ValueError(f"kwargs.path is required (the {'directory' if name == 'dataset' else 'file'} "
-                             "to read)") from None
+            raise ValueError(
+                f"kwargs.path is required (the {'directory' if name == 'dataset' else 'file'} to read)"
+            ) from None
         at = _MSGSPEC_PATH.search(msg)
         if at is None:
             raise ValueError(msg) from None
         key = at.group(1).split(".")[0].split("[")[0]
         raise ValueError(f"kwargs.{at.group(1)}: {msg[: at.start()]}, got {kwargs.get(key)!r}") from None
     if k.eval_path and k.eval_fraction is not None:
-        raise ValueError("kwargs.eval_fraction: eval_path holds the held-out rows already; give one of the two")
+        raise ValueError(
+            "kwargs.eval_fraction: eval_path holds the held-out rows already; give one of the two"
+        )
     if name != "dataset":
         for key in ("split", "eval_split"):
             if getattr(k, key):
                 raise ValueError(f"kwargs.{key} is for source 'dataset' only (a {name} file has no splits)")
     elif k.eval_split and k.eval_fraction is not None:
-        raise ValueError("kwargs.eval_fraction: eval_split holds the held-out rows already; give one of the two")
+        raise ValueError(
+            "kwargs.eval_fraction: eval_split holds the held-out rows already; give one of the two"
+        )
     return k
 
 
@@ -425,7 +464,9 @@ def _read(name: str, k: FileKwargs, path: Path, split: str, key: str) -> tuple[l
         return read_rows(jsonl_objects(path), k)
     if name == "parquet":
         return read_rows(parquet_objects(path, k), k)
-    ds = _pick_split(load_saved(path), split, ("train",) if key == "split" else ("test", "validation"), key, path)
+    ds = _pick_split(
+        load_saved(path), split, ("train",) if key == "split" else ("test", "validation"), key, path
+    )
     return read_rows(dataset_objects(ds, path, k), k)
 
 
@@ -456,12 +497,20 @@ def load_file_source(name: str, kwargs: dict[str, Any]) -> FileSource:
     if bad:
         for line in bad[SHOWN_BAD_ROWS:LOGGED_BAD_ROWS]:
             log.warning("%s: skipped bad row %s", name, line)
-        logged = f", {min(len(bad), LOGGED_BAD_ROWS)} in the services' logs" if len(bad) > SHOWN_BAD_ROWS else ""
+        logged = (
+            f", {min(len(bad), LOGGED_BAD_ROWS)} in the services' logs" if len(bad) > SHOWN_BAD_ROWS else ""
+        )
         notices.append(f"{k.path}: {len(bad)} bad rows skipped (on_bad_row: skip){logged}")
     source = FileSource(name, k, train, heldout, bad, notices)
     for line in source.notices:
         log.warning("%s: %s", name, line)
-    log.info("%s: %s: %d training rows, %d held-out prompts", name, k.path, source.train_count, source.heldout_count)
+    log.info(
+        "%s: %s: %d training rows, %d held-out prompts",
+        name,
+        k.path,
+        source.train_count,
+        source.heldout_count,
+    )
     return source
 
 

@@ -49,7 +49,11 @@ def problem(rng: random.Random) -> tuple[tuple[int, str, int], dict[str, str]]:
         a, b = b, a
     prompt = rng.choice(TEMPLATES[op]).format(name=rng.choice(NAMES), things=rng.choice(THINGS), a=a, b=b)
     answer = a + b if op == "+" else a - b
-    return (a, op, b), {"prompt": prompt, "answer": str(answer), "solution": f"{a}{op}{b};{scratchpad(a, op, b)}"}
+    return (a, op, b), {
+        "prompt": prompt,
+        "answer": str(answer),
+        "solution": f"{a}{op}{b};{scratchpad(a, op, b)}",
+    }
 
 
 def make(n_train: int, n_eval: int, seed: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
