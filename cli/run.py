@@ -117,6 +117,8 @@ def check_domains(cfg: Any) -> None:
             source = make_source(d.source, **d.kwargs)
         except (TypeError, ValueError, KeyError) as e:
             raise ConfigError(f"{key}.kwargs {d.kwargs} do not suit task source {d.source!r}: {e}") from None
+        for line in getattr(source, "notices", ()):  # e.g. a file source's skipped bad rows
+            console.print(f"warning: {key.removeprefix('config: ')}: {line}", markup=False)
         try:  # the trainer evaluates on it: a source too small for data.heldout_size fails here, not there
             source.heldout(cfg.data.heldout_size)
         except (ValueError, RuntimeError) as e:

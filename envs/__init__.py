@@ -3,6 +3,7 @@
 from envs import (
     arith,
     code,
+    files,
     frozenlake,
     gym_text,
     instruct,
@@ -40,6 +41,7 @@ __all__ = [
     "code",
     "episodic_domains",
     "extract_answer",
+    "files",
     "frozenlake",
     "get_verifier",
     "gym_text",

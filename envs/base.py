@@ -71,6 +71,9 @@ class Problem:
     """What the verifier compares against."""
     verifier: str
     """The source's default verifier name."""
+    system_prompt: str = ""
+    """This problem's own system turn (a file row's ``system_key``); empty = its domain's
+    ``system_prompt``, else ``model.system_prompt``."""
 
 
 @runtime_checkable

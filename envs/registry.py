@@ -1,8 +1,8 @@
 """Registries of task sources, verifiers and multi-step environments, by name.
 
 ``register_*`` are decorators; lookups raise ``KeyError`` naming what is registered.
-Built-ins (``arith``; ``exact``, ``math``, ``format``) register themselves when ``envs`` is
-imported.
+Built-ins (sources ``arith``, ``jsonl``, ``parquet``, ``dataset``, ...; verifiers ``exact``,
+``math``, ``format``, ...) register themselves when ``envs`` is imported.
 """
 
 from __future__ import annotations

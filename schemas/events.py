@@ -93,6 +93,9 @@ class RolloutTask(Event, frozen=True, kw_only=True):
     """``rollout.group_size_redundancy``: the group has ``group_size + redundancy`` tasks (indices
     ``0 .. group_size + redundancy - 1``) of which the first ``group_size`` to finish are kept.
     (Added after v4.)"""
+    system_prompt: str = ""
+    """The prompt's own system turn (a file source's ``system_key``); empty = the domain's
+    ``system_prompt``, else ``model.system_prompt``. (Added after v8.)"""
 
 
 # --------------------------------------------------------------------------- environments

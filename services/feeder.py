@@ -153,6 +153,7 @@ class Feeder(BatchService):
                 run_id=self.s.run_id, sample_id=ev.sample_id_of(group_id, j), group_id=group_id, index=j, group_size=n,
                 prompt_id=problem.prompt_id, domain=domains[i].name, prompt=problem.prompt,
                 reference=problem.reference, policy_version=self.version, env=env, redundancy=r,
+                system_prompt=problem.system_prompt,
             )
             for j in range(n + r)
         ]

@@ -233,7 +233,7 @@ class RolloutWorker(Service):
         params = self.params
         if task.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=task.max_new_tokens)
-        prompt_ids = self.engine.encode(task.prompt, self.system_prompts.get(task.domain))
+        prompt_ids = self.engine.encode(task.prompt, task.system_prompt or self.system_prompts.get(task.domain))
         req = GenerationRequest(task.sample_id, prompt_ids, params)
         completion = None
         async for c in self.engine.generate([req]):

@@ -40,6 +40,10 @@ class Problem(Protocol):
     def prompt(self) -> str: ...
     @property
     def reference(self) -> str: ...
+    @property
+    def system_prompt(self) -> str:
+        """The problem's own system turn; empty = its domain's."""
+        ...
 
 
 class Answer(Protocol):
@@ -133,7 +137,7 @@ async def _answers(engine: Engine[P], domain: Domain[P], params: P, k: int, name
     prompts: list[tuple[str, list[int]]] = []
     by_id: dict[str, Problem] = {}
     for p in domain.problems:
-        prompt_ids = engine.encode(p.prompt, domain.system_prompt)  # once per problem, shared by its k
+        prompt_ids = engine.encode(p.prompt, p.system_prompt or domain.system_prompt)  # once per problem, shared by its k
         for j in range(k):
             rid = f"{p.prompt_id}#{j}" if k > 1 else p.prompt_id
             prompts.append((rid, prompt_ids))

@@ -271,7 +271,19 @@ def domains(cfg: RunConfig) -> str | None:
         if d.system_prompt and cfg.model.chat_template is False:
             return (f"data.domains[{i}].system_prompt is set but model.chat_template=false "
                     "(a system prompt needs the chat template; prepend it to the prompts instead)")
+        if d.kwargs.get("system_key") and not _may_chat(cfg.model):
+            return (f"data.domains[{i}].kwargs.system_key is set but the model has no chat template "
+                    "(model.chat_template=false, or a tiny model without model.init.chat_template); "
+                    "a system prompt needs one")
     return None
+
+
+def _may_chat(m: ModelConfig) -> bool:
+    """Whether prompts may go through a chat template: not ``chat_template: false``, and a tiny
+    model only with ``init.chat_template`` (a model directory may have one: checked on disk)."""
+    if m.chat_template is False:
+        return False
+    return bool(m.path or m.source or m.init.chat_template)
 
 
 @rule

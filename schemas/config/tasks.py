@@ -76,14 +76,16 @@ class DomainConfig(Section):
     name: NonEmptyStr
     """Domain tag carried by every task of this domain."""
     source: str = "arith"
-    """Registered task source (procedural generator or shipped dataset)."""
+    """Registered task source: a procedural generator (``arith``, ``reasoning_gym``, the
+    environments, ...) or your own file (``jsonl``, ``parquet``, ``dataset``: docs/data.md)."""
     verifier: str = ""
     """Registered verifier; empty = the source's default."""
     ratio: NonNegativeFloat = 1.0
     """Relative share of prompts from this domain (normalised over domains)."""
     kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
     """Arguments of the task source (for ``reasoning_gym``: ``dataset`` plus that generator's own
-    arguments)."""
+    arguments; for the file sources: ``path``, ``prompt_key``, ``answer_key``, ... in docs/data.md).
+    Checked before anything starts."""
     verifier_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
     """Arguments of the verifier (e.g. ``pattern`` for ``format``)."""
     answer: Literal["raw", "tag", "boxed", "auto"] = "raw"

@@ -67,7 +67,8 @@ def warm_up(strategy: Strategy, cfg: RunConfig, sources: Sequence[Any], chat: bo
                     continue
                 demo = format_answer(src.demonstration(p, rng), domain.answer)
                 target = [*tok(demo, add_special_tokens=False)["input_ids"], tok.eos_token_id]
-                out.append(SFTExample(encode_prompt(tok, p.prompt, chat=chat, system_prompt=system), target))
+                prompt = encode_prompt(tok, p.prompt, chat=chat, system_prompt=p.system_prompt or system)
+                out.append(SFTExample(prompt, target))
             yield out
 
     return strategy.warmup(batches(), lr=cfg.train.warmup_lr, grad_clip=cfg.train.grad_clip)

@@ -151,3 +151,13 @@ def test_drain_origin_added_after_v7_defaults_to_the_trainer_in_old_payloads() -
     assert isinstance(new, ev.Drain) and new.origin == "user" and new.reason == "end"
     with pytest.raises(msgspec.ValidationError, match="origin"):
         dec.decode(msgspec.msgpack.encode({"kind": "Drain", "run_id": "r", "origin": "someone"}))
+
+
+def test_task_system_prompt_added_after_v8_defaults_to_the_domains_in_old_payloads() -> None:
+    """RolloutTask.system_prompt (a file row's own system turn): a v8 task has none (the domain's
+    applies), a v9 one carries it."""
+    dec = msgspec.msgpack.Decoder(TOPICS["tasks"].event_type)
+    old = dec.decode((FIXTURES / "v8" / "RolloutTask.msgpack").read_bytes())
+    assert isinstance(old, ev.RolloutTask) and old.system_prompt == "" and old.prompt == "12+7="
+    new = dec.decode((FIXTURES / "v9" / "RolloutTask.msgpack").read_bytes())
+    assert isinstance(new, ev.RolloutTask) and new.system_prompt == "Answer with a number."

@@ -3,6 +3,9 @@ and the feeder on the runtime against the real broker (restart, dead letters, en
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from schemas import events as ev
 from schemas.config import parse_config
 from services.feeder import Feeder, FeederSettings
@@ -214,6 +217,21 @@ def test_multi_turn_tasks_carry_their_environment() -> None:
     assert ref["kwargs"]["size"] == 3 and isinstance(ref["seed"], int)
     plain = feeder(1.0).next_group()
     assert all(t.env is None for t in plain)
+
+
+def test_a_file_rows_system_prompt_travels_with_its_tasks(tmp_path: Path) -> None:
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1), "sys": "Be brief." if i % 2 else None} for i in range(40)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = parse_config(json.dumps({"data": {"domains": [{"name": "d", "source": "jsonl", "kwargs": {
+        "path": str(path), "system_key": "sys"}}]}, "model": {"init": {"chat_template": True}},
+        "rollout": {"group_size": 2}, "train": {"batch_size": 4}}))
+    f = Feeder(FeederSettings(run_id="r", config=cfg))
+    groups = [f.group_tasks(k) for k in range(12)]
+    for group in groups:
+        row = rows[int(group[0].prompt.split("+")[0])]
+        assert [t.system_prompt for t in group] == [row["sys"] or ""] * 2
+    assert {g[0].system_prompt for g in groups} == {"", "Be brief."}
 
 
 def test_redundant_groups_issue_n_plus_r_tasks_within_a_grown_bound() -> None:

@@ -16,6 +16,7 @@ class Q:
     prompt_id: str
     prompt: str
     reference: str
+    system_prompt: str = ""
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,13 @@ async def test_the_greedy_pass_and_the_mean_of_k_sampled_answers() -> None:
     assert sorted(greedy) == [(f"p{i}", [4]) for i in range(4)]  # one request per problem, its prompt's ids
     assert sorted(sampled) == sorted(f"p{i}#{j}" for i in range(4) for j in range(3))
     assert engine.encoded == [(p.prompt, "be brief") for p in problems] * 2  # once per problem and pass
+
+
+async def test_a_problem_with_its_own_system_prompt_is_encoded_with_it() -> None:
+    problems = [Q("p0", "1+1=", "2"), Q("p1", "2+2=", "4", system_prompt="answer in digits")]
+    engine = Engine(problems)
+    await evaluate(engine, [Domain("arith", problems, "be brief", score=exact)], GREEDY)
+    assert engine.encoded == [("1+1=", "be brief"), ("2+2=", "answer in digits")]
 
 
 async def test_without_a_sampled_pass_only_greedy_metrics() -> None:
