@@ -40,7 +40,7 @@ class AlgoState(msgspec.Struct, kw_only=True):
     """Algorithm state carried across steps (checkpointed)."""
 
     kl_coef: float
-    """Coefficient β of ``add_token_level_kl`` (adapted when ``target_kl`` is set)."""
+    """Coefficient β of ``add_token_level_kl`` (adapted when ``target_kl_per_token`` is set)."""
     reward_count: float = 0.0
     """Rewards seen by the ``running`` normalisation."""
     reward_mean: float = 0.0
@@ -341,11 +341,15 @@ def off_policy(
     return proximal_lp, weights, m, metrics
 
 
-def update_kl_coef(cfg: AlgorithmConfig, state: AlgoState, seq_kl_mean: float, num_samples: int) -> None:
-    """Adaptive KL controller (Ziegler et al. 2019): ``β ← β·(1 + clip(KL/target − 1, ±0.2)·n/horizon)``."""
-    if cfg.target_kl is None or not cfg.add_token_level_kl:
+def update_kl_coef(cfg: AlgorithmConfig, state: AlgoState, kl: torch.Tensor, mask: torch.Tensor,
+                   num_samples: int) -> None:
+    """Adaptive KL controller (Ziegler et al. 2019): ``β ← β·(1 + clip(KL/target − 1, ±0.2)·n/horizon)``
+    with ``KL`` the batch's mean per-token KL over the trained tokens and ``target`` =
+    ``target_kl_per_token``.  kl, mask (B, T)."""
+    if cfg.target_kl_per_token is None or not cfg.add_token_level_kl:
         return
-    error = min(max(seq_kl_mean / cfg.target_kl - 1.0, -0.2), 0.2)
+    kl_per_token = L._mmean(kl, mask)
+    error = min(max(kl_per_token / cfg.target_kl_per_token - 1.0, -0.2), 0.2)
     state.kl_coef *= 1.0 + error * num_samples / cfg.kl_horizon
 
 
@@ -484,6 +488,6 @@ def _pg(cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advantages
     """Plain policy gradient, with the ratio diagnostics of the other losses."""
     loss, metrics = L.pg_loss(logprobs, advantages, mask, cfg.loss_agg_mode, max_len=max_len)
     with torch.no_grad():
-        log_ratio = logprobs - old_logprobs  # (B, T)
+        log_ratio = L.clamp_log_ratio(logprobs - old_logprobs)  # (B, T)
         metrics.update(L._ratio_metrics(torch.exp(log_ratio), log_ratio, mask))
     return loss, metrics

@@ -186,7 +186,7 @@ class TrainConfig(Section):
 
 NormType = Literal["batch", "group", "running", "none"]
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"]
+KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "full"]
 
 
 class AlgorithmConfig(Section):
@@ -217,7 +217,9 @@ class AlgorithmConfig(Section):
 
     # --- policy loss
     pg_variant: Literal["ppo", "gspo", "topr", "cispo", "pg"] = "ppo"
-    """Policy loss: PPO clip, GSPO (sequence-level ratio), TOPR, CISPO, plain policy gradient."""
+    """Policy loss: PPO clip, GSPO (sequence-level ratio), TOPR, CISPO, plain policy gradient.
+    ``gspo`` is a per-sequence objective: it needs ``loss_agg_mode: seq-mean-token-mean`` (any
+    other aggregation is refused, not silently changed)."""
     pg_clip: NonNegativeFloat = 0.2
     """Ratio clip ε (both sides unless ``pg_clip_low`` / ``pg_clip_high`` are set)."""
     pg_clip_low: NonNegativeFloat | None = None
@@ -230,7 +232,8 @@ class AlgorithmConfig(Section):
     """Dual-clip constant ``c``."""
     loss_agg_mode: AggMode = "token-mean"
     """How per-token losses become one number: ``token-mean``, ``seq-mean-token-mean``,
-    ``seq-mean-token-sum``, ``seq-mean-token-sum-norm`` (token sum / ``rollout.max_new_tokens``)."""
+    ``seq-mean-token-sum``, ``seq-mean-token-sum-norm`` (token sum / ``rollout.max_new_tokens``).
+    ``pg_variant: gspo`` takes ``seq-mean-token-mean`` only."""
 
     # --- reward shaping
     reward_clip: PositiveFloat | None = None
@@ -288,20 +291,25 @@ class AlgorithmConfig(Section):
     """Subtract ``kl_coef · KL(π ‖ π_ref)`` per token from the rewards (loads the reference model)."""
     init_kl_coef: NonNegativeFloat = 0.05
     """Initial (or fixed) coefficient of ``add_token_level_kl``."""
-    target_kl: PositiveFloat | None = None
-    """Adaptive KL controller target (Ziegler et al. 2019); ``None`` = fixed coefficient."""
+    target_kl_per_token: PositiveFloat | None = None
+    """Adaptive KL controller target (Ziegler et al. 2019), nats per trained token: the batch's mean
+    per-token KL of ``add_token_level_kl`` is steered towards it; ``None`` = fixed coefficient.
+    (Replaces ``target_kl``, which was compared with the KL summed over each sequence.)"""
     kl_horizon: PositiveInt = 10000
     """Adaptive KL controller horizon, samples."""
     kl_penalty: KLKind = "kl"
     """KL estimator of ``add_token_level_kl``: ``kl`` (k1), ``abs``, ``mse`` (k2), ``low_var_kl`` (k3), or
-    ``full`` (exact, over the vocabulary: one more forward pass of policy and reference per step)."""
+    ``full`` (exact, over the vocabulary: one more forward pass of policy and reference per step).
+    ``k1+``/``k3+`` are refused here: they differ from k1/k3 in their gradient only, and the KL in
+    the reward has none."""
     use_kl_loss: bool = False
     """Add ``kl_loss_coef · KL(π ‖ π_ref)`` to the loss (GRPO's β·KL; loads the reference model)."""
     kl_loss_coef: NonNegativeFloat = 0.001
     """Coefficient of ``use_kl_loss``."""
     kl_loss_type: KLKind = "low_var_kl"
     """KL estimator of ``use_kl_loss`` (``full``: exact over the vocabulary; the reference model runs
-    once more per micro-batch)."""
+    once more per micro-batch). ``k1+``/``k3+``: the value of k1/k3 with the gradient of k2
+    (straight-through; the k2 gradient's expectation is the KL's gradient, k1's and k3's are not)."""
     entropy_loss_coef: float = 0.0
     """Entropy bonus coefficient (the loss gets ``− coef · entropy``)."""
 

@@ -228,3 +228,38 @@ def test_masked_mean_and_entropy() -> None:
     uniform = entropy_from_logits(torch.zeros(1, 1, 8))
     assert uniform.item() == pytest.approx(math.log(8))
     assert entropy_from_logits(torch.tensor([[[0.0, -1e9]]])).item() == pytest.approx(0.0, abs=1e-6)
+
+
+# --------------------------------------------------------------------------- defects of issue 37 (each failed before its fix)
+
+
+def test_k3_kl_has_finite_gradients_at_extreme_log_ratios_even_masked() -> None:
+    """d = log π − log π_ref = −99 overflowed exp(−d) in float32: the value was clamped but the
+    gradient was NaN, even with the position masked out of ``kl_loss``."""
+    ref = torch.tensor([[0.0, 0.0, 0.0]])
+    lp = torch.tensor([[-0.5, -99.0, 99.0]], requires_grad=True)
+    mask = torch.tensor([[1, 0, 1]])
+    loss, m = kl_loss(lp, ref, mask, coef=1.0, kind="k3")
+    loss.backward()
+    assert lp.grad is not None and torch.isfinite(lp.grad).all() and math.isfinite(m["actor/kl"])
+    assert lp.grad[0, 1].item() == 0.0  # the masked position gets no gradient
+    for kind in ("k3", "low_var_kl"):
+        x = torch.tensor([[-99.0, -25.0, 25.0, 99.0]], requires_grad=True)
+        k = kl_penalty(x, torch.zeros(1, 4), kind)  # type: ignore[arg-type]
+        k.sum().backward()
+        assert torch.isfinite(k).all() and x.grad is not None and torch.isfinite(x.grad).all()
+        assert k[0, 0].item() == 10.0  # e^{20} − 21 clamped to 10, as before
+
+
+def test_ppo_clamps_the_log_ratio_before_the_exp() -> None:
+    """With dual clip off, a log ratio of 25 made the loss ≈ 7e10 (and 100 made it inf): the log
+    ratio is clamped to ±20 before the exp (as peers do), which also stops its gradient."""
+    old = torch.zeros(1, 3)
+    lp = torch.tensor([[25.0, 100.0, -100.0]], requires_grad=True)
+    adv = torch.tensor([[-1.0, -1.0, 1.0]])
+    loss, m = ppo_loss(lp, old, adv, torch.ones(1, 3))
+    cap = math.exp(20.0)
+    assert loss.item() == pytest.approx((cap + cap - math.exp(-20.0)) / 3, rel=1e-5)
+    loss.backward()
+    assert lp.grad is not None and lp.grad[0, :2].tolist() == [0.0, 0.0] and torch.isfinite(lp.grad).all()
+    assert all(math.isfinite(v) for v in m.values()) and m["actor/ratio_max"] == pytest.approx(cap, rel=1e-5)
