@@ -10,8 +10,8 @@ this module composes them in a fixed order for a collated :class:`trainer.batch.
 3. **normalisation** (:func:`resolved_norm`, :func:`normalize`), then ``whiten_rewards``;
 4. **the estimator** named by ``adv_estimator`` → advantages (B, T);
 5. ``whiten_advantages``, ``advantage_clip``;
-6. **masks** (:func:`data_masks`, and ``masked_is`` in :func:`off_policy`);
-7. **weights** ≥ 0 multiplied into the advantages (:func:`loss_weights`, importance weights);
+6. **masks** (:func:`data_masks`, and ``masked_is`` / ``rejection`` in :func:`off_policy`);
+7. **weights** ≥ 0 multiplied into the advantages (:func:`loss_weights`, importance weights, ``icepop``);
 8. **the policy loss** named by ``pg_variant`` (:func:`policy_loss`).
 
 Estimators and policy losses are registered by name (:mod:`trainer.registry`); the built-in ones
@@ -234,13 +234,15 @@ def compute_advantages(
     """
     est = registry.estimator(cfg.adv_estimator)
     m = (mask > 0).float()  # (B, T)
+    kl = None if kl is None else L.where_mask(kl, m)  # what masked positions hold never enters
+    values = None if values is None else L.where_mask(values, m)
     r = shape_rewards(cfg, rewards)  # (B,)
     metrics: dict[str, float] = {}
     beta = state.kl_coef if cfg.add_token_level_kl else 0.0
     if cfg.add_token_level_kl:
         if kl is None:
             raise ValueError("add_token_level_kl needs the per-token KL")
-        seq_kl = (kl * m).sum(dim=1)  # (B,)
+        seq_kl = kl.sum(dim=1)  # (B,)
         metrics["actor/reward_kl"] = float(seq_kl.mean())
         metrics["actor/kl_coef"] = beta
         if not est.token_level:
@@ -337,6 +339,13 @@ def off_policy(
         metrics.update(wm)
     elif corr == "masked_is":
         m, wm = L.masked_is(proximal_lp, behaviour_lp, m, cfg.is_level, cfg.is_low, cfg.is_high)
+        metrics.update(wm)
+    elif corr == "rejection":
+        m, wm = L.rejection_mask(proximal_lp, behaviour_lp, m, cfg.rejection_level, cfg.rejection_divergence,
+                                 cfg.rejection_threshold)
+        metrics.update(wm)
+    elif corr == "icepop":
+        weights, wm = L.icepop_weights(proximal_lp, behaviour_lp, m, cfg.icepop_low, cfg.icepop_high)
         metrics.update(wm)
     return proximal_lp, weights, m, metrics
 

@@ -409,6 +409,25 @@ def _level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: ISLevel
     raise ValueError(f"unknown IS level {level!r}")
 
 
+def _in_band(log_ratio: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """``low ≤ e^{log ρ} ≤ high``, compared in log space (no overflow; ``low = 0`` has no lower bound).
+    Any shape -> bool, same shape."""
+    above = log_ratio >= math.log(low) if low > 0 else torch.ones_like(log_ratio, dtype=torch.bool)
+    return above & (log_ratio <= math.log(high))
+
+
+def _rejected_metrics(mask: torch.Tensor, new_mask: torch.Tensor) -> dict[str, float]:
+    """``offpolicy/rejected_tokens`` (trained tokens taken out), ``offpolicy/rejected_seqs`` (sequences
+    with trained tokens left with none), ``offpolicy/rejected_frac`` (share of trained tokens taken
+    out).  mask, new_mask (B, T)."""
+    before, after = mask > 0, new_mask > 0  # (B, T)
+    tokens = float((before & ~after).sum())
+    seqs = float((before.any(-1) & ~after.any(-1)).sum())
+    total = float(before.sum())
+    return {"offpolicy/rejected_tokens": tokens, "offpolicy/rejected_seqs": seqs,
+            "offpolicy/rejected_frac": tokens / total if total else 0.0}
+
+
 @torch.no_grad()
 def tis_weights(
     logprob_old_policy: torch.Tensor,
@@ -449,9 +468,8 @@ def masked_is(
     Returns the new mask (B, T) (``mask`` with those positions zeroed) and ``offpolicy/masked_frac``
     (share of trained tokens dropped), ``offpolicy/is_ratio_mean``.
     """
-    log_ratio = _level_log_ratio(logprob_old_policy - logprob_behaviour, mask, level)  # (B, T)
-    keep = (log_ratio >= math.log(low) if low > 0 else torch.ones_like(log_ratio, dtype=torch.bool)) & (
-        log_ratio <= math.log(high))  # (B, T) compared in log space: no overflow
+    log_ratio = _level_log_ratio(where_mask(logprob_old_policy - logprob_behaviour, mask), mask, level)  # (B, T)
+    keep = _in_band(log_ratio, low, high)  # (B, T)
     ratio = torch.exp(clamp_log_ratio(log_ratio))  # (B, T) for the metrics
     new_mask = mask * keep.to(mask.dtype)  # (B, T)
     metrics = {
@@ -459,3 +477,106 @@ def masked_is(
         "offpolicy/is_ratio_mean": _mmean(ratio, mask),
     }
     return new_mask, metrics
+
+
+RejectionLevel = Literal["token", "sequence"]
+Divergence = Literal["k1", "k3"]
+
+
+def rollout_divergence(log_ratio: torch.Tensor, kind: Divergence) -> torch.Tensor:
+    """Per-token divergence of the behaviour policy μ from π_old, ``log ρ = log π_old − log μ`` on
+    tokens sampled from μ: ``k1 = −log ρ`` (signed; KL(μ‖π_old) in expectation) or
+    ``k3 = ρ − 1 − log ρ`` (≥ 0, same expectation, lower variance; ``log ρ`` clamped to ±20). Any shape."""
+    if kind == "k1":
+        return -log_ratio
+    if kind == "k3":
+        lr = clamp_log_ratio(log_ratio)
+        return torch.exp(lr) - 1 - lr
+    raise ValueError(f"unknown divergence {kind!r}")
+
+
+@torch.no_grad()
+def rejection_mask(
+    logprob_old_policy: torch.Tensor,
+    logprob_behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    level: RejectionLevel = "sequence",
+    divergence: Divergence = "k3",
+    threshold: float = 0.05,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Rollout-correction rejection sampling (Liu, Li et al. 2025, "When Speed Kills Stability"; verl's
+    ``rollout_rs``): take out of the loss the tokens, or whole sequences, whose divergence
+    :func:`rollout_divergence` between π_old and μ exceeds ``threshold``.
+
+    ``token``: per token, ``|k1_t| > τ`` or ``k3_t > τ``; ``sequence``: the mean over the sequence's
+    trained tokens, ``|mean k1| > τ`` (the geometric-mean ratio outside ``[e^{−τ}, e^{τ}]``) or
+    ``mean k3 > τ``. Returns the new mask (B, T) and :func:`_rejected_metrics` plus
+    ``offpolicy/divergence_mean`` (mean per-token divergence over the trained tokens).
+    """
+    m = (mask > 0).to(logprob_old_policy.dtype)  # (B, T)
+    div = where_mask(rollout_divergence(where_mask(logprob_old_policy - logprob_behaviour, m), divergence), m)
+    score = div if level == "token" else (div.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).expand_as(div)
+    reject = (score.abs() if divergence == "k1" else score) > threshold  # (B, T)
+    new_mask = torch.where(reject, torch.zeros_like(mask), mask)  # (B, T)
+    return new_mask, {**_rejected_metrics(mask, new_mask), "offpolicy/divergence_mean": _mmean(div, m)}
+
+
+def rejection_mask_reference(
+    logprob_old_policy: list[list[float]], logprob_behaviour: list[list[float]], mask: list[list[int]],
+    level: str, divergence: str, threshold: float,
+) -> list[list[int]]:
+    """Plain-loop :func:`rejection_mask` (the definition, for tests): the new mask."""
+    out = []
+    for old, beh, row in zip(logprob_old_policy, logprob_behaviour, mask, strict=True):
+        divs = []
+        for o, b in zip(old, beh, strict=True):
+            lr = min(max(o - b, -_MAX_LOG_RATIO), _MAX_LOG_RATIO)
+            divs.append(-(o - b) if divergence == "k1" else math.exp(lr) - 1 - lr)
+        trained = [d for d, v in zip(divs, row, strict=True) if v]
+        seq = sum(trained) / len(trained) if trained else 0.0
+
+        def bad(x: float) -> bool:
+            return (abs(x) if divergence == "k1" else x) > threshold
+
+        out.append([0 if v and (bad(d) if level == "token" else bad(seq)) else v for d, v in zip(divs, row, strict=True)])
+    return out
+
+
+@torch.no_grad()
+def icepop_weights(
+    logprob_old_policy: torch.Tensor,
+    logprob_behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    low: float = 0.5,
+    high: float = 5.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """IcePop (Ling Team 2025, "Every Step Evolves: Scaling RL for Trillion-Scale Thinking Model",
+    Ring-1T): the token's importance weight ``M(k) = k`` if ``k = π_old/μ ∈ [low, high]``, else 0.
+
+    Multiply the per-token loss by ``w``: a token whose training/inference ratio leaves the band gets
+    no gradient; it stays in the normaliser (the paper's ``1/|y_i|``). Returns ``w`` (B, T) (0 on
+    masked positions, detached) and :func:`_rejected_metrics` (tokens with ``w = 0``; a sequence
+    counts when all its trained tokens do) plus ``offpolicy/is_ratio_mean``.
+    """
+    m = (mask > 0).to(logprob_old_policy.dtype)  # (B, T)
+    log_ratio = where_mask(logprob_old_policy - logprob_behaviour, m)  # (B, T)
+    keep = _in_band(log_ratio, low, high) & (m > 0)  # (B, T)
+    ratio = torch.exp(clamp_log_ratio(log_ratio))  # (B, T)
+    w = torch.where(keep, ratio, torch.zeros_like(ratio))  # (B, T)
+    return w, {**_rejected_metrics(m, keep.to(m.dtype)), "offpolicy/is_ratio_mean": _mmean(ratio, m)}
+
+
+def icepop_weights_reference(
+    logprob_old_policy: list[list[float]], logprob_behaviour: list[list[float]], mask: list[list[int]],
+    low: float, high: float,
+) -> list[list[float]]:
+    """Plain-loop :func:`icepop_weights` (the definition, for tests): the weights."""
+    out = []
+    for old, beh, row in zip(logprob_old_policy, logprob_behaviour, mask, strict=True):
+        ws = []
+        for o, b, v in zip(old, beh, row, strict=True):
+            lr = o - b
+            in_band = (low == 0 or lr >= math.log(low)) and lr <= math.log(high)
+            ws.append(math.exp(min(max(lr, -_MAX_LOG_RATIO), _MAX_LOG_RATIO)) if v and in_band else 0.0)
+        out.append(ws)
+    return out

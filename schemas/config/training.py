@@ -329,10 +329,14 @@ class AlgorithmConfig(Section):
     """The ratio's denominator: the rollout engine's ``behaviour`` logprobs (the ratio corrects for
     staleness directly) or logprobs ``recompute``d by the trainer at the start of the step (PPO's
     proximal policy; needed by the corrections below)."""
-    off_policy_correction: Literal["none", "tis", "masked_is", "decoupled"] = "none"
+    off_policy_correction: Literal["none", "tis", "masked_is", "decoupled", "rejection", "icepop"] = "none"
     """With ``old_logprobs: recompute``: ``tis`` (truncated importance weight ``min(π_old/μ, is_cap)``),
-    ``masked_is`` (tokens with ``π_old/μ`` outside ``[is_low, is_high]`` are not trained) or
-    ``decoupled`` (AReaL's decoupled PPO: ``min(π_prox/μ, is_cap) ×`` PPO-clip of ``π/π_prox``; token level)."""
+    ``masked_is`` (tokens with ``π_old/μ`` outside ``[is_low, is_high]`` are not trained),
+    ``decoupled`` (AReaL's decoupled PPO: ``min(π_prox/μ, is_cap) ×`` PPO-clip of ``π/π_prox``; token level),
+    ``rejection`` (tokens or sequences whose k1/k3 divergence between π_old and μ exceeds
+    ``rejection_threshold`` are not trained; ``rejection_*`` keys) or ``icepop`` (IcePop: weight
+    ``π_old/μ`` inside ``[icepop_low, icepop_high]``, 0 outside). ``rejection`` and ``icepop`` record
+    ``offpolicy/rejected_tokens`` and ``offpolicy/rejected_seqs`` per step."""
     is_level: Literal["token", "sequence", "geometric"] = "token"
     """Level of the ``tis`` / ``masked_is`` ratio."""
     is_cap: PositiveFloat = 2.0
@@ -341,6 +345,19 @@ class AlgorithmConfig(Section):
     """Lower bound of ``masked_is``."""
     is_high: AboveOne = 2.0
     """Upper bound of ``masked_is``."""
+    rejection_level: Literal["token", "sequence"] = "sequence"
+    """``rejection``: reject single ``token``s, or whole ``sequence``s by the mean divergence over
+    their trained tokens."""
+    rejection_divergence: Literal["k1", "k3"] = "k3"
+    """``rejection``: the per-token divergence of μ from π_old (``log ρ = log π_old − log μ``):
+    ``k1 = −log ρ``, compared by its magnitude (a band ``ρ ∈ [e^{−τ}, e^{τ}]``; per sequence, on
+    the geometric-mean ratio), or ``k3 = ρ − 1 − log ρ`` (≥ 0, lower variance)."""
+    rejection_threshold: PositiveFloat = 0.05
+    """``rejection``: the threshold ``τ``, nats (per token, or the sequence's mean per token)."""
+    icepop_low: FractionBelowOne = 0.5
+    """``icepop``: lower end ``α`` of the band of ``π_old/μ`` that keeps its weight (0 = none)."""
+    icepop_high: AboveOne = 5.0
+    """``icepop``: upper end ``β`` of that band."""
     norm_std: bool | None = None
     """Deprecated (configs before the algorithm suite): ``false`` = ``norm_std_type: none``,
     ``true`` = the estimator's default. Kept so recorded runs still load."""

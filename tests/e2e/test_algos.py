@@ -18,7 +18,9 @@ TINY = ["train.steps=2", "train.warmup_sft_steps=5", "train.eval_every=0", "trai
         "data.heldout_size=8", "rollout.group_size=4", "train.batch_size=16", "train.micro_batch_size=8"]
 EXAMPLES = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "examples" / "algos").glob("*.yaml"))
 # a metric only this estimator's step produces
-OWN_METRIC = {"gae": "loss/value", "raft": "raft/kept_frac"}
+OWN_METRIC = {"gae": "loss/value", "raft": "raft/kept_frac", "rejection": "offpolicy/rejected_seqs",
+              "icepop": "offpolicy/rejected_tokens"}
+CORRECTIONS = {"rejection", "icepop"}  # algorithm.off_policy_correction values with an example of their own
 
 
 def test_there_is_one_example_per_estimator() -> None:
@@ -26,8 +28,10 @@ def test_there_is_one_example_per_estimator() -> None:
 
     from schemas.config import AlgorithmConfig
 
-    estimators = set(get_args(get_type_hints(AlgorithmConfig)["adv_estimator"]))
-    assert set(EXAMPLES) == estimators
+    hints = get_type_hints(AlgorithmConfig)
+    estimators = set(get_args(hints["adv_estimator"]))
+    assert CORRECTIONS <= set(get_args(hints["off_policy_correction"]))
+    assert set(EXAMPLES) == estimators | CORRECTIONS
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
@@ -40,7 +44,8 @@ def test_example_runs_through_the_bus(tmp_path: Path, bootstrap: str, repo_root:
     assert res.returncode == 0, res.stdout + res.stderr
     summary = json.loads((runs / run_id / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["samples"]["unaccounted"] == 0
-    assert summary["config"]["algorithm"]["adv_estimator"] == name
+    key = "off_policy_correction" if name in CORRECTIONS else "adv_estimator"
+    assert summary["config"]["algorithm"][key] == name
     rows = sql(f"SELECT step, metrics FROM train_steps FINAL WHERE run_id = '{run_id}' ORDER BY step", runs, run_id, env)
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:

@@ -223,6 +223,15 @@ def test_off_policy_corrections() -> None:
     assert metrics["offpolicy/truncated_frac"] == pytest.approx(0.25)
     _, w, m, metrics = alg.off_policy(algo(old_logprobs="recompute", off_policy_correction="masked_is"), mask, behav, prox)
     assert w is None and m.tolist() == [[0, 1], [0, 1]] and metrics["offpolicy/masked_frac"] == pytest.approx(0.5)
+    # rejection, sequence level, k3: seq 0 mean k3 = (3 − 1 − ln 3)/2 ≈ 0.45, seq 1 = (0.25 − 1 + ln 4)/2 ≈ 0.32
+    rej = algo(old_logprobs="recompute", off_policy_correction="rejection", rejection_threshold=0.4)
+    _, w, m, metrics = alg.off_policy(rej, mask, behav, prox)
+    assert w is None and m.tolist() == [[0, 0], [1, 1]]
+    assert (metrics["offpolicy/rejected_tokens"], metrics["offpolicy/rejected_seqs"]) == (2.0, 1.0)
+    # icepop [0.5, 5]: ratio 3 keeps its weight, 0.25 leaves the band (weight 0, still in the mask)
+    _, w, m, metrics = alg.off_policy(algo(old_logprobs="recompute", off_policy_correction="icepop"), mask, behav, prox)
+    assert w is not None and w.flatten().tolist() == pytest.approx([3.0, 1.0, 0.0, 1.0]) and m.tolist() == mask.tolist()
+    assert (metrics["offpolicy/rejected_tokens"], metrics["offpolicy/rejected_seqs"]) == (1.0, 0.0)
 
 
 def test_turn_index_splits_agent_turns() -> None:

@@ -13,12 +13,17 @@ from trainer.losses import (
     entropy_from_logits,
     entropy_loss,
     gspo_loss,
+    icepop_weights,
+    icepop_weights_reference,
     kl_loss,
     kl_penalty,
+    kl_penalty_straight_through_reference,
     masked_is,
     masked_mean,
     pg_loss,
     ppo_loss,
+    rejection_mask,
+    rejection_mask_reference,
     tis_weights,
     topr_loss,
     value_loss,
@@ -263,3 +268,55 @@ def test_ppo_clamps_the_log_ratio_before_the_exp() -> None:
     loss.backward()
     assert lp.grad is not None and lp.grad[0, :2].tolist() == [0.0, 0.0] and torch.isfinite(lp.grad).all()
     assert all(math.isfinite(v) for v in m.values()) and m["actor/ratio_max"] == pytest.approx(cap, rel=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.floats(-30, 0), st.floats(-30, 0)), min_size=1, max_size=6),
+       st.sampled_from(["k1+", "k3+"]))
+def test_straight_through_kl_matches_the_loop(pairs: list[tuple[float, float]], kind: str) -> None:
+    """``k1+``/``k3+``: the value of k1/k3, the gradient of k2 (``∂/∂log π = d``), as the loop twin says."""
+    lp_list, ref_list = [p for p, _ in pairs], [r for _, r in pairs]
+    want_v, want_g = kl_penalty_straight_through_reference(lp_list, ref_list, kind)
+    lp = torch.tensor([lp_list], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([ref_list], dtype=torch.float64)
+    v = kl_penalty(lp, ref, kind)  # type: ignore[arg-type]
+    v.sum().backward()
+    assert lp.grad is not None
+    assert v[0].tolist() == pytest.approx(want_v, rel=1e-12, abs=1e-12)
+    assert lp.grad[0].tolist() == pytest.approx(want_g, rel=1e-12, abs=1e-12)
+    base = kl_penalty(lp.detach(), ref, kind[:2])  # type: ignore[arg-type]
+    assert torch.equal(v.detach(), base)  # the value is exactly k1's / k3's
+
+
+def test_rejection_by_hand() -> None:
+    old = torch.tensor([[math.log(3.0), 0.0, 0.0], [math.log(0.9), math.log(1.1), 7.0]])
+    beh = torch.zeros(2, 3)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    k3_3 = 3 - 1 - math.log(3)  # ≈ 0.90
+    nm, m = rejection_mask(old, beh, mask, "token", "k3", threshold=0.5)
+    assert nm.tolist() == [[0, 1, 1], [1, 1, 0]]
+    assert (m["offpolicy/rejected_tokens"], m["offpolicy/rejected_seqs"], m["offpolicy/rejected_frac"]) == (1.0, 0.0, 0.2)
+    nm, m = rejection_mask(old, beh, mask, "sequence", "k3", threshold=k3_3 / 3 - 1e-3)  # seq 0's mean is k3_3 / 3
+    assert nm.tolist() == [[0, 0, 0], [1, 1, 0]] and m["offpolicy/rejected_seqs"] == 1.0
+    nm, _ = rejection_mask(old, beh, mask, "sequence", "k1", threshold=0.01)  # |mean k1|: ln3/3 and ~0.0045
+    assert nm.tolist() == [[0, 0, 0], [1, 1, 0]]
+    nm, _ = rejection_mask(old, beh, mask, "token", "k1", threshold=0.1)  # |ln 0.9| = 0.105, |ln 1.1| = 0.095
+    assert nm.tolist() == [[0, 1, 1], [0, 1, 0]]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 5), st.integers(0, 10_000), st.sampled_from(["token", "sequence"]),
+       st.sampled_from(["k1", "k3"]), st.floats(1e-3, 2.0), st.floats(0.0, 0.99), st.floats(1.01, 10.0))
+def test_rejection_and_icepop_match_their_loops(b: int, t: int, seed: int, level: str, div: str, tau: float,
+                                                low: float, high: float) -> None:
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3
+    beh = old + torch.randn(b, t, generator=g, dtype=torch.float64) * torch.rand(1, generator=g, dtype=torch.float64)
+    mask = (torch.rand(b, t, generator=g) < 0.7).long()
+    nm, m = rejection_mask(old, beh, mask, level, div, tau)  # type: ignore[arg-type]
+    want = rejection_mask_reference(old.tolist(), beh.tolist(), mask.tolist(), level, div, tau)
+    assert nm.tolist() == want
+    assert m["offpolicy/rejected_tokens"] == float((mask > 0).sum() - (torch.tensor(want) > 0).sum())
+    w, _ = icepop_weights(old, beh, mask, low, high)
+    want_w = icepop_weights_reference(old.tolist(), beh.tolist(), mask.tolist(), low, high)
+    assert w.flatten().tolist() == pytest.approx([x for row in want_w for x in row], rel=1e-12, abs=0.0)
