@@ -1,6 +1,7 @@
 """Do the advantage estimators learn? The main example task, once per estimator, side by side.
 
-For each estimator (default: grpo, gae, rloo, reinforce, dr_grpo) this runs
+For each estimator (default: grpo, gae, rloo, reinforce, dr_grpo, and GRPO with the rollout
+corrections rejection and icepop) this runs
 ``rollstream run examples/algos/<name>.yaml`` as a subprocess — the real thing: local Kafka
 broker, every service in its own process, the embedded store — with the same seed and the same
 overrides (``--steps`` RL steps; everything else as in the example), one after the other, and
@@ -29,6 +30,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ["grpo", "gae", "rloo", "reinforce", "dr_grpo"]
+CORRECTIONS = ["rejection", "icepop"]  # GRPO with a rollout correction (off_policy_correction), one row each
 
 
 def run_one(name: str, steps: int, runs_dir: Path, extra: list[str], tag: str) -> dict[str, Any]:
@@ -71,7 +73,8 @@ def expand(spec: str) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60, help="RL steps per estimator (default 60)")
-    ap.add_argument("--estimators", default=",".join(DEFAULT), help="comma-separated examples/algos names")
+    ap.add_argument("--estimators", default=",".join(DEFAULT + CORRECTIONS),
+                    help="comma-separated examples/algos names")
     ap.add_argument("--runs-dir", default="", help="where the runs go (default: a temporary directory)")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra config override for every run")
     ap.add_argument("--min-gain", type=float, default=20.0, help="points an estimator must gain (default 20)")

@@ -96,16 +96,17 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: fl
     """``(x − μ) / sqrt(σ² + eps)`` with μ, σ² the mean and population variance over ``mask``.
 
     x, mask (B, T) (or any equal shapes) -> same shape, 0 on masked positions. ``shift_mean=False``
-    adds μ back (scale only). Masked values never influence the result.
+    adds μ back (scale only). Masked values never influence the result, whatever they hold.
     """
-    m = (mask > 0).to(x.dtype)
-    n = m.sum().clamp(min=1)
-    mean = (x * m).sum() / n  # ()
-    var = (((x - mean) * m) ** 2).sum() / n  # () population variance
-    out = (x - mean) * torch.rsqrt(var + eps)
+    m = mask > 0
+    xm = torch.where(m, x, torch.zeros_like(x))  # masked positions out before any arithmetic
+    n = m.sum().clamp(min=1).to(x.dtype)
+    mean = xm.sum() / n  # ()
+    var = torch.where(m, xm - mean, torch.zeros_like(x)).square().sum() / n  # () population variance
+    out = (xm - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return out * m
+    return torch.where(m, out, torch.zeros_like(out))
 
 
 def clip_rewards(rewards: torch.Tensor, low: float = -1.0, high: float = 1.0) -> torch.Tensor:
@@ -259,7 +260,7 @@ def reinforce_plus_plus_advantages(
     if group_ids is not None:
         r = r - group_mean(r, group_ids)
     m = (mask > 0).float()  # (B, T)
-    tok = torch.zeros_like(m) if kl is None else -kl_coef * kl.float() * m  # (B, T)
+    tok = torch.zeros_like(m) if kl is None else -kl_coef * torch.where(m > 0, kl.float(), 0.0)  # (B, T)
     last = (m * torch.arange(m.shape[1])).argmax(dim=1)  # (B,) last trained position
     has = m.sum(dim=1) > 0  # (B,)
     tok = tok.scatter_add(1, last.unsqueeze(1), (r * has).unsqueeze(1))  # (B, T)

@@ -10,8 +10,8 @@ this module composes them in a fixed order for a collated :class:`trainer.batch.
 3. **normalisation** (:func:`resolved_norm`, :func:`normalize`), then ``whiten_rewards``;
 4. **the estimator** named by ``adv_estimator`` → advantages (B, T);
 5. ``whiten_advantages``, ``advantage_clip``;
-6. **masks** (:func:`data_masks`, and ``masked_is`` in :func:`off_policy`);
-7. **weights** ≥ 0 multiplied into the advantages (:func:`loss_weights`, importance weights);
+6. **masks** (:func:`data_masks`, and ``masked_is`` / ``rejection`` in :func:`off_policy`);
+7. **weights** ≥ 0 multiplied into the advantages (:func:`loss_weights`, importance weights, ``icepop``);
 8. **the policy loss** named by ``pg_variant`` (:func:`policy_loss`).
 
 Estimators and policy losses are registered by name (:mod:`trainer.registry`); the built-in ones
@@ -40,7 +40,7 @@ class AlgoState(msgspec.Struct, kw_only=True):
     """Algorithm state carried across steps (checkpointed)."""
 
     kl_coef: float
-    """Coefficient β of ``add_token_level_kl`` (adapted when ``target_kl`` is set)."""
+    """Coefficient β of ``add_token_level_kl`` (adapted when ``target_kl_per_token`` is set)."""
     reward_count: float = 0.0
     """Rewards seen by the ``running`` normalisation."""
     reward_mean: float = 0.0
@@ -234,13 +234,15 @@ def compute_advantages(
     """
     est = registry.estimator(cfg.adv_estimator)
     m = (mask > 0).float()  # (B, T)
+    kl = None if kl is None else L.where_mask(kl, m)  # what masked positions hold never enters
+    values = None if values is None else L.where_mask(values, m)
     r = shape_rewards(cfg, rewards)  # (B,)
     metrics: dict[str, float] = {}
     beta = state.kl_coef if cfg.add_token_level_kl else 0.0
     if cfg.add_token_level_kl:
         if kl is None:
             raise ValueError("add_token_level_kl needs the per-token KL")
-        seq_kl = (kl * m).sum(dim=1)  # (B,)
+        seq_kl = kl.sum(dim=1)  # (B,)
         metrics["actor/reward_kl"] = float(seq_kl.mean())
         metrics["actor/kl_coef"] = beta
         if not est.token_level:
@@ -338,14 +340,25 @@ def off_policy(
     elif corr == "masked_is":
         m, wm = L.masked_is(proximal_lp, behaviour_lp, m, cfg.is_level, cfg.is_low, cfg.is_high)
         metrics.update(wm)
+    elif corr == "rejection":
+        m, wm = L.rejection_mask(proximal_lp, behaviour_lp, m, cfg.rejection_level, cfg.rejection_divergence,
+                                 cfg.rejection_threshold)
+        metrics.update(wm)
+    elif corr == "icepop":
+        weights, wm = L.icepop_weights(proximal_lp, behaviour_lp, m, cfg.icepop_low, cfg.icepop_high)
+        metrics.update(wm)
     return proximal_lp, weights, m, metrics
 
 
-def update_kl_coef(cfg: AlgorithmConfig, state: AlgoState, seq_kl_mean: float, num_samples: int) -> None:
-    """Adaptive KL controller (Ziegler et al. 2019): ``β ← β·(1 + clip(KL/target − 1, ±0.2)·n/horizon)``."""
-    if cfg.target_kl is None or not cfg.add_token_level_kl:
+def update_kl_coef(cfg: AlgorithmConfig, state: AlgoState, kl: torch.Tensor, mask: torch.Tensor,
+                   num_samples: int) -> None:
+    """Adaptive KL controller (Ziegler et al. 2019): ``β ← β·(1 + clip(KL/target − 1, ±0.2)·n/horizon)``
+    with ``KL`` the batch's mean per-token KL over the trained tokens and ``target`` =
+    ``target_kl_per_token``.  kl, mask (B, T)."""
+    if cfg.target_kl_per_token is None or not cfg.add_token_level_kl:
         return
-    error = min(max(seq_kl_mean / cfg.target_kl - 1.0, -0.2), 0.2)
+    kl_per_token = L._mmean(kl, mask)
+    error = min(max(kl_per_token / cfg.target_kl_per_token - 1.0, -0.2), 0.2)
     state.kl_coef *= 1.0 + error * num_samples / cfg.kl_horizon
 
 
@@ -484,7 +497,7 @@ def _pg(cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advantages
     """Plain policy gradient, with the ratio diagnostics of the other losses."""
     loss, metrics = L.pg_loss(logprobs, advantages, mask, cfg.loss_agg_mode, max_len=max_len)
     with torch.no_grad():
-        log_ratio = logprobs - old_logprobs  # (B, T)
+        log_ratio = L.clamp_log_ratio(logprobs - old_logprobs)  # (B, T)
         metrics.update(L._ratio_metrics(torch.exp(log_ratio), log_ratio, mask))
     return loss, metrics
 

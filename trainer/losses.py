@@ -17,18 +17,30 @@ from typing import Literal
 import torch
 
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"]
+KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "full"]
 ISLevel = Literal["token", "sequence", "geometric"]
 
-_MAX_LOG_RATIO = 20.0  # clamp before exp of summed log ratios (overflow guard)
+_MAX_LOG_RATIO = 20.0  # |log ratio| cap before every exp (float32 overflows past ~88; peers clamp at 20)
+
+
+def clamp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """``clamp(log ρ, −20, 20)`` before an ``exp``: finite values and gradients for any finite input
+    (the gradient is 0 beyond the bound). Any shape."""
+    return log_ratio.clamp(min=-_MAX_LOG_RATIO, max=_MAX_LOG_RATIO)
+
+
+def where_mask(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` on trained positions, 0 elsewhere, whatever ``x`` holds there (``x · mask`` would turn
+    an overflowed value under the mask into NaN).  x, mask (B, T) -> (B, T)."""
+    return torch.where(mask > 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 # --------------------------------------------------------------------------- masked reductions
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sum of ``x`` where ``mask`` is 1.  x, mask (B, T) -> ()."""
-    return (x * mask).sum()
+    """Sum of ``x · mask`` over the positions where ``mask > 0``.  x, mask (B, T) -> ()."""
+    return (where_mask(x, mask) * mask).sum()
 
 
 def masked_mean(
@@ -66,7 +78,7 @@ def aggregate(
     Sequence means run over sequences with at least one trained token; an all-zero mask gives 0.
     """
     m = (mask > 0).to(loss_mat.dtype)  # (B, T)
-    tok_sum = (loss_mat * m).sum(dim=-1)  # (B,)
+    tok_sum = where_mask(loss_mat, m).sum(dim=-1)  # (B,)
     tok_cnt = m.sum(dim=-1)  # (B,)
     if mode == "token-mean":
         return tok_sum.sum() / tok_cnt.sum().clamp(min=1)
@@ -82,8 +94,15 @@ def aggregate(
     return (seq * seq_valid).sum() / seq_valid.sum().clamp(min=1)
 
 
-def _adv(advantages: torch.Tensor) -> torch.Tensor:
-    return advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
+def _adv(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Advantages (B,) -> (B, 1); (B, T) -> (B, T) zeroed on masked positions."""
+    return advantages.unsqueeze(-1) if advantages.dim() == 1 else where_mask(advantages, mask)
+
+
+def _clean(mask: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each (B, T) input zeroed on masked positions, so whatever they hold (padding, garbage)
+    changes no value and gets no gradient (0 · overflow would be NaN)."""
+    return tuple(where_mask(x, mask) for x in xs)
 
 
 def _mmean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -117,11 +136,13 @@ def ppo_loss(
 
     ``ℓ = max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high))``; with ``dual_clip`` (Ye et al. 2020) the loss of
     a negative-advantage token is also capped at ``−c·A`` (ratio ≫ 1 cannot blow it up):
-    ``ℓ = min(ℓ, −c·A)`` where ``A < 0``. Metrics: ``loss/policy``, ``loss/clipfrac``,
-    ``loss/clipfrac_dual``, ``actor/ratio_*``, ``actor/approx_kl``.
+    ``ℓ = min(ℓ, −c·A)`` where ``A < 0``. ``log ρ`` is clamped to ±20 first (as peers do: a token
+    that far off-policy gets no gradient, and the loss stays finite). Metrics: ``loss/policy``,
+    ``loss/clipfrac``, ``loss/clipfrac_dual``, ``actor/ratio_*``, ``actor/approx_kl`` (of the clamped ratio).
     """
-    adv = _adv(advantages)  # (B, 1) or (B, T)
-    log_ratio = logprobs - old_logprobs  # (B, T)
+    adv = _adv(advantages, mask)  # (B, 1) or (B, T)
+    logprobs, old_logprobs = _clean(mask, logprobs, old_logprobs)
+    log_ratio = clamp_log_ratio(logprobs - old_logprobs)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     pg_loss1 = -adv * ratio  # (B, T)
     pg_loss2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)  # (B, T)
@@ -158,12 +179,13 @@ def gspo_loss(
     ``ℓ = max(−A·s, −A·clip(s, 1−ε_low, 1+ε_high))``, aggregated per sequence. Differs from PPO in
     that a sequence is clipped as a whole; clip ranges are ~1e-4 since ``s`` is length-normalised.
     """
-    adv = _adv(advantages)
+    adv = _adv(advantages, mask)  # (B, 1) or (B, T)
+    logprobs, old_logprobs = _clean(mask, logprobs, old_logprobs)
     m = (mask > 0).to(logprobs.dtype)  # (B, T)
-    log_ratio = logprobs - old_logprobs  # (B, T)
-    seq_log_ratio = (log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1)  # (B,)
-    log_s = seq_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()  # (B, T)
-    ratio = torch.exp(log_s.clamp(max=_MAX_LOG_RATIO))  # (B, T)
+    log_ratio = logprobs - old_logprobs  # (B, T) 0 on masked positions
+    seq_log_ratio = log_ratio.sum(-1) / m.sum(-1).clamp(min=1)  # (B,)
+    log_s = clamp_log_ratio(seq_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach())  # (B, T)
+    ratio = torch.exp(log_s)  # (B, T)
     pg_loss1 = -adv * ratio  # (B, T)
     pg_loss2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)  # (B, T)
     pg_losses = torch.maximum(pg_loss1, pg_loss2)  # (B, T)
@@ -193,13 +215,14 @@ def topr_loss(
     are pushed down less). ``level="sequence"`` (the paper) uses the trajectory ratio
     ``exp(Σ_t log ρ_t)``; ``"token"`` the per-token ratio. Unlike PPO there is no clipping of good samples.
     """
-    adv = _adv(advantages)  # (B, 1) or (B, T)
-    m = (mask > 0).to(logprobs.dtype)
+    adv = _adv(advantages, mask)  # (B, 1) or (B, T)
+    logprobs, old_logprobs = _clean(mask, logprobs, old_logprobs)
     with torch.no_grad():
-        log_ratio = logprobs - old_logprobs  # (B, T)
+        log_ratio = logprobs - old_logprobs  # (B, T) 0 on masked positions
         if level == "sequence":
-            log_ratio = (log_ratio * m).sum(-1, keepdim=True).expand_as(log_ratio)  # (B, T)
-        ratio = torch.exp(log_ratio.clamp(max=_MAX_LOG_RATIO))  # (B, T)
+            log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)  # (B, T)
+        log_ratio = clamp_log_ratio(log_ratio)
+        ratio = torch.exp(log_ratio)  # (B, T)
         w = torch.where(adv >= 0, torch.ones_like(ratio), ratio.clamp(max=1.0))  # (B, T)
     pg_losses = -w * adv * logprobs  # (B, T)
     loss = aggregate(pg_losses, mask, agg_mode, max_len)
@@ -227,9 +250,10 @@ def cispo_loss(
     Clips the importance weight, not the update: unlike PPO every token keeps a gradient (PPO
     zeroes clipped tokens). ``clip_low=1.0`` means no lower bound, as in the paper.
     """
-    adv = _adv(advantages)
+    adv = _adv(advantages, mask)  # (B, 1) or (B, T)
+    logprobs, old_logprobs = _clean(mask, logprobs, old_logprobs)
     with torch.no_grad():
-        log_ratio = logprobs - old_logprobs  # (B, T)
+        log_ratio = clamp_log_ratio(logprobs - old_logprobs)  # (B, T)
         ratio = torch.exp(log_ratio)  # (B, T)
         w = ratio.clamp(min=1.0 - clip_low, max=1.0 + clip_high)  # (B, T)
     pg_losses = -w * adv * logprobs  # (B, T)
@@ -270,7 +294,8 @@ def sapo_loss(
     gradient), decaying smoothly as ``ρ`` leaves 1, faster for larger ``τ`` (``τ_neg > τ_pos``
     damps negative-advantage tokens more). Metric ``loss/sapo_gate_mean``: mean of ``4σ(1 − σ)``.
     """
-    adv = _adv(advantages)  # (B, 1) or (B, T)
+    adv = _adv(advantages, mask)  # (B, 1) or (B, T)
+    logprobs, old_logprobs = _clean(mask, logprobs, old_logprobs)
     log_ratio = _clamped_log_ratio(logprobs, old_logprobs)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     tau = torch.where(adv > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))  # (B, T)
@@ -327,8 +352,9 @@ def gmpo_loss(
     ``seq-mean-token-mean`` gives the paper's ``mean_i(−A_i·r_i)``. Unlike GRPO's arithmetic mean
     of ratios, one outlier token ratio moves ``r_i`` only by its ``1/|o_i|``-th root.
     """
+    logprobs, old_logprobs = _clean(mask, logprobs, old_logprobs)
     m = (mask > 0).to(logprobs.dtype)  # (B, T)
-    adv = _adv(advantages).expand_as(logprobs)  # (B, T)
+    adv = _adv(advantages, mask).expand_as(logprobs)  # (B, T)
     n = m.sum(-1, keepdim=True)  # (B, 1)
     seq_adv = (adv * m).sum(-1, keepdim=True) / n.clamp(min=1)  # (B, 1)
     sign = torch.sign(seq_adv)  # (B, 1)
@@ -376,8 +402,9 @@ def gmpo_loss_reference(
 def token_covariance(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Each trained token's term of ``Cov(log π, A)``: ``(log π_t − mean log π)·(A_t − mean A)``,
     both means over the trained tokens (Cui et al. 2025). (B, T) -> (B, T), 0 on masked positions."""
+    (logprobs,) = _clean(mask, logprobs)
     m = (mask > 0).to(logprobs.dtype)  # (B, T)
-    adv = _adv(advantages).expand_as(logprobs)  # (B, T)
+    adv = _adv(advantages, mask).expand_as(logprobs)  # (B, T)
     n = m.sum().clamp(min=1)
     centred_lp = logprobs - (logprobs * m).sum() / n  # (B, T)
     centred_adv = adv - (adv * m).sum() / n  # (B, T)
@@ -406,7 +433,8 @@ def clip_cov_select(
     """Clip-Cov's tokens (Cui et al. 2025): ``max(⌊ratio·N⌋, 1)`` tokens drawn uniformly at random
     (``generator``) from the trained tokens whose :func:`token_covariance` lies strictly inside
     ``(cov_low, cov_high)`` and that PPO's clip does not already clip. (B, T) -> (B, T) float 0/1."""
-    adv = _adv(advantages).expand_as(logprobs)  # (B, T)
+    adv = _adv(advantages, mask).expand_as(logprobs)  # (B, T)
+    logprobs, old_logprobs = _clean(mask, logprobs, old_logprobs)
     ratio_t = torch.exp(_clamped_log_ratio(logprobs, old_logprobs))  # (B, T)
     ppo_clipped = -adv * ratio_t.clamp(1.0 - clip_low, 1.0 + clip_high) > -adv * ratio_t  # (B, T)
     cov = token_covariance(logprobs, advantages, mask)  # (B, T)
@@ -454,7 +482,8 @@ def clip_cov_loss(
     are not updated. ``select`` (B, T) is chosen over the whole batch, before micro-batching.
     Metrics: ``loss/policy``, ``loss/clipfrac``, ``loss/cov_selected_frac``, ``actor/ratio_*``.
     """
-    adv = _adv(advantages)  # (B, 1) or (B, T)
+    adv = _adv(advantages, mask)  # (B, 1) or (B, T)
+    logprobs, old_logprobs = _clean(mask, logprobs, old_logprobs)
     log_ratio = _clamped_log_ratio(logprobs, old_logprobs)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     pg_loss1 = -adv * ratio  # (B, T)
@@ -491,7 +520,8 @@ def kl_cov_loss(
     Metrics: ``loss/policy``, ``loss/cov_selected_frac``, ``loss/cov_kl`` (the penalty before its
     coefficient, ``select·|log ρ|``, per trained token), ``actor/ratio_*``.
     """
-    adv = _adv(advantages)  # (B, 1) or (B, T)
+    adv = _adv(advantages, mask)  # (B, 1) or (B, T)
+    logprobs, old_logprobs = _clean(mask, logprobs, old_logprobs)
     log_ratio = _clamped_log_ratio(logprobs, old_logprobs)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     pg_losses = -adv * ratio + coef * select * log_ratio.abs()  # (B, T)
@@ -582,7 +612,8 @@ def pg_loss(
     max_len: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Plain policy gradient / REINFORCE (Williams 1992): ``ℓ = −A·log π`` (on-policy, no ratio)."""
-    pg_losses = -_adv(advantages) * logprobs  # (B, T)
+    (logprobs,) = _clean(mask, logprobs)
+    pg_losses = -_adv(advantages, mask) * logprobs  # (B, T)
     loss = aggregate(pg_losses, mask, agg_mode, max_len)
     return loss, {"loss/policy": float(loss.detach())}
 
@@ -600,6 +631,7 @@ def value_loss(
 
     values, old_values, returns, mask (B, T). Metrics: ``loss/value``, ``loss/value_clipfrac``, ``critic/values_mean``.
     """
+    values, old_values, returns = _clean(mask, values, old_values, returns)
     vf_losses1 = (values - returns) ** 2  # (B, T)
     if value_clip is None:
         vf_losses = vf_losses1
@@ -635,10 +667,12 @@ def entropy_loss(
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: KLKind = "low_var_kl") -> torch.Tensor:
     """Per-token estimate of KL(π ‖ π_ref) from sampled-token log-probs (Schulman 2020, "Approximating KL").
 
-    ``kl``/``k1``: ``log π − log π_ref``; ``abs``: ``|log π − log π_ref|``; ``mse``/``k2``:
-    ``½(log π − log π_ref)²``; ``low_var_kl``/``k3``: ``e^{−d} + d − 1`` with ``d = log π − log π_ref``,
-    clamped to [−10, 10] as in verl; ``full``: exact ``Σ_v p(v)(log p(v) − log q(v))`` where
-    ``logprob``/``ref_logprob`` are full log-distributions (B, T, V). Returns (B, T).
+    With ``d = log π − log π_ref``: ``kl``/``k1``: ``d``; ``abs``: ``|d|``; ``mse``/``k2``: ``½d²``;
+    ``low_var_kl``/``k3``: ``e^{−d} + d − 1`` with ``d`` clamped to ±20 before the exp and the
+    result to [−10, 10] (as verl: finite values and gradients for any finite ``d``); ``k1+``/``k3+``:
+    the value of k1/k3 with the gradient of k2 (``d·∇d``, whose expectation is the KL's gradient;
+    straight-through ``sg(kN) + k2 − sg(k2)``); ``full``: exact ``Σ_v p(v)(log p(v) − log q(v))``
+    where ``logprob``/``ref_logprob`` are full log-distributions (B, T, V). Returns (B, T).
     """
     if kind == "full":
         return (logprob.exp() * (logprob - ref_logprob)).sum(-1)  # (B, T)
@@ -650,8 +684,29 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: KLKind = 
     if kind in ("mse", "k2"):
         return 0.5 * d.square()
     if kind in ("low_var_kl", "k3"):
+        d = clamp_log_ratio(d)
         return (torch.exp(-d) + d - 1).clamp(min=-10.0, max=10.0)
+    if kind in ("k1+", "k3+"):
+        value = kl_penalty(logprob, ref_logprob, "k1" if kind == "k1+" else "k3").detach()  # (B, T)
+        d_sg = d.detach()
+        return value + d_sg * (d - d_sg)  # d_sg·(d − d_sg) = k2 − sg(k2) to the gradient, exactly 0 in value
     raise ValueError(f"unknown kl kind {kind!r}")
+
+
+def kl_penalty_straight_through_reference(logprob: list[float], ref_logprob: list[float], kind: str) -> tuple[
+        list[float], list[float]]:
+    """Plain-loop ``k1+``/``k3+``: per token ``(value, ∂value/∂log π)`` = ``(kN(d), d)`` (the value of
+    k1 or k3 with the gradient of ``k2 = ½d²``), ``d = log π − log π_ref``."""
+    values, grads = [], []
+    for lp, ref in zip(logprob, ref_logprob, strict=True):
+        d = lp - ref
+        if kind == "k1+":
+            values.append(d)
+        else:
+            c = min(max(d, -_MAX_LOG_RATIO), _MAX_LOG_RATIO)
+            values.append(min(max(math.exp(-c) + c - 1, -10.0), 10.0))
+        grads.append(d)
+    return values, grads
 
 
 def kl_loss(
@@ -663,8 +718,12 @@ def kl_loss(
     agg_mode: AggMode = "token-mean",
     max_len: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """KL-to-reference penalty as a loss term (GRPO's ``β·KL``): ``coef · agg(kl_penalty)``. Metric ``actor/kl``."""
-    kl = aggregate(kl_penalty(logprob, ref_logprob, kind), mask, agg_mode, max_len)
+    """KL-to-reference penalty as a loss term (GRPO's ``β·KL``): ``coef · agg(kl_penalty)``. Metric ``actor/kl``.
+
+    Masked positions are zeroed before the estimate (``full``: over the whole vocabulary row), so
+    whatever they hold gives no value and no gradient."""
+    m = mask.unsqueeze(-1) if kind == "full" else mask  # (B, T, 1) or (B, T)
+    kl = aggregate(kl_penalty(where_mask(logprob, m), where_mask(ref_logprob, m), kind), mask, agg_mode, max_len)
     with torch.no_grad():
         metrics = {"actor/kl": float(kl)}
     return coef * kl, metrics
@@ -674,16 +733,36 @@ def kl_loss(
 
 
 def _level_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: ISLevel) -> torch.Tensor:
-    """Token log ratio (B, T) -> per-position log ratio at ``level`` (B, T)."""
+    """Token log ratio (B, T) -> per-position log ratio at ``level`` (B, T), not clamped (masked
+    positions are left out of the sequence sums whatever they hold)."""
     m = (mask > 0).to(log_ratio.dtype)
     if level == "token":
         return log_ratio
-    total = (log_ratio * m).sum(-1, keepdim=True)  # (B, 1)
+    total = where_mask(log_ratio, m).sum(-1, keepdim=True)  # (B, 1)
     if level == "sequence":
-        return total.clamp(max=_MAX_LOG_RATIO).expand_as(log_ratio)
+        return total.expand_as(log_ratio)
     if level == "geometric":
         return (total / m.sum(-1, keepdim=True).clamp(min=1)).expand_as(log_ratio)
     raise ValueError(f"unknown IS level {level!r}")
+
+
+def _in_band(log_ratio: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """``low ≤ e^{log ρ} ≤ high``, compared in log space (no overflow; ``low = 0`` has no lower bound).
+    Any shape -> bool, same shape."""
+    above = log_ratio >= math.log(low) if low > 0 else torch.ones_like(log_ratio, dtype=torch.bool)
+    return above & (log_ratio <= math.log(high))
+
+
+def _rejected_metrics(mask: torch.Tensor, new_mask: torch.Tensor) -> dict[str, float]:
+    """``offpolicy/rejected_tokens`` (trained tokens taken out), ``offpolicy/rejected_seqs`` (sequences
+    with trained tokens left with none), ``offpolicy/rejected_frac`` (share of trained tokens taken
+    out).  mask, new_mask (B, T)."""
+    before, after = mask > 0, new_mask > 0  # (B, T)
+    tokens = float((before & ~after).sum())
+    seqs = float((before.any(-1) & ~after.any(-1)).sum())
+    total = float(before.sum())
+    return {"offpolicy/rejected_tokens": tokens, "offpolicy/rejected_seqs": seqs,
+            "offpolicy/rejected_frac": tokens / total if total else 0.0}
 
 
 @torch.no_grad()
@@ -702,8 +781,8 @@ def tis_weights(
     positions, detached) and ``offpolicy/is_ratio_mean``, ``offpolicy/is_ratio_max``, ``offpolicy/truncated_frac``.
     """
     m = (mask > 0).to(logprob_old_policy.dtype)
-    ratio = torch.exp(_level_log_ratio(logprob_old_policy - logprob_behaviour, mask, level))  # (B, T)
-    w = ratio.clamp(max=cap) * m  # (B, T)
+    ratio = torch.exp(clamp_log_ratio(_level_log_ratio(logprob_old_policy - logprob_behaviour, mask, level)))  # (B, T)
+    w = where_mask(ratio.clamp(max=cap), m)  # (B, T)
     metrics = {
         "offpolicy/is_ratio_mean": _mmean(ratio, mask),
         "offpolicy/is_ratio_max": float(ratio[mask > 0].max()) if bool((mask > 0).any()) else 1.0,
@@ -726,11 +805,115 @@ def masked_is(
     Returns the new mask (B, T) (``mask`` with those positions zeroed) and ``offpolicy/masked_frac``
     (share of trained tokens dropped), ``offpolicy/is_ratio_mean``.
     """
-    ratio = torch.exp(_level_log_ratio(logprob_old_policy - logprob_behaviour, mask, level))  # (B, T)
-    keep = (ratio >= low) & (ratio <= high)  # (B, T)
+    log_ratio = _level_log_ratio(where_mask(logprob_old_policy - logprob_behaviour, mask), mask, level)  # (B, T)
+    keep = _in_band(log_ratio, low, high)  # (B, T)
+    ratio = torch.exp(clamp_log_ratio(log_ratio))  # (B, T) for the metrics
     new_mask = mask * keep.to(mask.dtype)  # (B, T)
     metrics = {
         "offpolicy/masked_frac": _mmean((~keep).to(ratio.dtype), mask),
         "offpolicy/is_ratio_mean": _mmean(ratio, mask),
     }
     return new_mask, metrics
+
+
+RejectionLevel = Literal["token", "sequence"]
+Divergence = Literal["k1", "k3"]
+
+
+def rollout_divergence(log_ratio: torch.Tensor, kind: Divergence) -> torch.Tensor:
+    """Per-token divergence of the behaviour policy μ from π_old, ``log ρ = log π_old − log μ`` on
+    tokens sampled from μ: ``k1 = −log ρ`` (signed; KL(μ‖π_old) in expectation) or
+    ``k3 = ρ − 1 − log ρ`` (≥ 0, same expectation, lower variance; ``log ρ`` clamped to ±20). Any shape."""
+    if kind == "k1":
+        return -log_ratio
+    if kind == "k3":
+        lr = clamp_log_ratio(log_ratio)
+        return torch.exp(lr) - 1 - lr
+    raise ValueError(f"unknown divergence {kind!r}")
+
+
+@torch.no_grad()
+def rejection_mask(
+    logprob_old_policy: torch.Tensor,
+    logprob_behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    level: RejectionLevel = "sequence",
+    divergence: Divergence = "k3",
+    threshold: float = 0.05,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Rollout-correction rejection sampling (Liu, Li et al. 2025, "When Speed Kills Stability"; verl's
+    ``rollout_rs``): take out of the loss the tokens, or whole sequences, whose divergence
+    :func:`rollout_divergence` between π_old and μ exceeds ``threshold``.
+
+    ``token``: per token, ``|k1_t| > τ`` or ``k3_t > τ``; ``sequence``: the mean over the sequence's
+    trained tokens, ``|mean k1| > τ`` (the geometric-mean ratio outside ``[e^{−τ}, e^{τ}]``) or
+    ``mean k3 > τ``. Returns the new mask (B, T) and :func:`_rejected_metrics` plus
+    ``offpolicy/divergence_mean`` (mean per-token divergence over the trained tokens).
+    """
+    m = (mask > 0).to(logprob_old_policy.dtype)  # (B, T)
+    div = where_mask(rollout_divergence(where_mask(logprob_old_policy - logprob_behaviour, m), divergence), m)
+    score = div if level == "token" else (div.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).expand_as(div)
+    reject = (score.abs() if divergence == "k1" else score) > threshold  # (B, T)
+    new_mask = torch.where(reject, torch.zeros_like(mask), mask)  # (B, T)
+    return new_mask, {**_rejected_metrics(mask, new_mask), "offpolicy/divergence_mean": _mmean(div, m)}
+
+
+def rejection_mask_reference(
+    logprob_old_policy: list[list[float]], logprob_behaviour: list[list[float]], mask: list[list[int]],
+    level: str, divergence: str, threshold: float,
+) -> list[list[int]]:
+    """Plain-loop :func:`rejection_mask` (the definition, for tests): the new mask."""
+    out = []
+    for old, beh, row in zip(logprob_old_policy, logprob_behaviour, mask, strict=True):
+        divs = []
+        for o, b in zip(old, beh, strict=True):
+            lr = min(max(o - b, -_MAX_LOG_RATIO), _MAX_LOG_RATIO)
+            divs.append(-(o - b) if divergence == "k1" else math.exp(lr) - 1 - lr)
+        trained = [d for d, v in zip(divs, row, strict=True) if v]
+        seq = sum(trained) / len(trained) if trained else 0.0
+
+        def bad(x: float) -> bool:
+            return (abs(x) if divergence == "k1" else x) > threshold
+
+        out.append([0 if v and (bad(d) if level == "token" else bad(seq)) else v for d, v in zip(divs, row, strict=True)])
+    return out
+
+
+@torch.no_grad()
+def icepop_weights(
+    logprob_old_policy: torch.Tensor,
+    logprob_behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    low: float = 0.5,
+    high: float = 5.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """IcePop (Ling Team 2025, "Every Step Evolves: Scaling RL for Trillion-Scale Thinking Model",
+    Ring-1T): the token's importance weight ``M(k) = k`` if ``k = π_old/μ ∈ [low, high]``, else 0.
+
+    Multiply the per-token loss by ``w``: a token whose training/inference ratio leaves the band gets
+    no gradient; it stays in the normaliser (the paper's ``1/|y_i|``). Returns ``w`` (B, T) (0 on
+    masked positions, detached) and :func:`_rejected_metrics` (tokens with ``w = 0``; a sequence
+    counts when all its trained tokens do) plus ``offpolicy/is_ratio_mean``.
+    """
+    m = (mask > 0).to(logprob_old_policy.dtype)  # (B, T)
+    log_ratio = where_mask(logprob_old_policy - logprob_behaviour, m)  # (B, T)
+    keep = _in_band(log_ratio, low, high) & (m > 0)  # (B, T)
+    ratio = torch.exp(clamp_log_ratio(log_ratio))  # (B, T)
+    w = torch.where(keep, ratio, torch.zeros_like(ratio))  # (B, T)
+    return w, {**_rejected_metrics(m, keep.to(m.dtype)), "offpolicy/is_ratio_mean": _mmean(ratio, m)}
+
+
+def icepop_weights_reference(
+    logprob_old_policy: list[list[float]], logprob_behaviour: list[list[float]], mask: list[list[int]],
+    low: float, high: float,
+) -> list[list[float]]:
+    """Plain-loop :func:`icepop_weights` (the definition, for tests): the weights."""
+    out = []
+    for old, beh, row in zip(logprob_old_policy, logprob_behaviour, mask, strict=True):
+        ws = []
+        for o, b, v in zip(old, beh, row, strict=True):
+            lr = o - b
+            in_band = (low == 0 or lr >= math.log(low)) and lr <= math.log(high)
+            ws.append(math.exp(min(max(lr, -_MAX_LOG_RATIO), _MAX_LOG_RATIO)) if v and in_band else 0.0)
+        out.append(ws)
+    return out

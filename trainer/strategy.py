@@ -517,7 +517,7 @@ class TorchStrategy:
                 kl = per_sample(self.full_kl(seen)) * (mask > 0)  # (B, T)
             else:
                 current = prox if prox is not None else batch.old_logprobs
-                kl = L.kl_penalty(current, ref, cfg.kl_penalty) * (mask > 0)  # (B, T)
+                kl = L.where_mask(L.kl_penalty(current, ref, cfg.kl_penalty), mask)  # (B, T)
         adv, returns, m = alg.compute_advantages(
             cfg, self.algo_state, ex["rewards"], ex["group_ids"], mask, values=values, kl=kl,
             step_rewards=[s.step_rewards for s in samples], state_hashes=[s.state_hashes for s in samples])
@@ -545,7 +545,7 @@ class TorchStrategy:
                 extras["pg_select"] = chosen
             metrics.update(m)
         if kl is not None:
-            alg.update_kl_coef(cfg, self.algo_state, float((kl * (mask > 0)).sum(1).mean()), len(samples))
+            alg.update_kl_coef(cfg, self.algo_state, kl, mask, len(samples))
         out = batch.replace(old_logprobs=old_lp, advantages=adv * (mask > 0), loss_mask=mask, extras=extras)
         return (split_rows(out, layout) if layout is not None else out), metrics
 

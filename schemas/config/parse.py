@@ -54,15 +54,35 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
         raise ConfigError(f"--set {key}: '{parts[-2] if len(parts) > 1 else key}' is not a section")
 
 
+REMOVED: dict[tuple[str, str], str] = {
+    ("algorithm", "target_kl"): "was a KL summed per sequence; the adaptive KL controller "
+    "now targets the mean KL per token: set algorithm.target_kl_per_token (about target_kl / mean response length)",
+}
+"""Keys that were removed because their meaning changed: ``(section, key) -> what changed``. A
+recorded ``null`` is dropped (it meant "off" and still does); any other value is refused."""
+
+
+def _drop_removed(raw: dict[str, Any]) -> None:
+    """Refuse a removed key with a value, in one line saying what changed; drop a ``null`` one."""
+    for (section, key), why in REMOVED.items():
+        node = raw.get(section)
+        if isinstance(node, dict) and key in node:
+            if node[key] is not None:
+                raise ConfigError(f"config: {section}.{key}={node[key]!r} is no longer a key: it {why}")
+            del node[key]
+
+
 def parse_raw(raw: Any, overrides: list[str] | tuple[str, ...] = (), root: type = RunConfig) -> Any:
-    """Validate a raw mapping (plus overrides) into ``root`` or raise :class:`ConfigError`: the
-    declared bounds, then (for a :class:`RunConfig`) the rules."""
+    """Validate a raw mapping (plus overrides) into ``root`` or raise :class:`ConfigError`: removed
+    keys (:data:`REMOVED`), the declared bounds, then (for a :class:`RunConfig`) the rules."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"config: the top level must be a mapping of sections, got {type(raw).__name__}")
     for assignment in overrides:
         apply_override(raw, assignment)
+    if root is RunConfig:
+        _drop_removed(raw)
     try:
         parsed: Any = msgspec.convert(raw, root, strict=False)
     except msgspec.ValidationError as e:  # a bound or type, or a rule (raised in RunConfig.__post_init__)

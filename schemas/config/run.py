@@ -248,8 +248,14 @@ def algorithm_combinations(cfg: RunConfig) -> str | None:
     if s.dynamic_filter == "mean" and s.dynamic_filter_low > s.dynamic_filter_high:
         return (f"{a}dynamic_filter_low={s.dynamic_filter_low:g} must be <= "
                 f"{a}dynamic_filter_high={s.dynamic_filter_high:g} (dynamic_filter: mean)")
-    if s.target_kl is not None and not s.add_token_level_kl:
-        return f"{a}target_kl adapts the coefficient of {a}add_token_level_kl, which is off"
+    if s.target_kl_per_token is not None and not s.add_token_level_kl:
+        return f"{a}target_kl_per_token adapts the coefficient of {a}add_token_level_kl, which is off"
+    if s.pg_variant == "gspo" and s.loss_agg_mode != "seq-mean-token-mean":
+        return (f"{a}pg_variant=gspo is a sequence-level objective: set {a}loss_agg_mode=seq-mean-token-mean "
+                f"(got {s.loss_agg_mode})")
+    if s.kl_penalty in ("k1+", "k3+"):
+        return (f"{a}kl_penalty={s.kl_penalty} differs from {s.kl_penalty[:-1]} only in its gradient, and the KL "
+                f"in the reward has none: use {s.kl_penalty[:-1]} (the + kinds are for {a}kl_loss_type)")
     return None
 
 

@@ -189,7 +189,7 @@ class TrainConfig(Section):
 
 NormType = Literal["batch", "group", "running", "none"]
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"]
+KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "full"]
 
 
 class AlgorithmConfig(Section):
@@ -230,7 +230,9 @@ class AlgorithmConfig(Section):
     """Policy loss: PPO clip, GSPO (sequence-level ratio), TOPR, CISPO, plain policy gradient, SAPO
     (soft gate), GMPO (geometric mean of clipped token ratios), Clip-Cov and KL-Cov (PPO / the plain
     surrogate, holding back the tokens of largest covariance between log-prob and advantage).
-    ``gmpo`` reads ``pg_clip_low`` / ``pg_clip_high`` as bounds of the log ratio (unset: 0.4 each)."""
+    ``gmpo`` reads ``pg_clip_low`` / ``pg_clip_high`` as bounds of the log ratio (unset: 0.4 each).
+    ``gspo`` is a per-sequence objective: it needs ``loss_agg_mode: seq-mean-token-mean`` (any
+    other aggregation is refused, not silently changed)."""
     pg_clip: NonNegativeFloat = 0.2
     """Ratio clip ε (both sides unless ``pg_clip_low`` / ``pg_clip_high`` are set)."""
     pg_clip_low: NonNegativeFloat | None = None
@@ -257,7 +259,8 @@ class AlgorithmConfig(Section):
     """``kl_cov``: coefficient of the penalty ``|log π − log π_old|`` on those tokens."""
     loss_agg_mode: AggMode = "token-mean"
     """How per-token losses become one number: ``token-mean``, ``seq-mean-token-mean``,
-    ``seq-mean-token-sum``, ``seq-mean-token-sum-norm`` (token sum / ``rollout.max_new_tokens``)."""
+    ``seq-mean-token-sum``, ``seq-mean-token-sum-norm`` (token sum / ``rollout.max_new_tokens``).
+    ``pg_variant: gspo`` takes ``seq-mean-token-mean`` only."""
 
     # --- reward shaping
     reward_clip: PositiveFloat | None = None
@@ -315,20 +318,25 @@ class AlgorithmConfig(Section):
     """Subtract ``kl_coef · KL(π ‖ π_ref)`` per token from the rewards (loads the reference model)."""
     init_kl_coef: NonNegativeFloat = 0.05
     """Initial (or fixed) coefficient of ``add_token_level_kl``."""
-    target_kl: PositiveFloat | None = None
-    """Adaptive KL controller target (Ziegler et al. 2019); ``None`` = fixed coefficient."""
+    target_kl_per_token: PositiveFloat | None = None
+    """Adaptive KL controller target (Ziegler et al. 2019), nats per trained token: the batch's mean
+    per-token KL of ``add_token_level_kl`` is steered towards it; ``None`` = fixed coefficient.
+    (Replaces ``target_kl``, which was compared with the KL summed over each sequence.)"""
     kl_horizon: PositiveInt = 10000
     """Adaptive KL controller horizon, samples."""
     kl_penalty: KLKind = "kl"
     """KL estimator of ``add_token_level_kl``: ``kl`` (k1), ``abs``, ``mse`` (k2), ``low_var_kl`` (k3), or
-    ``full`` (exact, over the vocabulary: one more forward pass of policy and reference per step)."""
+    ``full`` (exact, over the vocabulary: one more forward pass of policy and reference per step).
+    ``k1+``/``k3+`` are refused here: they differ from k1/k3 in their gradient only, and the KL in
+    the reward has none."""
     use_kl_loss: bool = False
     """Add ``kl_loss_coef · KL(π ‖ π_ref)`` to the loss (GRPO's β·KL; loads the reference model)."""
     kl_loss_coef: NonNegativeFloat = 0.001
     """Coefficient of ``use_kl_loss``."""
     kl_loss_type: KLKind = "low_var_kl"
     """KL estimator of ``use_kl_loss`` (``full``: exact over the vocabulary; the reference model runs
-    once more per micro-batch)."""
+    once more per micro-batch). ``k1+``/``k3+``: the value of k1/k3 with the gradient of k2
+    (straight-through; the k2 gradient's expectation is the KL's gradient, k1's and k3's are not)."""
     entropy_loss_coef: float = 0.0
     """Entropy bonus coefficient (the loss gets ``− coef · entropy``)."""
 
@@ -348,10 +356,14 @@ class AlgorithmConfig(Section):
     """The ratio's denominator: the rollout engine's ``behaviour`` logprobs (the ratio corrects for
     staleness directly) or logprobs ``recompute``d by the trainer at the start of the step (PPO's
     proximal policy; needed by the corrections below)."""
-    off_policy_correction: Literal["none", "tis", "masked_is", "decoupled"] = "none"
+    off_policy_correction: Literal["none", "tis", "masked_is", "decoupled", "rejection", "icepop"] = "none"
     """With ``old_logprobs: recompute``: ``tis`` (truncated importance weight ``min(π_old/μ, is_cap)``),
-    ``masked_is`` (tokens with ``π_old/μ`` outside ``[is_low, is_high]`` are not trained) or
-    ``decoupled`` (AReaL's decoupled PPO: ``min(π_prox/μ, is_cap) ×`` PPO-clip of ``π/π_prox``; token level)."""
+    ``masked_is`` (tokens with ``π_old/μ`` outside ``[is_low, is_high]`` are not trained),
+    ``decoupled`` (AReaL's decoupled PPO: ``min(π_prox/μ, is_cap) ×`` PPO-clip of ``π/π_prox``; token level),
+    ``rejection`` (tokens or sequences whose k1/k3 divergence between π_old and μ exceeds
+    ``rejection_threshold`` are not trained; ``rejection_*`` keys) or ``icepop`` (IcePop: weight
+    ``π_old/μ`` inside ``[icepop_low, icepop_high]``, 0 outside). ``rejection`` and ``icepop`` record
+    ``offpolicy/rejected_tokens`` and ``offpolicy/rejected_seqs`` per step."""
     is_level: Literal["token", "sequence", "geometric"] = "token"
     """Level of the ``tis`` / ``masked_is`` ratio."""
     is_cap: PositiveFloat = 2.0
@@ -360,6 +372,19 @@ class AlgorithmConfig(Section):
     """Lower bound of ``masked_is``."""
     is_high: AboveOne = 2.0
     """Upper bound of ``masked_is``."""
+    rejection_level: Literal["token", "sequence"] = "sequence"
+    """``rejection``: reject single ``token``s, or whole ``sequence``s by the mean divergence over
+    their trained tokens."""
+    rejection_divergence: Literal["k1", "k3"] = "k3"
+    """``rejection``: the per-token divergence of μ from π_old (``log ρ = log π_old − log μ``):
+    ``k1 = −log ρ``, compared by its magnitude (a band ``ρ ∈ [e^{−τ}, e^{τ}]``; per sequence, on
+    the geometric-mean ratio), or ``k3 = ρ − 1 − log ρ`` (≥ 0, lower variance)."""
+    rejection_threshold: PositiveFloat = 0.05
+    """``rejection``: the threshold ``τ``, nats (per token, or the sequence's mean per token)."""
+    icepop_low: FractionBelowOne = 0.5
+    """``icepop``: lower end ``α`` of the band of ``π_old/μ`` that keeps its weight (0 = none)."""
+    icepop_high: AboveOne = 5.0
+    """``icepop``: upper end ``β`` of that band."""
     norm_std: bool | None = None
     """Deprecated (configs before the algorithm suite): ``false`` = ``norm_std_type: none``,
     ``true`` = the estimator's default. Kept so recorded runs still load."""

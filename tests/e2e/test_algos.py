@@ -20,11 +20,13 @@ pytestmark = pytest.mark.slow
 TINY = ["train.steps=2", "train.warmup_sft_steps=5", "train.eval_every=0", "train.checkpoint_every=1",
         "data.heldout_size=8", "rollout.group_size=4", "train.batch_size=16", "train.micro_batch_size=8"]
 EXAMPLES = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "examples" / "algos").glob("*.yaml"))
-# a metric only this estimator's (or loss's) step produces
+# a metric only this example's step produces
 OWN_METRIC = {"gae": "loss/value", "raft": "raft/kept_frac", "gpg": "gpg/alpha", "sapo": "loss/sapo_gate_mean",
-              "clip_cov": "loss/cov_selected", "kl_cov": "loss/cov_kl"}
+              "clip_cov": "loss/cov_selected", "kl_cov": "loss/cov_kl", "rejection": "offpolicy/rejected_seqs",
+              "icepop": "offpolicy/rejected_tokens"}
 EXTRA = {"pass_at_k": ["algorithm.pass_k=2"]}  # pass_k < rollout.group_size (4 here)
 REFUSED = {"remax"}  # config values refused as not supported yet: no example
+CORRECTIONS = {"rejection", "icepop"}  # algorithm.off_policy_correction values with an example of their own
 
 
 def test_there_is_one_example_per_estimator() -> None:
@@ -32,9 +34,11 @@ def test_there_is_one_example_per_estimator() -> None:
 
     from schemas.config import AlgorithmConfig
 
-    estimators = set(get_args(get_type_hints(AlgorithmConfig)["adv_estimator"]))
-    losses = set(get_args(get_type_hints(AlgorithmConfig)["pg_variant"]))
-    assert estimators - REFUSED <= set(EXAMPLES) <= estimators | losses
+    hints = get_type_hints(AlgorithmConfig)
+    estimators = set(get_args(hints["adv_estimator"]))
+    losses = set(get_args(hints["pg_variant"]))
+    assert CORRECTIONS <= set(get_args(hints["off_policy_correction"]))
+    assert (estimators - REFUSED) | CORRECTIONS <= set(EXAMPLES) <= estimators | losses | CORRECTIONS
 
 
 BUS = ["gae", "gigpo", "grpo", "raft"]
@@ -55,7 +59,8 @@ def test_example_runs_through_the_bus(tmp_path: Path, bootstrap: str, repo_root:
     assert res.returncode == 0, res.stdout + res.stderr
     summary = json.loads((runs / run_id / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["samples"]["unaccounted"] == 0
-    assert name in (summary["config"]["algorithm"]["adv_estimator"], summary["config"]["algorithm"]["pg_variant"])
+    algo = summary["config"]["algorithm"]
+    assert name in (algo["adv_estimator"], algo["pg_variant"], algo["off_policy_correction"])
     rows = sql(f"SELECT step, metrics FROM train_steps FINAL WHERE run_id = '{run_id}' ORDER BY step", runs, run_id, env)
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:

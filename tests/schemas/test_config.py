@@ -232,7 +232,9 @@ RULE_CASES = [
      "algorithm.difficulty_low_threshold=0.96 must be < algorithm.difficulty_high_threshold=0.95"),
     (["algorithm.dynamic_filter=mean", "algorithm.dynamic_filter_low=0.9", "algorithm.dynamic_filter_high=0.1"],
      "algorithm.dynamic_filter_low=0.9 must be <= algorithm.dynamic_filter_high=0.1"),
-    (["algorithm.target_kl=0.1"], "algorithm.target_kl adapts the coefficient of algorithm.add_token_level_kl"),
+    (["algorithm.target_kl_per_token=0.1"],
+     "algorithm.target_kl_per_token adapts the coefficient of algorithm.add_token_level_kl"),
+    (["algorithm.pg_variant=gspo"], "algorithm.pg_variant=gspo is a sequence-level objective"),
     (["data.domains=[{name: a}, {name: a}]"], "data.domains[1].name='a' must be unique"),
     (["data.domains=[{name: a, ratio: 0}]"], "data.domains: the ratios must not all be 0"),
     (["data.domains=[{name: a, format_reward: 0.1}]"], "data.domains[0].format_reward=0.1 needs data.domains[0].answer"),
@@ -345,3 +347,16 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").rglob("*.ya
 def test_every_example_config_parses(path: Path) -> None:
     cfg = parse_config(path.read_text(), source=str(path))
     assert msgspec.convert(to_dict(cfg, reveal_secrets=True), RunConfig) == cfg
+
+
+def test_the_removed_key_target_kl_is_refused_saying_what_changed() -> None:
+    """``algorithm.target_kl`` was a KL summed over each sequence; its replacement is per token, so
+    an old value is refused (not silently reinterpreted). A recorded ``null`` still loads."""
+    for text, overrides in (("algorithm: {add_token_level_kl: true, target_kl: 0.1}", []),
+                            ("", ["algorithm.add_token_level_kl=true", "algorithm.target_kl=0.1"])):
+        with pytest.raises(ConfigError) as e:
+            parse_config(text, overrides)
+        line = str(e.value)
+        assert line.startswith("config: algorithm.target_kl=0.1 ") and "\n" not in line, line
+        assert "per sequence" in line and "algorithm.target_kl_per_token" in line, line
+    assert parse_config("algorithm: {target_kl: null}") == parse_config("")

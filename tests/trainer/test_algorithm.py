@@ -83,7 +83,10 @@ def test_every_algos_example_takes_a_step_of_its_own_config(model_dir: Path, nam
     tiny sizes) builds its strategy as the trainer service does and takes a finite step with the
     example's own metrics."""
     text = (ALGOS / f"{name}.yaml").read_text()
-    cfg = parse_config(text, [*E2E_TINY, *E2E_EXTRA.get(name, [])], source=f"examples/algos/{name}.yaml")
+    # the synthetic samples' behaviour logprobs are random, nats away from the model's: a threshold
+    # the rejection correction then keeps samples at (its own choices are tested in test_losses)
+    extra = ["algorithm.rejection_threshold=1000"] if name == "rejection" else []
+    cfg = parse_config(text, [*E2E_TINY, *E2E_EXTRA.get(name, []), *extra], source=f"examples/algos/{name}.yaml")
     s = TorchStrategy(model_dir, **{**strategy_kwargs(cfg, "cpu"), "max_len": 16})
     if cfg.algorithm.uses_reference:
         s.init_reference()
@@ -96,8 +99,12 @@ def test_every_algos_example_takes_a_step_of_its_own_config(model_dir: Path, nam
         assert E2E_OWN_METRIC[name] in metrics, sorted(metrics)
 
 
-@pytest.mark.parametrize("variant", sorted(config_choices("pg_variant")))
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+LOSS_AGG = [(v, a) for a in AGG_MODES for v in sorted(config_choices("pg_variant"))
+            if v != "gspo" or a == "seq-mean-token-mean"]  # gspo refuses the others (a config rule)
+
+
+@pytest.mark.parametrize(("variant", "agg"), LOSS_AGG, ids=[f"{a}-{v}" for v, a in LOSS_AGG])
 def test_micro_batching_equals_one_batch_for_every_loss_and_aggregation(model_dir: Path, variant: str, agg: str) -> None:
     cfg = algo(pg_variant=variant, loss_agg_mode=agg, old_logprobs="recompute" if variant == "gspo" else "behaviour")
     if variant == "gmpo" and agg != "seq-mean-token-mean":  # GMPO is a per-sequence objective: refused
@@ -164,11 +171,12 @@ def test_token_level_kl_enters_the_rewards() -> None:
 
 
 def test_adaptive_kl_controller() -> None:
-    cfg = algo(add_token_level_kl=True, init_kl_coef=0.1, target_kl=0.01, kl_horizon=100)
+    cfg = algo(add_token_level_kl=True, init_kl_coef=0.1, target_kl_per_token=0.01, kl_horizon=100)
     state = alg.initial_state(cfg)
-    alg.update_kl_coef(cfg, state, seq_kl_mean=0.1, num_samples=10)  # far above target: +20% · 10/100
+    mask = torch.ones(2, 3)
+    alg.update_kl_coef(cfg, state, torch.full((2, 3), 0.1), mask, num_samples=10)  # far above: +20% · 10/100
     assert state.kl_coef == pytest.approx(0.1 * 1.02)
-    alg.update_kl_coef(cfg, state, seq_kl_mean=0.0, num_samples=10)
+    alg.update_kl_coef(cfg, state, torch.zeros(2, 3), mask, num_samples=10)
     assert state.kl_coef == pytest.approx(0.1 * 1.02 * 0.98)
 
 
@@ -252,6 +260,15 @@ def test_off_policy_corrections() -> None:
     assert metrics["offpolicy/truncated_frac"] == pytest.approx(0.25)
     _, w, m, metrics = alg.off_policy(algo(old_logprobs="recompute", off_policy_correction="masked_is"), mask, behav, prox)
     assert w is None and m.tolist() == [[0, 1], [0, 1]] and metrics["offpolicy/masked_frac"] == pytest.approx(0.5)
+    # rejection, sequence level, k3: seq 0 mean k3 = (3 − 1 − ln 3)/2 ≈ 0.45, seq 1 = (0.25 − 1 + ln 4)/2 ≈ 0.32
+    rej = algo(old_logprobs="recompute", off_policy_correction="rejection", rejection_threshold=0.4)
+    _, w, m, metrics = alg.off_policy(rej, mask, behav, prox)
+    assert w is None and m.tolist() == [[0, 0], [1, 1]]
+    assert (metrics["offpolicy/rejected_tokens"], metrics["offpolicy/rejected_seqs"]) == (2.0, 1.0)
+    # icepop [0.5, 5]: ratio 3 keeps its weight, 0.25 leaves the band (weight 0, still in the mask)
+    _, w, m, metrics = alg.off_policy(algo(old_logprobs="recompute", off_policy_correction="icepop"), mask, behav, prox)
+    assert w is not None and w.flatten().tolist() == pytest.approx([3.0, 1.0, 0.0, 1.0]) and m.tolist() == mask.tolist()
+    assert (metrics["offpolicy/rejected_tokens"], metrics["offpolicy/rejected_seqs"]) == (1.0, 0.0)
 
 
 def test_turn_index_splits_agent_turns() -> None:
@@ -297,7 +314,10 @@ def test_impossible_combinations_name_the_keys() -> None:
         ("algorithm: {old_logprobs: recompute, off_policy_correction: decoupled, pg_variant: cispo}",
          "algorithm.pg_variant=ppo"),
         ("algorithm: {dual_clip_loss: true, pg_variant: topr}", "algorithm.pg_variant=ppo"),
-        ("algorithm: {target_kl: 0.1}", "algorithm.add_token_level_kl"),
+        ("algorithm: {target_kl_per_token: 0.1}", "algorithm.add_token_level_kl"),
+        ("algorithm: {add_token_level_kl: true, target_kl: 0.1}", "algorithm.target_kl_per_token"),
+        ("algorithm: {pg_variant: gspo}", "algorithm.loss_agg_mode=seq-mean-token-mean"),
+        ("algorithm: {add_token_level_kl: true, kl_penalty: k3+}", "algorithm.kl_loss_type"),
         ("algorithm: {adv_estimator: dr_grpo, norm_std_type: group}", "norm_std_type"),
         ("algorithm: {reward_clip: -1}", "reward_clip"),
         ("algorithm: {loss_agg_mode: sum}", "algorithm.loss_agg_mode"),
@@ -341,7 +361,7 @@ def test_decoupled_ppo_on_stale_samples_reports_is_stats(model_dir: Path) -> Non
 
 
 def test_checkpoint_keeps_critic_and_algorithm_state(model_dir: Path, tmp_path: Path) -> None:
-    cfg = algo(adv_estimator="gae", critic="separate", add_token_level_kl=True, target_kl=0.01)
+    cfg = algo(adv_estimator="gae", critic="separate", add_token_level_kl=True, target_kl_per_token=0.01)
     a = TorchStrategy(model_dir, lr=1e-2, algo=cfg)
     a.init_reference()
     a.init_critic()
@@ -414,3 +434,16 @@ def test_full_kl_over_the_vocabulary(model_dir: Path, where: str) -> None:
     else:
         assert first["actor/kl"] == pytest.approx(0.0, abs=1e-6)
         assert s.train_step(samples())["actor/kl"] > 0
+
+
+def test_the_adaptive_kl_target_is_per_token() -> None:
+    """The controller was fed the KL summed over each sequence, so a per-token target pushed β up
+    step after step; it now compares the mean KL per trained token with ``target_kl_per_token``."""
+    cfg = algo(add_token_level_kl=True, init_kl_coef=0.1, target_kl_per_token=0.01, kl_horizon=100)
+    state = alg.initial_state(cfg)
+    mask = torch.tensor([[1.0] * 10, [1.0] * 4 + [0.0] * 6])
+    kl = torch.full((2, 10), 0.01) * mask + (1 - mask) * 5.0  # on target at every trained token
+    alg.update_kl_coef(cfg, state, kl, mask, num_samples=10)
+    assert state.kl_coef == pytest.approx(0.1)  # sums of 0.1 and 0.04 per sequence would have raised it
+    alg.update_kl_coef(cfg, state, kl * 10, mask, num_samples=10)  # 10x the target: +20% · 10/100
+    assert state.kl_coef == pytest.approx(0.1 * 1.02)

@@ -15,12 +15,17 @@ from trainer.losses import (
     entropy_from_logits,
     entropy_loss,
     gspo_loss,
+    icepop_weights,
+    icepop_weights_reference,
     kl_loss,
     kl_penalty,
+    kl_penalty_straight_through_reference,
     masked_is,
     masked_mean,
     pg_loss,
     ppo_loss,
+    rejection_mask,
+    rejection_mask_reference,
     tis_weights,
     topr_loss,
     value_loss,
@@ -454,3 +459,90 @@ def test_masked_mean_and_entropy() -> None:
     uniform = entropy_from_logits(torch.zeros(1, 1, 8))
     assert uniform.item() == pytest.approx(math.log(8))
     assert entropy_from_logits(torch.tensor([[[0.0, -1e9]]])).item() == pytest.approx(0.0, abs=1e-6)
+
+
+# --------------------------------------------------------------------------- defects of issue 37 (each failed before its fix)
+
+
+def test_k3_kl_has_finite_gradients_at_extreme_log_ratios_even_masked() -> None:
+    """d = log π − log π_ref = −99 overflowed exp(−d) in float32: the value was clamped but the
+    gradient was NaN, even with the position masked out of ``kl_loss``."""
+    ref = torch.tensor([[0.0, 0.0, 0.0]])
+    lp = torch.tensor([[-0.5, -99.0, 99.0]], requires_grad=True)
+    mask = torch.tensor([[1, 0, 1]])
+    loss, m = kl_loss(lp, ref, mask, coef=1.0, kind="k3")
+    loss.backward()
+    assert lp.grad is not None and torch.isfinite(lp.grad).all() and math.isfinite(m["actor/kl"])
+    assert lp.grad[0, 1].item() == 0.0  # the masked position gets no gradient
+    for kind in ("k3", "low_var_kl"):
+        x = torch.tensor([[-99.0, -25.0, 25.0, 99.0]], requires_grad=True)
+        k = kl_penalty(x, torch.zeros(1, 4), kind)  # type: ignore[arg-type]
+        k.sum().backward()
+        assert torch.isfinite(k).all() and x.grad is not None and torch.isfinite(x.grad).all()
+        assert k[0, 0].item() == 10.0  # e^{20} − 21 clamped to 10, as before
+
+
+def test_ppo_clamps_the_log_ratio_before_the_exp() -> None:
+    """With dual clip off, a log ratio of 25 made the loss ≈ 7e10 (and 100 made it inf): the log
+    ratio is clamped to ±20 before the exp (as peers do), which also stops its gradient."""
+    old = torch.zeros(1, 3)
+    lp = torch.tensor([[25.0, 100.0, -100.0]], requires_grad=True)
+    adv = torch.tensor([[-1.0, -1.0, 1.0]])
+    loss, m = ppo_loss(lp, old, adv, torch.ones(1, 3))
+    cap = math.exp(20.0)
+    assert loss.item() == pytest.approx((cap + cap - math.exp(-20.0)) / 3, rel=1e-5)
+    loss.backward()
+    assert lp.grad is not None and lp.grad[0, :2].tolist() == [0.0, 0.0] and torch.isfinite(lp.grad).all()
+    assert all(math.isfinite(v) for v in m.values()) and m["actor/ratio_max"] == pytest.approx(cap, rel=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.floats(-30, 0), st.floats(-30, 0)), min_size=1, max_size=6),
+       st.sampled_from(["k1+", "k3+"]))
+def test_straight_through_kl_matches_the_loop(pairs: list[tuple[float, float]], kind: str) -> None:
+    """``k1+``/``k3+``: the value of k1/k3, the gradient of k2 (``∂/∂log π = d``), as the loop twin says."""
+    lp_list, ref_list = [p for p, _ in pairs], [r for _, r in pairs]
+    want_v, want_g = kl_penalty_straight_through_reference(lp_list, ref_list, kind)
+    lp = torch.tensor([lp_list], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([ref_list], dtype=torch.float64)
+    v = kl_penalty(lp, ref, kind)  # type: ignore[arg-type]
+    v.sum().backward()
+    assert lp.grad is not None
+    assert v[0].tolist() == pytest.approx(want_v, rel=1e-12, abs=1e-12)
+    assert lp.grad[0].tolist() == pytest.approx(want_g, rel=1e-12, abs=1e-12)
+    base = kl_penalty(lp.detach(), ref, kind[:2])  # type: ignore[arg-type]
+    assert torch.equal(v.detach(), base)  # the value is exactly k1's / k3's
+
+
+def test_rejection_by_hand() -> None:
+    old = torch.tensor([[math.log(3.0), 0.0, 0.0], [math.log(0.9), math.log(1.1), 7.0]])
+    beh = torch.zeros(2, 3)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    k3_3 = 3 - 1 - math.log(3)  # ≈ 0.90
+    nm, m = rejection_mask(old, beh, mask, "token", "k3", threshold=0.5)
+    assert nm.tolist() == [[0, 1, 1], [1, 1, 0]]
+    assert (m["offpolicy/rejected_tokens"], m["offpolicy/rejected_seqs"], m["offpolicy/rejected_frac"]) == (1.0, 0.0, 0.2)
+    nm, m = rejection_mask(old, beh, mask, "sequence", "k3", threshold=k3_3 / 3 - 1e-3)  # seq 0's mean is k3_3 / 3
+    assert nm.tolist() == [[0, 0, 0], [1, 1, 0]] and m["offpolicy/rejected_seqs"] == 1.0
+    nm, _ = rejection_mask(old, beh, mask, "sequence", "k1", threshold=0.01)  # |mean k1|: ln3/3 and ~0.0045
+    assert nm.tolist() == [[0, 0, 0], [1, 1, 0]]
+    nm, _ = rejection_mask(old, beh, mask, "token", "k1", threshold=0.1)  # |ln 0.9| = 0.105, |ln 1.1| = 0.095
+    assert nm.tolist() == [[0, 1, 1], [0, 1, 0]]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 5), st.integers(0, 10_000), st.sampled_from(["token", "sequence"]),
+       st.sampled_from(["k1", "k3"]), st.floats(1e-3, 2.0), st.floats(0.0, 0.99), st.floats(1.01, 10.0))
+def test_rejection_and_icepop_match_their_loops(b: int, t: int, seed: int, level: str, div: str, tau: float,
+                                                low: float, high: float) -> None:
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3
+    beh = old + torch.randn(b, t, generator=g, dtype=torch.float64) * torch.rand(1, generator=g, dtype=torch.float64)
+    mask = (torch.rand(b, t, generator=g) < 0.7).long()
+    nm, m = rejection_mask(old, beh, mask, level, div, tau)  # type: ignore[arg-type]
+    want = rejection_mask_reference(old.tolist(), beh.tolist(), mask.tolist(), level, div, tau)
+    assert nm.tolist() == want
+    assert m["offpolicy/rejected_tokens"] == float((mask > 0).sum() - (torch.tensor(want) > 0).sum())
+    w, _ = icepop_weights(old, beh, mask, low, high)
+    want_w = icepop_weights_reference(old.tolist(), beh.tolist(), mask.tolist(), low, high)
+    assert w.flatten().tolist() == pytest.approx([x for row in want_w for x in row], rel=1e-12, abs=0.0)

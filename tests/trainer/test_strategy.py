@@ -276,8 +276,8 @@ def tied_groups(n_groups: int = 6, tied: tuple[int, ...] = (0, 2, 3), seed: int 
     return [dataclasses.replace(s, reward=0.5) if i // 2 in tied else s for i, s in enumerate(samples)]
 
 
-@pytest.mark.parametrize(("variant", "agg"), [("ppo", "token-mean"), ("ppo", "seq-mean-token-mean"),
-                                              ("gspo", "seq-mean-token-sum-norm"), ("cispo", "token-mean")])
+@pytest.mark.parametrize(("variant", "agg"), [("ppo", "token-mean"), ("ppo", "seq-mean-token-sum-norm"),
+                                              ("gspo", "seq-mean-token-mean"), ("cispo", "token-mean")])
 def test_skipping_zero_advantage_rows_gives_the_same_step(model_dir: Path, variant: str, agg: str) -> None:
     from schemas.config import AlgorithmConfig
 
