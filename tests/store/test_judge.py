@@ -246,9 +246,9 @@ def test_report_extracts_the_judges(recorded: tuple[Any, str]) -> None:
     assert math.isclose(essay["judge_mean"], (0.8 + 0.2 + 1.0) / 3)  # the judge's scores, failures left out
     assert (judges[("math", RM)]["judged"], judges[("math", RM)]["unscored"]) == (2, 0)
     assert math.isclose(judges[("math", RM)]["judge_mean"], 0.75)
-    page = rp.render_html([data], {})
+    page = rp.render_html([data], {}, {})
     assert "Judges by domain" in page and LLM in page
-    assert "Judges by domain" not in rp.render_html([{**data, "judges": []}], {})
+    assert "Judges by domain" not in rp.render_html([{**data, "judges": []}], {}, {})
 
 
 OLD_STORE = r"""
