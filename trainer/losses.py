@@ -272,10 +272,6 @@ def cispo_loss(
 # for tests). Every log ratio is clamped to ±_MAX_LOG_RATIO before ``exp``.
 
 
-def _clamped_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
-    """``clamp(log π − log π_old, ±20)``.  (B, T) -> (B, T)."""
-    return (logprobs - old_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-
 
 def sapo_loss(
     logprobs: torch.Tensor,
@@ -296,7 +292,7 @@ def sapo_loss(
     """
     adv = _adv(advantages, mask)  # (B, 1) or (B, T)
     logprobs, old_logprobs = _clean(mask, logprobs, old_logprobs)
-    log_ratio = _clamped_log_ratio(logprobs, old_logprobs)  # (B, T)
+    log_ratio = clamp_log_ratio(logprobs - old_logprobs)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     tau = torch.where(adv > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))  # (B, T)
     gate = torch.sigmoid(tau * (ratio - 1.0))  # (B, T)
@@ -358,7 +354,7 @@ def gmpo_loss(
     n = m.sum(-1, keepdim=True)  # (B, 1)
     seq_adv = (adv * m).sum(-1, keepdim=True) / n.clamp(min=1)  # (B, 1)
     sign = torch.sign(seq_adv)  # (B, 1)
-    log_ratio = _clamped_log_ratio(logprobs, old_logprobs)  # (B, T)
+    log_ratio = clamp_log_ratio(logprobs - old_logprobs)  # (B, T)
     clipped = log_ratio.clamp(-clip_low, clip_high)  # (B, T)
     c = sign * torch.minimum(sign * log_ratio, sign * clipped)  # (B, T)
     seq_ratio = torch.exp((c * m).sum(-1, keepdim=True) / n.clamp(min=1))  # (B, 1)
@@ -435,7 +431,7 @@ def clip_cov_select(
     ``(cov_low, cov_high)`` and that PPO's clip does not already clip. (B, T) -> (B, T) float 0/1."""
     adv = _adv(advantages, mask).expand_as(logprobs)  # (B, T)
     logprobs, old_logprobs = _clean(mask, logprobs, old_logprobs)
-    ratio_t = torch.exp(_clamped_log_ratio(logprobs, old_logprobs))  # (B, T)
+    ratio_t = torch.exp(clamp_log_ratio(logprobs - old_logprobs))  # (B, T)
     ppo_clipped = -adv * ratio_t.clamp(1.0 - clip_low, 1.0 + clip_high) > -adv * ratio_t  # (B, T)
     cov = token_covariance(logprobs, advantages, mask)  # (B, T)
     cand = (mask > 0) & ~ppo_clipped & (cov > cov_low) & (cov < cov_high)  # (B, T)
@@ -484,7 +480,7 @@ def clip_cov_loss(
     """
     adv = _adv(advantages, mask)  # (B, 1) or (B, T)
     logprobs, old_logprobs = _clean(mask, logprobs, old_logprobs)
-    log_ratio = _clamped_log_ratio(logprobs, old_logprobs)  # (B, T)
+    log_ratio = clamp_log_ratio(logprobs - old_logprobs)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     pg_loss1 = -adv * ratio  # (B, T)
     pg_loss2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)  # (B, T)
@@ -522,7 +518,7 @@ def kl_cov_loss(
     """
     adv = _adv(advantages, mask)  # (B, 1) or (B, T)
     logprobs, old_logprobs = _clean(mask, logprobs, old_logprobs)
-    log_ratio = _clamped_log_ratio(logprobs, old_logprobs)  # (B, T)
+    log_ratio = clamp_log_ratio(logprobs - old_logprobs)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     pg_losses = -adv * ratio + coef * select * log_ratio.abs()  # (B, T)
     loss = aggregate(pg_losses, mask, agg_mode, max_len)
