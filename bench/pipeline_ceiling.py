@@ -1,7 +1,8 @@
 """The event path's own ceiling: the main example's services through Kafka with the model work taken out.
 
     .venv/bin/python bench/pipeline_ceiling.py [--bootstrap HOST:PORT] [--seconds 75] [--steps N] [--rate 50]
-                                               [--no-profile] [--profile-out FILE] [--samples-per-record N] [--top 8]
+                                               [--set KEY=VALUE ...] [--no-profile] [--profile-out FILE]
+                                               [--samples-per-record N] [--top 8]
 
 Every service of ``examples/main.yaml`` (feeder, rollout, reward, trainer, recorder) runs as in
 ``rollstream run``: the real supervisor starts each one's real ``run(settings)`` in its own process,
@@ -310,6 +311,22 @@ def profile_table(lines: Iterable[str], classify: Callable[[list[str]], str | No
     return sites, mechs
 
 
+HOPS_SQL = """
+SELECT quantile(0.5)(g - t) AS `task -> generation`, quantile(0.5)(r - g) AS `generation -> scored`,
+       quantile(0.5)(o - r) AS `scored -> outcome`, quantile(0.5)(o - t) AS `task -> outcome`,
+       quantile(0.9)(o - t) AS `task -> outcome p90`
+FROM (SELECT toUnixTimestamp64Micro(t.issued_ts) / 1e6 AS t, toUnixTimestamp64Micro(g.generated_ts) / 1e6 AS g,
+             toUnixTimestamp64Micro(r.scored_ts) / 1e6 AS r, toUnixTimestamp64Micro(o.decided_ts) / 1e6 AS o
+      FROM sample_outcomes AS o FINAL
+      JOIN sample_tasks AS t FINAL ON t.run_id = o.run_id AND t.sample_id = o.sample_id
+      JOIN sample_generations AS g FINAL ON g.run_id = o.run_id AND g.sample_id = o.sample_id
+      JOIN sample_rewards AS r FINAL ON r.run_id = o.run_id AND r.sample_id = o.sample_id
+      WHERE o.run_id = '{run_id}' AND o.status = 'trained'
+        AND toUnixTimestamp64Micro(o.decided_ts) / 1e6 > {t0} AND toUnixTimestamp64Micro(o.decided_ts) / 1e6 <= {t1})
+"""
+"""Median seconds of each hop of the samples trained in the measured window (from the record)."""
+
+
 def sql_rows(query: str, run_id: str, runs: Path, env: dict[str, str]) -> list[dict[str, Any]]:
     import common  # bench/common.py
 
@@ -347,7 +364,8 @@ def run_row(name: str, sets: list[str], args: argparse.Namespace, work: Path, en
     for o in outcomes:
         statuses[str(o["status"])] += 1
     used = cpu.between(t0, steps[-1])
-    return {"name": name, "run_id": run_id, "rate": rate, "trained_rate": trained / seconds, "samples": n,
+    hops = sql_rows(HOPS_SQL.format(run_id=run_id, t0=t0, t1=steps[-1]), run_id, runs, env)
+    return {"name": name, "hops": {k: float(v) for k, v in hops[0].items()} if hops else {}, "run_id": run_id, "rate": rate, "trained_rate": trained / seconds, "samples": n,
             "seconds": seconds, "steps": len(steps), "wall": wall, "statuses": dict(statuses),
             "cpu_ms": {k: 1000 * v / max(1, n) for k, v in used.items()}}
 
@@ -355,9 +373,9 @@ def run_row(name: str, sets: list[str], args: argparse.Namespace, work: Path, en
 def base_sets(args: argparse.Namespace, work: Path) -> list[str]:
     """The main example as shipped, but: no supervised warm-up (there is no model to warm up), a run
     that trains until ``--seconds`` have passed (``run.max_wall_s``: then it drains) or ``--steps``,
-    this bench's runs directory."""
+    this bench's runs directory, and ``--set``."""
     return ["train.warmup_sft_steps=0", f"train.steps={args.steps or UNTIL_DRAINED}", f"run.max_wall_s={args.seconds}",
-            f"run.runs_dir={work / 'runs'}", "run.seed=0"]
+            f"run.runs_dir={work / 'runs'}", "run.seed=0", *args.sets]
 
 
 def parse_args() -> argparse.Namespace:
@@ -370,6 +388,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--timeout-s", type=int, default=400, help="longest one run may take before the bench fails")
     ap.add_argument("--samples-per-record", type=int, default=None,
                     help="the 'after' row's kafka.samples_per_record (default: the config's default)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="another run config override for every row (e.g. rollout.async_ratio=3)")
     ap.add_argument("--no-profile", action="store_true", help="skip the py-spy run")
     ap.add_argument("--rate", type=int, default=50, help="py-spy samples per second")
     ap.add_argument("--profile-out", type=Path, default=None, help="keep the raw py-spy profile here")
@@ -452,7 +472,8 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"\nPipeline ceiling: examples/main.yaml (batch 256 = 32 groups of 8, async_ratio 1, max_staleness 1), "
+    print(f"\nPipeline ceiling: examples/main.yaml (batch 256 = 32 groups of 8, async_ratio 1, max_staleness 1"
+          f"{''.join(', ' + kv for kv in args.sets)}), "
           f"{f'{args.steps} steps' if args.steps else f'{args.seconds} s'} per run (rate: from step {SKIP_STEPS} to the last), "
           "instant engine / verifier / training step")
     print(f"machine: {common.machine()}; broker {args.bootstrap}")
@@ -460,6 +481,15 @@ def main() -> int:
                   *[(r["name"], f"{r['rate']:,.0f}", f"{r['trained_rate']:,.0f}", str(r["samples"]),
                      f"{r['seconds']:.1f}", ", ".join(f"{k} {v}" for k, v in sorted(r["statuses"].items())))
                     for r in results]])
+    hops = [k for k in (results[-1]["hops"] or {})]
+    if hops:
+        from schemas.config import parse_config
+
+        inflight = parse_config((REPO / "examples" / "main.yaml").read_text(), args.sets).max_inflight
+        print(f"\nSeconds per hop, trained samples of the window (median unless marked; the feeder keeps at most "
+              f"{inflight} samples in flight, so samples/s <= {inflight} / the mean task -> outcome)")
+        common.table([("hop", *[r["name"] for r in results]),
+                      *[(h, *[f"{r['hops'].get(h, float('nan')):.3f}" for r in results]) for h in hops]])
     labels = sorted({k for r in results for k in r["cpu_ms"]}, key=lambda k: -results[-1]["cpu_ms"].get(k, 0.0))
     print("\nCPU ms per sample by process (/proc, first to last step; the broker's includes its other users)")
     common.table([("process", *[r["name"] for r in results]),
