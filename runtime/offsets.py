@@ -107,7 +107,7 @@ def holds(ahead: set[Entry], offset: int, index: int) -> bool:
 
 def whole_records(entries: Iterable[Entry], sizes: dict[int, int]) -> set[Entry]:
     """``entries`` with every record whose events are all named (``sizes``: events per record
-    offset) written as ``(offset, WHOLE)``."""
+    offset; a record left out carries one) written as ``(offset, WHOLE)``."""
     out: set[Entry] = set()
     parts: dict[int, set[int]] = {}
     for off, idx in entries:
@@ -118,7 +118,7 @@ def whole_records(entries: Iterable[Entry], sizes: dict[int, int]) -> set[Entry]
     for off, idxs in parts.items():
         if (off, WHOLE) in out:
             continue
-        if len(idxs) >= sizes.get(off, 1 << 30):
+        if len(idxs) >= sizes.get(off, 1):
             out.add((off, WHOLE))
         else:
             out.update((off, i) for i in idxs)

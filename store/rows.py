@@ -21,7 +21,7 @@ from schemas import events as ev
 
 COLUMNS: dict[str, list[str]] = {
     "events": ["topic", "partition", "offset", "run_id", "name", "kind", "key", "event_id", "ts",
-               "policy_version", "payload"],
+               "policy_version", "payload", "record_index"],
     "sample_tasks": ["run_id", "sample_id", "group_id", "prompt_id", "domain", "issued_version", "issued_ts"],
     "sample_generations": ["run_id", "sample_id", "policy_version", "policy_version_end", "response_len",
                            "finish_reason", "worker_id", "queued_s", "gen_s", "env_s", "generated_ts", "num_turns",
@@ -54,14 +54,15 @@ def dt(ts: float) -> datetime:
 
 
 def event_row(topic: str, partition: int, offset: int, run_id: str, name: str, key: bytes | None,
-              event: ev.Event | None, raw: bytes | None, ts: float) -> list[Any]:
-    """The ``events`` row of one message (an undecodable one is kept with kind ``undecodable``)."""
+              event: ev.Event | None, raw: bytes | None, ts: float, index: int = 0) -> list[Any]:
+    """The ``events`` row of one event (an undecodable one is kept with kind ``undecodable``);
+    ``index``: which event of its Kafka record it is."""
     if event is None:
         payload = _json.encode({"undecodable_msgpack_b64": raw or b""}).decode()
-        return [topic, partition, offset, run_id, name, "undecodable", _key(key), "", dt(ts), -1, payload]
+        return [topic, partition, offset, run_id, name, "undecodable", _key(key), "", dt(ts), -1, payload, index]
     version = getattr(event, "policy_version", -1)
     return [topic, partition, offset, run_id, name, type(event).__name__, _key(key), event.event_id,
-            dt(event.ts), int(version), _json.encode(event).decode()]
+            dt(event.ts), int(version), _json.encode(event).decode(), index]
 
 
 def typed_rows(event: ev.Event) -> dict[str, list[list[Any]]]:
