@@ -388,8 +388,8 @@ class Consumer(_Client[AIOKafkaConsumer]):
     async def getmany(self, timeout_ms: int = 1000, max_records: int | None = None) -> list[Record]:
         """The records of up to ``max_records`` Kafka messages (waiting at most ``timeout_ms`` if none
         are buffered), each partition's in offset order; a batched message comes back as one record
-        per event (:func:`schemas.topics.split_value`), in its order. Undecodable ones come back
-        with ``error`` set."""
+        per event (:func:`schemas.topics.split_value`), in its order, keyed by the event's registry
+        key (:func:`runtime.records.key_for`). Undecodable ones come back with ``error`` set."""
         batches = await self.raw.getmany(timeout_ms=timeout_ms, max_records=max_records)
         out: list[Record] = []
         for tp, msgs in batches.items():
@@ -410,10 +410,12 @@ class Consumer(_Client[AIOKafkaConsumer]):
                     out.append(Record(topic, partition, m.offset, m.key, m.value, None,
                                       "batched record with no events", ts))
                     continue
-                n = len(parts)
+                n, spec = len(parts), spec_for_topic(topic)
                 for i, part in enumerate(parts):
                     event, error = self.decode(topic, part)
-                    out.append(Record(topic, partition, m.offset, m.key, part, event, error, ts, i, n))
+                    # the record is keyed by its first event: each event gets its own registry key back
+                    key = key_for(spec, event) if event is not None and spec is not None else None
+                    out.append(Record(topic, partition, m.offset, key or m.key, part, event, error, ts, i, n))
         return out
 
     async def keepalive(self) -> None:
