@@ -25,7 +25,15 @@ from aiokafka.errors import KafkaError
 from runtime.bus import BusError, Deduper, Record, TopicPartition
 from runtime.handling import Control, HandlerCalls, Tick, count
 from runtime.kafka_io import KafkaIO
-from runtime.offsets import AHEAD_MAX_CHARS, Entry, OffsetTracker, decode_ahead, encode_ahead, holds, whole_records
+from runtime.offsets import (
+    AHEAD_MAX_CHARS,
+    Entry,
+    OffsetTracker,
+    decode_ahead,
+    encode_ahead,
+    holds,
+    whole_records,
+)
 from runtime.service import Outcome, Output, RecordHandler
 from schemas.errors import one_line
 
@@ -242,8 +250,8 @@ class TxnLoop:
         self.ahead.update(ahead)
         self.offsets.mark_committed({tp: pos for tp, (pos, _) in offsets.items()})
         for tp, (pos, _) in offsets.items():  # records before the offset are done with
-            for k in [k for k in self.sizes if k[0] == tp and k[1] < pos]:
-                del self.sizes[k]
+            for sk in [sk for sk in self.sizes if sk[0] == tp and sk[1] < pos]:
+                del self.sizes[sk]
         for outputs, outcome, _ in entries:
             if outcome is not None:
                 count(self.io.counters, outputs, outcome)
@@ -257,8 +265,8 @@ class TxnLoop:
                 self.deduper.discard(eid)
         for tp in list(self.ahead) if tps is None else tps:
             self.ahead.pop(tp, None)
-        for k in [k for k in self.sizes if tps is None or k[0] in tps]:
-            del self.sizes[k]
+        for sk in [sk for sk in self.sizes if tps is None or sk[0] in tps]:
+            del self.sizes[sk]
         self.ahead_read -= set(self.ahead_read) if tps is None else tps
 
     async def on_revoked(self, tps: set[TopicPartition]) -> None:

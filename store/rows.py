@@ -35,7 +35,7 @@ COLUMNS: dict[str, list[str]] = {
     "evals": ["run_id", "step", "policy_version", "split", "ts", "metrics"],
     "weights": ["run_id", "policy_version", "step", "uri", "format", "checksum", "num_bytes", "ts"],
     "dlq": ["run_id", "source_topic", "partition", "offset", "sample_id", "service", "stage", "error", "ts",
-            "group_id"],
+            "group_id", "record_index"],
     "env_events": ["run_id", "episode_id", "sample_id", "kind", "step", "env", "policy_version", "text", "reward",
                    "terminated", "truncated", "error", "event_id", "ts", "env_s", "failed"],
     "recorder_lag": ["run_id", "group_id", "ts", "lag_records", "partitions", "recorded_total", "skipped_total"],
@@ -107,7 +107,7 @@ def typed_rows(event: ev.Event) -> dict[str, list[list[Any]]]:
                                   int(event.failed)])
     elif isinstance(event, ev.DeadLetter):
         out["dlq"].append([r, event.source_topic, event.partition, event.offset, event.sample_id, event.service,
-                           event.stage, event.error, dt(event.ts), event.group_id])
+                           event.stage, event.error, dt(event.ts), event.group_id, event.index])
     elif isinstance(event, ev.ServiceStarted):
         out["service_events"].append([r, event.service, "ServiceStarted", event.pid, 0, 0, 0, "", 0.0,
                                       event.event_id, dt(event.ts)])

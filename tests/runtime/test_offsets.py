@@ -88,7 +88,7 @@ def test_ahead_list_of_batched_records_round_trips() -> None:
 
 def test_tracker_commits_a_batched_record_once_every_event_is_done() -> None:
     t = OffsetTracker()
-    for i in range(3):  # the record at 10 carries 3 events, 11 carries one
+    for _ in range(3):  # the record at 10 carries 3 events, 11 carries one
         t.add(TP, 10, 3)
     t.add(TP, 11)
     t.done(TP, 11)

@@ -58,7 +58,7 @@ def test_events_of_a_batched_record_go_in_one_by_one() -> None:
     # record 0 (one event) done; record 1 carries 4 events, 0 and 2 done; record 2 (3 events) all done
     r = finished_loop([0], last=0)
     for off, n, done in ((1, 4, (0, 2)), (2, 3, (0, 1, 2))):
-        for i in range(n):
+        for _ in range(n):
             r.offsets.add(TP, off, n)
         r.sizes[(TP, off)] = n
         for i in done:
