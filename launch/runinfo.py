@@ -29,7 +29,7 @@ from runtime.reading import read_to_end
 from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.services import SERVICES, ServiceSpec
-from schemas.topics import TOPICS, topic_name
+from schemas.topics import TOPICS, decode_all, topic_name
 
 EXACT_LAG_MAX = 200
 """A lag up to this many offsets per partition is counted record by record (transaction markers
@@ -165,11 +165,12 @@ async def _read_tail(consumer: AIOKafkaConsumer, info: RunInfo, run_id: str,
 
     def take(tp: TopicPartition, m: Any) -> None:
         try:
-            event = decoders[tp.topic.rsplit(".", 1)[-1]].decode(m.value) if m.value is not None else None
+            events = decode_all(decoders[tp.topic.rsplit(".", 1)[-1]], m.value) if m.value is not None else []
         except (msgspec.DecodeError, msgspec.ValidationError):
-            event = None
-        if event is not None and event.run_id == run_id:
-            _take(info, event)
+            events = []
+        for event in events:  # every event of a batched record
+            if event.run_id == run_id:
+                _take(info, event)
 
     await read_to_end(consumer, take, start=wanted, ends=ends, idle_polls=2)
 

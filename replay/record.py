@@ -148,11 +148,13 @@ class StoredEvent:
     """The decoded event; ``None`` for an undecodable record."""
     raw: bytes | None = None
     """An undecodable record's original bytes."""
+    index: int = 0
+    """Which event of its Kafka record it is (a batched record holds several)."""
 
     @property
-    def order_key(self) -> tuple[int, int, int, int]:
-        """Merge key across partitions: ``(ts, topic rank, partition, offset)``."""
-        return (self.ts_us, TOPIC_RANK.get(self.name, len(TOPIC_RANK)), self.partition, self.offset)
+    def order_key(self) -> tuple[int, int, int, int, int]:
+        """Merge key across partitions: ``(ts, topic rank, partition, offset, index)``."""
+        return (self.ts_us, TOPIC_RANK.get(self.name, len(TOPIC_RANK)), self.partition, self.offset, self.index)
 
 
 def run_config_file(runs_dir: Path, run_id: str) -> Path:
@@ -260,25 +262,27 @@ def _null_to_nan(obj: Any, tp: Any) -> Any:
 
 def iter_partition(client: Any, run_id: str, name: str, partition: int,
                    page_rows: int = PAGE_ROWS) -> Iterator[StoredEvent]:
-    """The recorded messages of one partition in offset order, decoded, fetched a page at a time."""
+    """The recorded events of one partition in offset order (a batched record's in its order),
+    decoded, fetched a page at a time."""
     topic = topic_name(run_id, name)
-    next_offset = 0
+    next_offset, next_index = 0, 0
     while True:
         rows = client.query(
-            "SELECT offset, toUnixTimestamp64Micro(ts), key, kind, payload FROM events FINAL "
-            "WHERE topic = {t:String} AND partition = {p:UInt32} AND offset >= {o:UInt64} "
-            "ORDER BY offset LIMIT {n:UInt32}",
-            parameters={"t": topic, "p": partition, "o": next_offset, "n": page_rows}).result_rows
-        for offset, ts_us, key, kind, payload in rows:
+            "SELECT offset, toUnixTimestamp64Micro(ts), key, kind, payload, record_index FROM events FINAL "
+            "WHERE topic = {t:String} AND partition = {p:UInt32} "
+            "AND (offset > {o:UInt64} OR (offset = {o:UInt64} AND record_index >= {i:UInt32})) "
+            "ORDER BY offset, record_index LIMIT {n:UInt32}",
+            parameters={"t": topic, "p": partition, "o": next_offset, "i": next_index, "n": page_rows}).result_rows
+        for offset, ts_us, key, kind, payload, index in rows:
             try:
                 event, raw = decode_payload(name, str(kind), str(payload))
             except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as e:
                 raise ReplayError(f"cannot decode the recorded message {topic}[{partition}]@{offset}: "
                                   f"{one_line(e, 300, typed=False)}") from None
-            yield StoredEvent(name, partition, int(offset), int(ts_us), str(key), str(kind), event, raw)
+            yield StoredEvent(name, partition, int(offset), int(ts_us), str(key), str(kind), event, raw, int(index))
         if len(rows) < page_rows:
             return
-        next_offset = int(rows[-1][0]) + 1
+        next_offset, next_index = int(rows[-1][0]), int(rows[-1][5]) + 1
 
 
 def merge_in_order(streams: Iterable[Iterable[StoredEvent]]) -> Iterator[StoredEvent]:

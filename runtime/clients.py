@@ -41,7 +41,7 @@ from runtime.records import KeyLike, Record, encode_key, key_for
 from schemas.config import KafkaSettings
 from schemas.errors import one_line
 from schemas.events import Event
-from schemas.topics import spec_for_topic
+from schemas.topics import spec_for_topic, split_value
 
 log = logging.getLogger("rollstream.bus")
 
@@ -386,25 +386,36 @@ class Consumer(_Client[AIOKafkaConsumer]):
     # -- consuming
 
     async def getmany(self, timeout_ms: int = 1000, max_records: int | None = None) -> list[Record]:
-        """Up to ``max_records`` records (waiting at most ``timeout_ms`` if none are buffered),
-        each partition's in offset order. Undecodable ones come back with ``error`` set."""
+        """The records of up to ``max_records`` Kafka messages (waiting at most ``timeout_ms`` if none
+        are buffered), each partition's in offset order; a batched message comes back as one record
+        per event (:func:`schemas.topics.split_value`), in its order, keyed by the event's registry
+        key (:func:`runtime.records.key_for`). Undecodable ones come back with ``error`` set."""
         batches = await self.raw.getmany(timeout_ms=timeout_ms, max_records=max_records)
         out: list[Record] = []
         for tp, msgs in batches.items():
+            topic, partition = tp.topic, tp.partition
             for m in msgs:
-                event, error = self.decode(tp.topic, m.value)
-                out.append(
-                    Record(
-                        topic=tp.topic,
-                        partition=tp.partition,
-                        offset=m.offset,
-                        key=m.key,
-                        value_bytes=m.value,
-                        event=event,
-                        error=error,
-                        ts=m.timestamp / 1000.0,
-                    )
-                )
+                ts = m.timestamp / 1000.0
+                try:
+                    parts = split_value(m.value)
+                except Exception as e:  # a damaged array: the whole record is one undecodable record
+                    out.append(Record(topic, partition, m.offset, m.key, m.value, None,
+                                      f"damaged batched record: {one_line(e)}", ts))
+                    continue
+                if parts is None:
+                    event, error = self.decode(topic, m.value)
+                    out.append(Record(topic, partition, m.offset, m.key, m.value, event, error, ts))
+                    continue
+                if not parts:
+                    out.append(Record(topic, partition, m.offset, m.key, m.value, None,
+                                      "batched record with no events", ts))
+                    continue
+                n, spec = len(parts), spec_for_topic(topic)
+                for i, part in enumerate(parts):
+                    event, error = self.decode(topic, part)
+                    # the record is keyed by its first event: each event gets its own registry key back
+                    key = key_for(spec, event) if event is not None and spec is not None else None
+                    out.append(Record(topic, partition, m.offset, key or m.key, part, event, error, ts, i, n))
         return out
 
     async def keepalive(self) -> None:

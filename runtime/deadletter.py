@@ -114,4 +114,5 @@ def dead_letter_for(
         stage=stage,
         sample_id=sample_id,
         group_id=group_id,
+        index=rec.index,
     )

@@ -135,7 +135,7 @@ class HandlerCalls:
 
     def start(self, rec: Record, settle: Settle) -> None:
         """Start the call of ``rec``; ``settle`` its outputs when the handler returned."""
-        task = asyncio.create_task(self._run(rec, settle), name=f"{self.service.name}:{rec.topic}@{rec.offset}")
+        task = asyncio.create_task(self._run(rec, settle), name=f"{self.service.name}:{rec.topic}@{rec.offset}.{rec.index}")
         self.tasks[task] = rec
         task.add_done_callback(self._ended)
 
@@ -159,7 +159,7 @@ class HandlerCalls:
                     return  # not started: left uncommitted for whoever reads the partition next
                 outputs, outcome = await self.outputs_for(rec)
             await settle(rec, outputs, outcome)
-            self.offsets.done(rec.tp, rec.offset)
+            self.offsets.done(rec.tp, rec.offset, rec.index)
             finished = True
         finally:
             if not finished and eid is not None and dedupe:

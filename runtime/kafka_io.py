@@ -7,6 +7,8 @@ through a Kafka outage (:mod:`runtime.outage`):
   instance in its group;
 * :meth:`KafkaIO.send_outputs` — outputs sent and acknowledged, again through a new producer
   when the broker no longer accepts the old one (:meth:`KafkaIO.renew_producer`);
+* :meth:`KafkaIO.send_together` — the outputs of handler calls that finish at the same moment,
+  sent as one :meth:`KafkaIO.send_outputs`;
 * :meth:`KafkaIO.commit` — consumed offsets (a commit refused by a rebalance is logged);
 * :meth:`KafkaIO.transaction` — outputs and offsets in one Kafka transaction, done again by a
   new producer of the same transactional id after a failure;
@@ -23,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from aiokafka.errors import CommitFailedError, KafkaConnectionError, KafkaError, ProducerFenced
+from aiokafka.partitioner import DefaultPartitioner
 
 from runtime.bus import (
     BusError,
@@ -40,7 +43,7 @@ from runtime.outage import Outage, Retry, is_outage, needs_new_producer, produce
 from runtime.service import Counters, Output, derive_event_id
 from runtime.settings import ServiceSettings, resolve_topic
 from schemas.errors import one_line
-from schemas.topics import parse_topic, topic_name
+from schemas.topics import BATCHED_TOPICS, pack_values, parse_topic, topic_name
 
 log = logging.getLogger("rollstream.runtime")
 
@@ -69,6 +72,8 @@ class KafkaIO:
         self._poll_retry = self.outage.retry("poll")
         self._renew_lock = asyncio.Lock()
         self._closing: set[asyncio.Task[Any]] = set()
+        self._partitions: dict[str, list[int]] = {}
+        self._together: tuple[list[Output], list[str], asyncio.Future[None]] | None = None
         self.producer = self._new_producer()
         grace_ms = int(s.handling.shutdown_grace_s * 1000)
         grouped = sub.group_id is not None
@@ -184,6 +189,96 @@ class KafkaIO:
             self.producer = fresh
             return
 
+    async def _partitions_of(self, topic: str) -> list[int] | None:
+        """The partitions of ``topic`` (cached; ``None`` when the producer cannot tell now)."""
+        parts = self._partitions.get(topic)
+        if parts is None:
+            try:
+                found = await self.producer.raw.partitions_for(topic)
+            except KafkaError:
+                return None
+            if not found:
+                return None
+            parts = self._partitions[topic] = sorted(found)
+        return parts
+
+    async def pack(self, outs: list[Output]) -> tuple[list[Output], list[list[int]]]:
+        """``outs`` as the Kafka records to send, and the indices of ``outs`` each one carries.
+
+        Events of a hot topic (:data:`schemas.topics.BATCHED_TOPICS`) that go to the same partition
+        (the one their own key maps to, as Kafka's default partitioner maps it) share a record,
+        in their order, up to ``kafka.samples_per_record`` events and the producer's request size;
+        the record is keyed by its first event. Everything else is sent as it is."""
+        per_record = self.settings.kafka.samples_per_record
+        if per_record <= 1 or len(outs) < 2:
+            return outs, [[i] for i in range(len(outs))]
+        groups: dict[tuple[str, int | None], list[int]] = {}
+        alone: list[int] = []
+        for i, o in enumerate(outs):
+            parsed = None if o.dead_letter else parse_topic(o.topic)
+            parts = await self._partitions_of(o.topic) if parsed and parsed[1] in BATCHED_TOPICS else None
+            if parts is None:
+                alone.append(i)
+                continue
+            part = None if o.key is None else DefaultPartitioner()(o.key, parts, parts)
+            groups.setdefault((o.topic, part), []).append(i)
+        limit = self.producer.max_request_bytes - 64 * 1024  # room for the batch's own overhead
+        records: list[Output] = [outs[i] for i in alone]
+        covers: list[list[int]] = [[i] for i in alone]
+        for members in groups.values():
+            chunk: list[int] = []
+            size = 0
+            for i in [*members, -1]:
+                n = len(outs[i].value) + len(outs[i].key or b"") if i >= 0 else 0
+                if chunk and (i < 0 or len(chunk) >= per_record or size + n > limit):
+                    first = outs[chunk[0]]
+                    value = first.value if len(chunk) == 1 else pack_values([outs[j].value for j in chunk])
+                    records.append(Output(first.topic, first.key, value, first.event))
+                    covers.append(chunk)
+                    chunk, size = [], 0
+                if i >= 0:
+                    chunk.append(i)
+                    size += n
+        return records, covers
+
+    async def send_together(self, outs: list[Output], what: str) -> None:
+        """Send ``outs`` with the outputs of every other call made before the event loop next turns
+        (handler calls that finished at the same moment: one engine step's completions), as one
+        :meth:`send_outputs` (not counted: the caller counts); returns once they are acknowledged.
+        Nothing waits for more outputs: the send starts as soon as the calls already due have run."""
+        if self.settings.kafka.samples_per_record <= 1:
+            await self.send_outputs(outs, what, count=False)
+            return
+        if self._together is None:
+            self._together = ([], [], asyncio.get_running_loop().create_future())
+            asyncio.get_running_loop().call_soon(self._send_gathered)
+        gathered, whats, fut = self._together
+        gathered += outs
+        whats.append(what)
+        await asyncio.shield(fut)
+
+    def _send_gathered(self) -> None:
+        assert self._together is not None
+        gathered, whats, fut = self._together
+        self._together = None
+        what = whats[0] if len(whats) == 1 else f"outputs of {len(whats)} records"
+
+        async def send() -> None:
+            try:
+                await self.send_outputs(gathered, what, count=False)
+            except asyncio.CancelledError:
+                fut.cancel()
+                raise
+            except Exception as e:
+                fut.set_exception(e)
+            else:
+                fut.set_result(None)
+
+        task = asyncio.ensure_future(send())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even with no waiter left
+
     async def send_outputs(self, outs: list[Output], what: str, count: bool = True) -> list[RecordMetadata]:
         """Send ``outs``, wait for every acknowledgement, count them (``emitted`` / ``dead_lettered``;
         ``count=False``: the caller counts).
@@ -197,6 +292,8 @@ class KafkaIO:
         the outputs for another reason."""
         if not outs:
             return []
+        originals = outs
+        outs, covers = await self.pack(outs)
         mds: list[RecordMetadata | None] = [None] * len(outs)
         todo = list(range(len(outs)))
         retry = self.outage.retry(f"{what} not acknowledged")
@@ -234,12 +331,16 @@ class KafkaIO:
             todo = sorted(failed)
         retry.done()
         if count:
-            for o in outs:
+            for o in originals:
                 if o.dead_letter:
                     self.counters.dead_lettered += 1
                 else:
                     self.counters.emitted += 1
-        return [md for md in mds if md is not None]
+        per_output: list[RecordMetadata | None] = [None] * len(originals)
+        for md, carried in zip(mds, covers, strict=True):
+            for i in carried:
+                per_output[i] = md
+        return [md for md in per_output if md is not None]
 
     async def _acknowledged(self, pending: set[asyncio.Future[RecordMetadata]], producer: Producer, retry: Retry,
                             what: str) -> None:
@@ -263,6 +364,7 @@ class KafkaIO:
         records are reprocessed after a restart). A fenced producer (another instance took over)
         fails at once."""
         retry = self.outage.retry(f"transaction of {len(outputs)} output(s)")
+        outputs, _ = await self.pack(outputs)
         # one attempt waits at most this long (an abort waits for the coordinator otherwise)
         attempt_s = self.settings.kafka.request_timeout_s + 10
         group = str(self.settings.subscription.group_id)
@@ -315,7 +417,8 @@ class KafkaIO:
         dl = dead_letter_for(
             rec,
             run_id=run_id,
-            event_id=derive_event_id(f"{rec.topic}/{rec.partition}/{rec.offset}", self.service_name, 0),
+            event_id=derive_event_id(f"{rec.topic}/{rec.partition}/{rec.offset}"
+                                     + (f".{rec.index}" if rec.in_record > 1 else ""), self.service_name, 0),
             service=s.subscription.group_id or self.service_name,
             stage=stage,
             error=error,

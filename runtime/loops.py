@@ -3,7 +3,9 @@
 
 * :class:`RecordLoop` — up to ``handling.max_concurrency`` handler calls at once; a record's
   outputs are sent and acknowledged when its handler returns, and its offset is committed once
-  it and every earlier record of its partition are finished (:class:`runtime.offsets.OffsetTracker`).
+  it and every earlier record of its partition are finished (:class:`runtime.offsets.OffsetTracker`;
+  a batched record once every event of it is). The outputs of calls that finish at the same moment
+  are sent together (:meth:`runtime.kafka_io.KafkaIO.send_together`).
   With every slot busy it keeps polling (partitions paused) to stay in its group. Then ``on_tick``.
 * :class:`BatchLoop` — per poll, undecodable records are dead-lettered (or given to the handler
   with ``handle_undecodable``, or left to their owner on ``observed_topics``), seen ``event_id`` s
@@ -74,17 +76,18 @@ class RecordLoop:
             stop_wait.cancel()
 
     def _admit(self, rec: Record) -> None:
-        self.offsets.add(rec.tp, rec.offset)
+        self.offsets.add(rec.tp, rec.offset, rec.in_record)
         eid = rec.event_id
         if self.settings.delivery.dedupe and rec.error is None and eid is not None and self.deduper.check_and_add(eid):
             self.io.counters.duplicates += 1
-            self.offsets.done(rec.tp, rec.offset)
+            self.offsets.done(rec.tp, rec.offset, rec.index)
             return
         self.calls.start(rec, self._send_now)
 
     async def _send_now(self, rec: Record, outputs: list[Output], outcome: Outcome) -> None:
-        # retried through an outage; BusError past kafka.outage_timeout_s
-        await self.io.send_outputs(outputs, f"output of {rec.topic}[{rec.partition}]@{rec.offset}", count=False)
+        # with the outputs of the calls that finished at the same moment; retried through an
+        # outage; BusError past kafka.outage_timeout_s
+        await self.io.send_together(outputs, f"output of {rec.topic}[{rec.partition}]@{rec.offset}")
         count(self.io.counters, outputs, outcome)
 
     async def _commit_ready(self, only: set[TopicPartition] | None = None) -> None:

@@ -64,7 +64,7 @@ def key_for(spec: TopicSpec, event: Event) -> bytes | None:
 
 @dataclass(frozen=True, slots=True)
 class Record:
-    """One consumed Kafka message, decoded.
+    """One consumed event, decoded: a Kafka message, or one event of a batched one.
 
     Exactly one of ``event`` / ``error`` is set: ``error`` is a one-line reason when the bytes
     did not decode (or the topic is not a rollstream topic); the raw ``value_bytes`` are kept
@@ -81,6 +81,11 @@ class Record:
     error: str | None
     ts: float
     """Kafka record timestamp, unix seconds."""
+    index: int = 0
+    """Which event of its Kafka record this is (0 for a record of one event)."""
+    in_record: int = 1
+    """How many events its Kafka record carries (a batched record is handed out as that many
+    records sharing ``offset``; ``value_bytes`` is this event's own encoding)."""
 
     @property
     def tp(self) -> TopicPartition:

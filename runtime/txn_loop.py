@@ -25,7 +25,15 @@ from aiokafka.errors import KafkaError
 from runtime.bus import BusError, Deduper, Record, TopicPartition
 from runtime.handling import Control, HandlerCalls, Tick, count
 from runtime.kafka_io import KafkaIO
-from runtime.offsets import AHEAD_MAX_CHARS, OffsetTracker, decode_ahead, encode_ahead
+from runtime.offsets import (
+    AHEAD_MAX_CHARS,
+    Entry,
+    OffsetTracker,
+    decode_ahead,
+    encode_ahead,
+    holds,
+    whole_records,
+)
 from runtime.service import Outcome, Output, RecordHandler
 from schemas.errors import one_line
 
@@ -40,8 +48,10 @@ without waiting out ``txn_interval_s``, seconds."""
 Finished = tuple[list[Output], Outcome | None, str | None]
 """A finished record waiting for its transaction: its outputs, how it ended (``None``: skipped as
 a duplicate, nothing to count) and its ``event_id``."""
-Plan = tuple[list[tuple[TopicPartition, int]], dict[TopicPartition, tuple[int, str]], dict[TopicPartition, set[int]]]
-"""What a transaction commits: finished records, offsets with their ahead lists, new ahead sets."""
+Key = tuple[TopicPartition, int, int]
+"""A finished event: partition, offset, index in its Kafka record."""
+Plan = tuple[list[Key], dict[TopicPartition, tuple[int, str]], dict[TopicPartition, set[Entry]]]
+"""What a transaction commits: finished events, offsets with their ahead lists, new ahead sets."""
 
 
 class TxnLoop:
@@ -55,11 +65,13 @@ class TxnLoop:
         self.offsets = OffsetTracker()
         self.deduper = Deduper(io.settings.delivery.dedupe_capacity)
         self.calls = HandlerCalls(io, service, control, self.offsets, self.deduper)
-        self.done: dict[tuple[TopicPartition, int], Finished] = {}
-        """Records finished since the last transaction, by partition and offset."""
-        self.ahead: dict[TopicPartition, set[int]] = {}
-        """Per partition, the offsets at or after the committed one whose outputs a committed
-        transaction holds (the ahead list committed with the offset)."""
+        self.done: dict[Key, Finished] = {}
+        """Events finished since the last transaction, by partition, offset and index."""
+        self.sizes: dict[tuple[TopicPartition, int], int] = {}
+        """Events per admitted batched record (records of one event are left out)."""
+        self.ahead: dict[TopicPartition, set[Entry]] = {}
+        """Per partition, the records (and events of records partly done) at or after the committed
+        offset whose outputs a committed transaction holds (the ahead list committed with the offset)."""
         self.ahead_read: set[TopicPartition] = set()
         """Partitions whose committed ahead list was read since they were assigned. Not the keys of
         ``ahead``: a transaction that was already committing when its partition was revoked puts
@@ -163,60 +175,66 @@ class TxnLoop:
         self.ahead_read |= tps
 
     def _admit(self, rec: Record) -> None:
-        self.offsets.add(rec.tp, rec.offset)
+        tp, off, idx = rec.tp, rec.offset, rec.index
+        self.offsets.add(tp, off, rec.in_record)
+        if rec.in_record > 1:
+            self.sizes[(tp, off)] = rec.in_record
         eid = rec.event_id
         dedupe = self.settings.delivery.dedupe
-        if rec.offset in self.ahead.get(rec.tp, ()):  # committed with its outputs by an earlier owner
+        if holds(self.ahead.get(tp, set()), off, idx):  # committed with its outputs by an earlier owner
             self.io.counters.duplicates += 1
             if dedupe and rec.error is None and eid is not None:
                 self.deduper.check_and_add(eid)
-            self.offsets.done(rec.tp, rec.offset)
+            self.offsets.done(tp, off, idx)
             return
         if dedupe and rec.error is None and eid is not None and self.deduper.check_and_add(eid):
             self.io.counters.duplicates += 1
-            self.done[(rec.tp, rec.offset)] = ([], None, None)
-            self.offsets.done(rec.tp, rec.offset)
+            self.done[(tp, off, idx)] = ([], None, None)
+            self.offsets.done(tp, off, idx)
             return
         self.calls.start(rec, self._keep_for_txn)
 
     async def _keep_for_txn(self, rec: Record, outputs: list[Output], outcome: Outcome) -> None:
-        self.done[(rec.tp, rec.offset)] = (outputs, outcome, rec.event_id)
+        self.done[(rec.tp, rec.offset, rec.index)] = (outputs, outcome, rec.event_id)
 
     def _txn_plan(self, only: set[TopicPartition] | None) -> Plan:
-        """What the next transaction commits: the finished records (keys of ``done``), per
+        """What the next transaction commits: the finished events (keys of ``done``), per
         partition the offset (one past its finished prefix) with its ahead list, and the new
-        ahead sets. A partition's finished records after an unfinished one go in while its ahead
+        ahead sets. A partition's finished events after an unfinished record go in while its ahead
         list stays within :data:`AHEAD_MAX_CHARS` (the rest wait in memory for a later one)."""
-        by_tp: dict[TopicPartition, list[int]] = {}
-        for tp, off in self.done:
+        by_tp: dict[TopicPartition, list[tuple[int, int]]] = {}
+        for tp, off, idx in self.done:
             if only is None or tp in only:
-                by_tp.setdefault(tp, []).append(off)
-        keys: list[tuple[TopicPartition, int]] = []
+                by_tp.setdefault(tp, []).append((off, idx))
+        keys: list[Key] = []
         offsets: dict[TopicPartition, tuple[int, str]] = {}
-        ahead: dict[TopicPartition, set[int]] = {}
+        ahead: dict[TopicPartition, set[Entry]] = {}
         for tp in set(by_tp) | set(self.offsets.ready(only)):
             pos = self.offsets.position(tp)
             if pos is None:
                 continue
             finished = sorted(by_tp.get(tp, []))
-            take = [o for o in finished if o < pos]  # the finished prefix
-            kept = {o for o in self.ahead.get(tp, ()) if o >= pos}  # committed before: always listed
-            later = [o for o in finished if o >= pos]  # finished after an unfinished record
-            if len(encode_ahead(pos, kept | set(later))) <= AHEAD_MAX_CHARS:  # the usual case: all fit
-                kept.update(later)
+            take = [e for e in finished if e[0] < pos]  # the finished prefix
+            kept = {e for e in self.ahead.get(tp, ()) if e[0] >= pos}  # committed before: always listed
+            later = [e for e in finished if e[0] >= pos]  # finished after an unfinished record
+            sizes = {off: n for (t, off), n in self.sizes.items() if t == tp and off >= pos} if later else {}
+            listed = whole_records(kept | set(later), sizes)
+            if len(encode_ahead(pos, listed)) <= AHEAD_MAX_CHARS:  # the usual case: all fit
+                kept = listed
                 take += later
             else:  # the first ones, while the list fits
-                for o in later:
-                    if len(encode_ahead(pos, kept | {o})) > AHEAD_MAX_CHARS:
+                for e in later:
+                    more = whole_records(kept | {e}, sizes)
+                    if len(encode_ahead(pos, more)) > AHEAD_MAX_CHARS:
                         break
-                    kept.add(o)
-                    take.append(o)
+                    kept = more
+                    take.append(e)
             if not take and pos <= self.offsets.committed(tp):
                 continue
-            keys += [(tp, o) for o in take]
+            keys += [(tp, off, idx) for off, idx in take]
             offsets[tp] = (pos, encode_ahead(pos, kept))
             ahead[tp] = kept
-        return sorted(keys, key=lambda k: (k[0].topic, k[0].partition, k[1])), offsets, ahead
+        return sorted(keys, key=lambda k: (k[0].topic, k[0].partition, k[1], k[2])), offsets, ahead
 
     async def _commit_txn_ready(self, only: set[TopicPartition] | None = None) -> None:
         """One transaction: the outputs of every finished record not committed yet, and per
@@ -231,6 +249,9 @@ class TxnLoop:
             del self.done[k]
         self.ahead.update(ahead)
         self.offsets.mark_committed({tp: pos for tp, (pos, _) in offsets.items()})
+        for tp, (pos, _) in offsets.items():  # records before the offset are done with
+            for sk in [sk for sk in self.sizes if sk[0] == tp and sk[1] < pos]:
+                del self.sizes[sk]
         for outputs, outcome, _ in entries:
             if outcome is not None:
                 count(self.io.counters, outputs, outcome)
@@ -244,6 +265,8 @@ class TxnLoop:
                 self.deduper.discard(eid)
         for tp in list(self.ahead) if tps is None else tps:
             self.ahead.pop(tp, None)
+        for sk in [sk for sk in self.sizes if tps is None or sk[0] in tps]:
+            del self.sizes[sk]
         self.ahead_read -= set(self.ahead_read) if tps is None else tps
 
     async def on_revoked(self, tps: set[TopicPartition]) -> None:

@@ -387,6 +387,9 @@ class DeadLetter(Event, frozen=True, kw_only=True):
     group_id: str = ""
     """The group of that sample, when the message names it (a ``scored`` key is a group id; a
     ``<group_id>/<index>`` sample id names its group). (Added after v1.)"""
+    index: int = 0
+    """Which event of its Kafka record it was (a batched record carries several; ``value`` is that
+    event's own bytes). (Added after v9.)"""
 
 
 # --------------------------------------------------------------------------- service lifecycle

@@ -6,8 +6,11 @@ Topic names are per run: ``rs.<run_id>.<name>``; the recorder subscribes to ``^r
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import msgspec
 
 from schemas import events as ev
 
@@ -59,6 +62,38 @@ TOPICS: dict[str, TopicSpec] = {
         TopicSpec("dlq", "original key", ev.DlqEvent, 1, doc="any consumer -> recorder"),
     )
 }
+
+
+BATCHED_TOPICS = frozenset({"tasks", "generations", "scored", "metrics"})
+"""The hot topics whose Kafka records may carry several events (``kafka.samples_per_record``)."""
+
+_ARRAY_MARKERS = frozenset({*range(0x90, 0xA0), 0xDC, 0xDD})
+_RAW_LIST = msgspec.msgpack.Decoder(list[msgspec.Raw])
+
+
+def pack_values(values: Sequence[bytes]) -> bytes:
+    """The value of a batched Kafka record: a msgpack array whose elements are the single-event
+    encodings ``values`` (concatenated as they are, nothing is encoded again)."""
+    n = len(values)
+    head = bytes((0x90 | n,)) if n < 16 else (b"\xdc" + n.to_bytes(2, "big") if n < 65536
+                                               else b"\xdd" + n.to_bytes(4, "big"))
+    return head + b"".join(values)
+
+
+def split_value(value: bytes | None) -> list[bytes] | None:
+    """The single-event encodings a batched record's ``value`` carries (:func:`pack_values`), in
+    order; ``None`` when it holds one event (a msgpack map: every record written before batching).
+    ``msgspec.DecodeError`` when the array is damaged."""
+    if not value or value[0] not in _ARRAY_MARKERS:
+        return None
+    return [bytes(r) for r in _RAW_LIST.decode(value)]
+
+
+def decode_all(decoder: msgspec.msgpack.Decoder[Any], value: bytes) -> list[Any]:
+    """Every event of a record's ``value``: one for a single event, each element of a batched one.
+    The decoder's errors propagate."""
+    parts = split_value(value)
+    return [decoder.decode(value)] if parts is None else [decoder.decode(p) for p in parts]
 
 
 class BadRunId(ValueError):

@@ -164,7 +164,7 @@ class Recorder(BatchService):
             run_id, name = parsed if parsed else ("", rec.topic)
             tables["events"].append(
                 event_row(rec.topic, rec.partition, rec.offset, run_id, name, rec.key, rec.event,
-                          rec.value_bytes, rec.ts)
+                          rec.value_bytes, rec.ts, rec.index)
             )
             if rec.event is not None:
                 for table, rows in typed_rows(rec.event).items():

@@ -21,7 +21,7 @@ from schemas import events as ev
 
 COLUMNS: dict[str, list[str]] = {
     "events": ["topic", "partition", "offset", "run_id", "name", "kind", "key", "event_id", "ts",
-               "policy_version", "payload"],
+               "policy_version", "payload", "record_index"],
     "sample_tasks": ["run_id", "sample_id", "group_id", "prompt_id", "domain", "issued_version", "issued_ts"],
     "sample_generations": ["run_id", "sample_id", "policy_version", "policy_version_end", "response_len",
                            "finish_reason", "worker_id", "queued_s", "gen_s", "env_s", "generated_ts", "num_turns",
@@ -35,7 +35,7 @@ COLUMNS: dict[str, list[str]] = {
     "evals": ["run_id", "step", "policy_version", "split", "ts", "metrics"],
     "weights": ["run_id", "policy_version", "step", "uri", "format", "checksum", "num_bytes", "ts"],
     "dlq": ["run_id", "source_topic", "partition", "offset", "sample_id", "service", "stage", "error", "ts",
-            "group_id"],
+            "group_id", "record_index"],
     "env_events": ["run_id", "episode_id", "sample_id", "kind", "step", "env", "policy_version", "text", "reward",
                    "terminated", "truncated", "error", "event_id", "ts", "env_s", "failed"],
     "recorder_lag": ["run_id", "group_id", "ts", "lag_records", "partitions", "recorded_total", "skipped_total"],
@@ -54,14 +54,15 @@ def dt(ts: float) -> datetime:
 
 
 def event_row(topic: str, partition: int, offset: int, run_id: str, name: str, key: bytes | None,
-              event: ev.Event | None, raw: bytes | None, ts: float) -> list[Any]:
-    """The ``events`` row of one message (an undecodable one is kept with kind ``undecodable``)."""
+              event: ev.Event | None, raw: bytes | None, ts: float, index: int = 0) -> list[Any]:
+    """The ``events`` row of one event (an undecodable one is kept with kind ``undecodable``);
+    ``index``: which event of its Kafka record it is."""
     if event is None:
         payload = _json.encode({"undecodable_msgpack_b64": raw or b""}).decode()
-        return [topic, partition, offset, run_id, name, "undecodable", _key(key), "", dt(ts), -1, payload]
+        return [topic, partition, offset, run_id, name, "undecodable", _key(key), "", dt(ts), -1, payload, index]
     version = getattr(event, "policy_version", -1)
     return [topic, partition, offset, run_id, name, type(event).__name__, _key(key), event.event_id,
-            dt(event.ts), int(version), _json.encode(event).decode()]
+            dt(event.ts), int(version), _json.encode(event).decode(), index]
 
 
 def typed_rows(event: ev.Event) -> dict[str, list[list[Any]]]:
@@ -106,7 +107,7 @@ def typed_rows(event: ev.Event) -> dict[str, list[list[Any]]]:
                                   int(event.failed)])
     elif isinstance(event, ev.DeadLetter):
         out["dlq"].append([r, event.source_topic, event.partition, event.offset, event.sample_id, event.service,
-                           event.stage, event.error, dt(event.ts), event.group_id])
+                           event.stage, event.error, dt(event.ts), event.group_id, event.index])
     elif isinstance(event, ev.ServiceStarted):
         out["service_events"].append([r, event.service, "ServiceStarted", event.pid, 0, 0, 0, "", 0.0,
                                       event.event_id, dt(event.ts)])

@@ -49,6 +49,12 @@ class KafkaSettings(Section):
     """How long a running service keeps retrying while Kafka is unavailable (a broker restart, a
     network outage: sends, transactions, commits and polls that fail with retriable errors)
     before it fails, seconds."""
+    samples_per_record: Annotated[int, Meta(ge=1, le=4096)] = 64
+    """Most events one Kafka record carries on the hot topics (``tasks``, ``generations``, ``scored``,
+    ``metrics``). Outputs that are sent together (one handler batch, one transaction, the handler
+    calls that finished in the same engine step) and go to the same partition share a record, up to
+    this many and up to the producer's 8 MiB request size; a sample is never held back to fill one.
+    Each event stays its own sample (its id, its row, exactly once). 1 = one event per record."""
 
 
 class StoreSettings(Section):

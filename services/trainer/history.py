@@ -16,11 +16,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from runtime.bus import BusError, Consumer, TopicPartition
 from runtime.reading import ReadTimeout, read_to_end
 from schemas import events as ev
 from schemas.config import KafkaSettings
-from schemas.topics import topic_name
+from schemas.topics import split_value, topic_name
 
 log = logging.getLogger("rollstream.trainer")
 
@@ -114,9 +116,14 @@ async def read_history(kafka: KafkaSettings, run_id: str, timeout_s: float = 120
                         client_suffix="trainer-history") as consumer:
 
         def take(tp: TopicPartition, record: Any) -> None:
-            event, _ = consumer.decode(tp.topic, record.value)
-            if event is not None:
-                history.observe(event)
+            try:
+                parts = split_value(record.value) or [record.value]
+            except msgspec.DecodeError:
+                return
+            for value in parts:  # every event of a batched record
+                event, _ = consumer.decode(tp.topic, value)
+                if event is not None:
+                    history.observe(event)
 
         try:
             await read_to_end(consumer.raw, take, timeout_s=timeout_s, poll_ms=200, max_records=10_000,

@@ -283,8 +283,8 @@ SELECT
   (SELECT count() FROM (SELECT sid FROM outcomes WHERE status = 'trained' GROUP BY sid HAVING count() > 1))
     AS trained_twice,
   (SELECT countIf(status = 'trained') FROM outcomes) AS trained,
-  (SELECT count() FROM (SELECT topic, partition, offset FROM events WHERE run_id = '{r}'
-                        GROUP BY topic, partition, offset HAVING count() > 1)) AS duplicate_rows,
+  (SELECT count() FROM (SELECT topic, partition, offset, record_index FROM events WHERE run_id = '{r}'
+                        GROUP BY topic, partition, offset, record_index HAVING count() > 1)) AS duplicate_rows,
   (SELECT count() FROM steps) AS step_rows,
   (SELECT uniqExact(step) FROM steps) AS steps_distinct,
   (SELECT min(step) FROM steps) AS min_step,
@@ -292,7 +292,8 @@ SELECT
   (SELECT count() FROM train_steps FINAL WHERE run_id = '{r}') AS train_steps_rows,
   (SELECT count() FROM (SELECT step FROM train_steps WHERE run_id = '{r}' GROUP BY step
                         HAVING uniqExact(ts, policy_version, num_samples) > 1)) AS steps_with_two_versions,
-  (SELECT count() FROM events WHERE run_id = '{r}' AND kind = 'RunFinished') AS run_finished
+  (SELECT count() FROM events WHERE run_id = '{r}' AND kind = 'RunFinished') AS run_finished,
+  (SELECT count() FROM events WHERE run_id = '{r}' AND record_index > 0) AS batched_rows
 """
 
 
@@ -315,3 +316,4 @@ def check_invariants(inv: dict[str, int], steps: int) -> None:
     # left behind collapses under FINAL, as every query of the record reads it), never two versions
     assert inv["train_steps_rows"] == steps and inv["steps_with_two_versions"] == 0, inv
     assert inv["run_finished"] == 1, inv
+    assert inv["batched_rows"] > 0, f"no batched record in the run (kafka.samples_per_record): {inv}"

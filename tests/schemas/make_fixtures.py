@@ -1,6 +1,7 @@
 """Write today's encoded events to tests/schemas/fixtures/<version>/ (run once per schema release).
 
     .venv/bin/python -m tests.schemas.make_fixtures v1
+    .venv/bin/python -m tests.schemas.make_fixtures batched-v1   # batched records, one per hot topic
 
 Fixtures are never rewritten: every later version must still decode them.
 """
@@ -12,9 +13,34 @@ from pathlib import Path
 
 import msgspec
 
+from schemas.topics import BATCHED_TOPICS, TOPICS, pack_values
 from tests.schemas.examples import example_events
 
 HERE = Path(__file__).parent / "fixtures"
+BATCHED = Path(__file__).parent / "fixtures_batched"
+"""Batched records (``kafka.samples_per_record``): ``<version>/<topic>.msgpack``, each the example
+events of that hot topic packed into one record, twice over (a record of several events)."""
+
+
+def batched(version: str) -> None:
+    out = BATCHED / version
+    if out.exists():
+        raise SystemExit(f"{out} exists: fixtures of a released version are never rewritten")
+    out.mkdir(parents=True)
+    enc = msgspec.msgpack.Encoder()
+    for name in sorted(BATCHED_TOPICS):
+        dec = msgspec.msgpack.Decoder(TOPICS[name].event_type)
+        mine = [enc.encode(e) for e in example_events() if _accepts(dec, enc.encode(e))]
+        (out / f"{name}.msgpack").write_bytes(pack_values(mine * 2))
+    print(f"wrote {len(BATCHED_TOPICS)} batched fixtures to {out}")
+
+
+def _accepts(dec: msgspec.msgpack.Decoder, data: bytes) -> bool:
+    try:
+        dec.decode(data)
+        return True
+    except msgspec.ValidationError:
+        return False
 
 
 def main(version: str) -> None:
@@ -29,4 +55,8 @@ def main(version: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "v1")
+    arg = sys.argv[1] if len(sys.argv) > 1 else "v1"
+    if arg.startswith("batched-"):
+        batched(arg.removeprefix("batched-"))
+    else:
+        main(arg)

@@ -1,8 +1,20 @@
 from __future__ import annotations
 
+import msgspec
 import pytest
 
-from schemas.topics import TOPICS, BadRunId, check_run_id, parse_topic, spec_for_topic, topic_name
+from schemas.topics import (
+    TOPICS,
+    BadRunId,
+    check_run_id,
+    decode_all,
+    pack_values,
+    parse_topic,
+    spec_for_topic,
+    split_value,
+    topic_name,
+)
+from tests.schemas.examples import example_events
 
 
 def test_registry_matches_design() -> None:
@@ -34,3 +46,23 @@ def test_bad_run_ids_are_rejected(bad: str) -> None:
 def test_unknown_topic_name() -> None:
     with pytest.raises(KeyError, match="unknown topic"):
         topic_name("r", "nope")
+
+
+@pytest.mark.parametrize("n", [1, 2, 15, 16, 65535, 65536])
+def test_packed_values_split_back_exactly(n: int) -> None:
+    # the array header changes size at 16 and 65536 elements; elements keep their own bytes
+    values = [msgspec.msgpack.encode({"i": i} if i < 20 else i) for i in range(n)]
+    packed = pack_values(values)
+    assert split_value(packed) == values
+    assert msgspec.msgpack.decode(packed) == [msgspec.msgpack.decode(v) for v in values]
+
+
+def test_a_single_event_is_not_a_batch_and_decodes_as_before() -> None:
+    task = next(e for e in example_events() if type(e).__name__ == "RolloutTask")
+    data = msgspec.msgpack.encode(task)
+    dec = msgspec.msgpack.Decoder(TOPICS["tasks"].event_type)
+    assert split_value(data) is None and split_value(b"") is None and split_value(None) is None
+    assert decode_all(dec, data) == [task]
+    assert decode_all(dec, pack_values([data, data])) == [task, task]
+    with pytest.raises(msgspec.DecodeError):
+        split_value(pack_values([data, data])[:-3])  # a damaged array
