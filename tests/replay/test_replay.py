@@ -36,10 +36,11 @@ from replay import (
     with_run_id,
 )
 from runtime.bus import Consumer, Record, TopicAdmin, TopicPartition
+from runtime.records import key_for
 from runtime.reading import read_to_end
 from schemas import events as ev
 from schemas.config import KafkaSettings
-from schemas.topics import TOPICS, topic_name
+from schemas.topics import TOPICS, spec_for_topic, split_value, topic_name
 
 # --------------------------------------------------------------------------- unit tests (no I/O)
 
@@ -179,9 +180,14 @@ async def _consume(bootstrap: str, topics: list[str], timeout_s: float = 60) -> 
     async with Consumer(KafkaSettings(), bootstrap, group_id=None, topics=topics, client_suffix="test-replay") as c:
 
         def take(tp: TopicPartition, m: Any) -> None:
-            event, error = c.decode(tp.topic, m.value)
-            out.append(Record(topic=tp.topic, partition=tp.partition, offset=m.offset, key=m.key, value_bytes=m.value,
-                              event=event, error=error, ts=m.timestamp / 1000.0))
+            parts = split_value(m.value)  # a batched record: one Record per event, keyed by its own key
+            for i, value in enumerate([m.value] if parts is None else parts):
+                event, error = c.decode(tp.topic, value)
+                spec = spec_for_topic(tp.topic)
+                key = m.key if parts is None or event is None or spec is None else key_for(spec, event)
+                out.append(Record(topic=tp.topic, partition=tp.partition, offset=m.offset, key=key, value_bytes=value,
+                                  event=event, error=error, ts=m.timestamp / 1000.0, index=i,
+                                  in_record=1 if parts is None else len(parts)))
 
         await read_to_end(c.raw, take, timeout_s=timeout_s, poll_ms=300, what=f"{topics} to their end")
     return out
