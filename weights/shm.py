@@ -39,7 +39,7 @@ __all__ = ["KEEP_SEGMENTS", "SHM_DIR", "Segment", "SegmentError", "check_segment
            "node_id", "prune_segments", "read_segment", "remove_segments", "segment_prefix", "write_segment"]
 
 SHM_DIR = Path("/dev/shm")
-"""Where segments live (Linux's shared-memory tmpfs)."""
+"""Where segments live (Linux's shared-memory tmpfs); the functions' default ``root``."""
 KEEP_SEGMENTS = 2
 """Versions of a run kept in shared memory: the newest and the one before (an engine may still be
 copying it); weight directories keep 3 (``services.trainer.checkpoint``)."""
@@ -114,9 +114,10 @@ def write_segment(path: str | Path, state: Mapping[str, torch.Tensor], *, seal: 
     shared memory is too small (nothing is left behind then)."""
     final = Path(path)
     unique, aliases = _plan(state)
-    entries, offset = [], 0
+    entries: list[tuple[str, str, list[int], int]] = []
+    offset = 0
     for name, t in unique:
-        entries.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset])
+        entries.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), offset))
         offset = _align(offset + t.numel() * t.element_size())
     manifest = json.dumps({"tensors": entries, "aliases": aliases, "nonce": secrets.token_hex(8)}).encode()
     data_offset = _align(HEADER_BYTES + len(manifest))
@@ -136,7 +137,7 @@ def write_segment(path: str | Path, state: Mapping[str, torch.Tensor], *, seal: 
             mm[HEADER_BYTES:HEADER_BYTES + len(manifest)] = manifest
             buf = torch.frombuffer(mm, dtype=torch.uint8)
             with torch.no_grad():
-                for (name, t), (_, dtype, shape, off) in zip(unique, entries, strict=True):
+                for (_, t), (_, _, shape, off) in zip(unique, entries, strict=True):
                     _byte_view(buf, data_offset + off, t.dtype, shape).copy_(t.detach())
             del buf  # the mapping closes only once no tensor views it
             if seal:
@@ -155,7 +156,7 @@ def _header(mm: mmap.mmap | bytes, size: int, where: Path) -> tuple[bytes, int, 
     """The manifest, data offset and checksum of a segment's mapped bytes, checked."""
     if size < HEADER_BYTES or bytes(mm[:8]) != MAGIC:
         raise SegmentError(f"{where} is not a weights segment")
-    magic, seal, n_manifest, data_offset, total, digest = HEADER.unpack(bytes(mm[:HEADER.size]))
+    _, seal, n_manifest, data_offset, total, digest = HEADER.unpack(bytes(mm[:HEADER.size]))
     if seal != SEAL:
         raise SegmentError(f"weights segment {where} is not sealed (its writer did not finish): not applied")
     if total != size or HEADER_BYTES + n_manifest > data_offset or data_offset > total:
@@ -224,9 +225,10 @@ def _segments(prefix: str, root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def prune_segments(prefix: str, keep: int = KEEP_SEGMENTS, root: Path = SHM_DIR) -> list[Path]:
+def prune_segments(prefix: str, keep: int = KEEP_SEGMENTS, root: Path | None = None) -> list[Path]:
     """Unlink all but the newest ``keep`` versions of ``prefix`` (several segments of one version:
     the newest written stays), and temporary files of writers no longer running. The removed paths."""
+    root = SHM_DIR if root is None else root
     found = _segments(prefix, root)
     by_version: dict[int, list[Path]] = {}
     for version, p in found:
@@ -245,8 +247,9 @@ def prune_segments(prefix: str, keep: int = KEEP_SEGMENTS, root: Path = SHM_DIR)
     return doomed
 
 
-def remove_segments(prefix: str, root: Path = SHM_DIR) -> int:
+def remove_segments(prefix: str, root: Path | None = None) -> int:
     """Unlink every segment (and temporary file) of ``prefix``; the bytes freed."""
+    root = SHM_DIR if root is None else root
     freed = 0
     if not root.is_dir():
         return 0
@@ -259,9 +262,9 @@ def remove_segments(prefix: str, root: Path = SHM_DIR) -> int:
     return freed
 
 
-def new_segment_path(prefix: str, version: int, root: Path = SHM_DIR) -> Path:
+def new_segment_path(prefix: str, version: int, root: Path | None = None) -> Path:
     """A fresh path for version ``version`` of ``prefix`` (a random suffix: never an older one's)."""
-    return root / f"{prefix}-v{version:05d}-{secrets.token_hex(4)}"
+    return (SHM_DIR if root is None else root) / f"{prefix}-v{version:05d}-{secrets.token_hex(4)}"
 
 
 def _alive(pid: int) -> bool:
