@@ -34,10 +34,10 @@ from weights import (
     prune_segments,
     read_segment,
     segment_prefix,
+    shm,
     write_segment,
     write_state_dir,
 )
-from weights import shm
 
 log = logging.getLogger("rollstream.trainer")
 
