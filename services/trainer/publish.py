@@ -18,8 +18,11 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -69,8 +72,10 @@ class WeightsPublisher:
         self.prefix = segment_prefix(run_dir)
         self.template: Path | None = None
         """The newest directory this process exported: the config and tokenizer the next ones copy."""
-        self.pending: asyncio.Task[None] | None = None
+        self.pending: asyncio.Future[None] | None = None
         """The background write of the newest version's directory."""
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, "weights-dir", initializer=_lower_priority)
+        """The thread that writes directories, at a lower CPU priority than the engines and the trainer."""
         self.segments: dict[int, Path] = {}
         """The segments this process wrote, by version."""
 
@@ -83,6 +88,7 @@ class WeightsPublisher:
     def close(self) -> None:
         """Unlink the segments this process wrote (its engines are done with them: the run ended,
         or a restarted trainer publishes again)."""
+        self._writer.shutdown(wait=True)
         for path in self.segments.values():
             path.unlink(missing_ok=True)
         self.segments = {}
@@ -108,7 +114,8 @@ class WeightsPublisher:
                     num_bytes=seg.num_bytes, memory=str(seg.path), memory_host=node_id(),
                     memory_checksum=seg.checksum)
                 if self.template is not None and self.template.is_dir():
-                    self.pending = asyncio.create_task(asyncio.to_thread(self._dir_from_segment, seg.path, version))
+                    self.pending = asyncio.get_running_loop().run_in_executor(
+                        self._writer, self._dir_from_segment, seg.path, version)
                     return event
         path, checksum, size = await asyncio.to_thread(export_weights, strategy, self.run_dir, version)
         self.template = path
@@ -135,3 +142,11 @@ class WeightsPublisher:
         old = weights_dir(self.run_dir, version - KEEP_WEIGHT_VERSIONS)
         if version >= KEEP_WEIGHT_VERSIONS and old.exists():
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _lower_priority() -> None:
+    """Make the calling thread yield the CPU to the others (Linux: a thread's own nice value)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # no per-thread priority here: an ordinary thread
+        pass
