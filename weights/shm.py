@@ -8,7 +8,8 @@ as aliases of the tensor they share) and the raw tensor bytes, each 64-byte alig
   an ``OSError`` here, never a ``SIGBUS`` later), copies every tensor straight into the mapping
   (one copy, also from a GPU), writes the seal last and renames the temporary ``.NAME.tmp-PID``
   into place. A killed writer leaves a temporary file that no reader opens, never a segment.
-* :func:`read_segment` maps a segment and returns tensors that *view* it (no copy): the engine's
+* :func:`read_segment` maps a segment read-only and returns tensors that *view* it (no copy; never
+  write to them: that is a segfault): the engine's
   in-place swap (:func:`weights.copy_weights_`) is then the only copy. Before that it checks the
   magic, the seal, the file size and the manifest's sha256 (the segment's checksum, which the
   ``WeightsPublished`` event carries too); anything else is one :class:`SegmentError` line.
@@ -29,6 +30,7 @@ import re
 import secrets
 import socket
 import struct
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +50,8 @@ SEAL = b"SEALED!!"
 HEADER = struct.Struct("<8s8sQQQ32s")  # magic, seal, manifest bytes, data offset, total bytes, manifest sha256
 HEADER_BYTES = 128
 ALIGN = 64
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+"""Map every page at once (Linux), not one fault per page on first touch."""
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool)}
@@ -131,7 +135,7 @@ def write_segment(path: str | Path, state: Mapping[str, torch.Tensor], *, seal: 
         except OSError as e:
             raise OSError(e.errno, f"no room for {total / 2**20:.0f} MiB of weights in {final.parent} "
                                    f"({os.strerror(e.errno or 0)})") from None
-        with mmap.mmap(fd, total) as mm:
+        with mmap.mmap(fd, total, flags=mmap.MAP_SHARED | _POPULATE) as mm:
             mm[:HEADER_BYTES] = HEADER.pack(MAGIC, b"\0" * 8, len(manifest), data_offset, total, digest).ljust(
                 HEADER_BYTES, b"\0")
             mm[HEADER_BYTES:HEADER_BYTES + len(manifest)] = manifest
@@ -201,13 +205,15 @@ def read_segment(path: str | Path, checksum: str = "") -> dict[str, torch.Tensor
         size = os.fstat(f.fileno()).st_size
         if size < HEADER_BYTES:
             raise SegmentError(f"{p} is not a weights segment")
-        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)  # private: never written back
+        mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
     manifest, data_offset, digest = _header(mm, size, p)
     if checksum and digest != checksum:
         raise SegmentError(f"weights segment {p} has checksum {digest[:12]}..., expected {checksum[:12]}...: "
                            "not applied")
     m = json.loads(manifest)
-    buf = torch.frombuffer(mm, dtype=torch.uint8)
+    with warnings.catch_warnings():  # read-only memory: the tensors are only ever copied from
+        warnings.filterwarnings("ignore", "The given buffer is not writable")
+        buf = torch.frombuffer(mm, dtype=torch.uint8)
     state = {name: _byte_view(buf, data_offset + off, DTYPES[dtype], shape) for name, dtype, shape, off in m["tensors"]}
     for name, target in m["aliases"].items():
         state[name] = state[target]
