@@ -78,7 +78,7 @@ def runs_rm(
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
     keep_topics: bool = typer.Option(False, "--keep-topics", help="Delete the run's folder only, not its topics."),
 ) -> None:
-    """Delete a run: its folder (config, logs, model, weights, checkpoints, record) and its topics on the broker. A running run is refused. Asks first unless --yes (needed when stdin is not a terminal).
+    """Delete a run: its folder (config, logs, model, weights, checkpoints, record), its weights left in shared memory (/dev/shm) and its topics on the broker. A running run is refused. Asks first unless --yes (needed when stdin is not a terminal).
 
     Kafka is found as for `rollstream status`. Rows in a ClickHouse server (store.dsn) are not deleted.
     """

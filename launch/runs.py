@@ -162,7 +162,9 @@ def remove_run(run_dir: Path) -> int:
     if alive:
         pids = ", ".join(f"{label} (pid {pid})" for label, pid in alive.items())
         raise RunFilesError(f"run {run_dir.name} still has running services: {pids}; stop them first")
-    size = disk_bytes(run_dir)
+    from weights.shm import remove_segments, segment_prefix  # here: weights imports torch
+
+    size = disk_bytes(run_dir) + remove_segments(segment_prefix(run_dir))  # and its shared-memory weights
     shutil.rmtree(run_dir)
     return size
 

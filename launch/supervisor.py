@@ -469,6 +469,9 @@ async def run_supervised(cfg: RunConfig, run_id: str, bootstrap: str, console: C
         else:
             console.print("[yellow]stopping the services...[/yellow]")
         await asyncio.to_thread(sup.terminate, None)
+        from weights.shm import remove_segments, segment_prefix  # here: weights imports torch
+
+        remove_segments(segment_prefix(run_dir))  # the trainer's shared-memory weights (train.weights_handoff)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         if not ok:

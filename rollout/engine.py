@@ -107,7 +107,8 @@ class Engine(Protocol):
         ...
 
     async def load_weights(self, ref: str | Path, version: int | None = None) -> None:
-        """Swap in the weights at ``ref`` (a directory of safetensors) and record ``version``."""
+        """Swap in the weights at ``ref`` (a directory of safetensors; the torch engine also takes a
+        shared-memory segment, :func:`weights.read_weights`) and record ``version``."""
         ...
 
 

@@ -268,11 +268,24 @@ class WeightsPublished(Event, frozen=True, kw_only=True):
     step: int
     """Trainer step that produced it."""
     uri: str
-    """Where the weights are: a directory path, or a ``ray://`` / ``nccl://`` reference."""
+    """Where the weights are: a directory path, or a ``ray://`` / ``nccl://`` reference. With a
+    ``memory`` copy the directory is written after the event (off the critical path): a reader
+    waits for it to appear (it is renamed into place whole)."""
     format: Literal["safetensors-dir", "hf-dir", "ray", "nccl"] = "safetensors-dir"
     checksum: str = ""
-    """sha256 over the weight files, hex."""
+    """sha256 over the weight files, hex; empty when the event went out before the directory was
+    written (with a ``memory`` copy)."""
     num_bytes: int = 0
+    """Bytes of the weights (of the directory's safetensors files, or of the ``memory`` segment)."""
+    memory: str = ""
+    """Where the same-node copy is: the path of a sealed shared-memory segment (``weights.shm``)
+    on ``memory_host``; empty = none (``train.weights_handoff``). Engines on that node copy it
+    straight into their model; the others, or when it is gone, read ``uri``. (Added after v9.)"""
+    memory_host: str = ""
+    """The node (host name) holding ``memory``. (Added after v9.)"""
+    memory_checksum: str = ""
+    """sha256 of the segment's manifest (names, dtypes, shapes, offsets and a nonce), hex: an
+    engine applies the segment only when it is sealed and has this checksum. (Added after v9.)"""
 
 
 # --------------------------------------------------------------------------- metrics

@@ -51,6 +51,7 @@ from schemas.services import SERVICES
 from schemas.topics import topic_name
 from services import ServiceStart
 from services.env_client import KafkaEnvClient
+from weights import pick_copy, wait_for_dir
 
 log = logging.getLogger("rollstream.rollout")
 
@@ -165,7 +166,7 @@ class RolloutWorker(Service):
                     continue
                 try:
                     async with self.swap_lock.swap():  # between agent turns, never inside one
-                        await self.engine.load_weights(latest.uri, latest.policy_version)
+                        source = await self._load(latest)
                 except (OSError, RuntimeError, ValueError) as e:
                     # e.g. removed meanwhile (the trainer keeps the newest few versions): a newer
                     # message follows; tasks wait for it
@@ -174,11 +175,28 @@ class RolloutWorker(Service):
                     self.loaded_event_id = latest.event_id
                     continue
                 self.loaded_event_id = latest.event_id
-                log.info("rollout %s: now at policy version %d", self.worker_id, latest.policy_version)
+                log.info("rollout %s: now at policy version %d (from %s)", self.worker_id, latest.policy_version, source)
                 async with self._version_changed:
                     self._version_changed.notify_all()
         finally:
             await consumer.stop()
+
+    async def _load(self, w: ev.WeightsPublished) -> str:
+        """Swap in ``w``: its shared-memory copy when it is on this node, else (or when that copy
+        is gone or refused) its directory, waited for while the trainer writes it (weights.handoff).
+        Returns which copy: ``shared memory`` or ``disk``."""
+        ref, why = await asyncio.to_thread(pick_copy, w.uri, w.memory, w.memory_host, w.memory_checksum)
+        if ref == w.memory:
+            try:
+                await self.engine.load_weights(ref, w.policy_version)
+                return "shared memory"
+            except (OSError, ValueError) as e:  # unlinked or refused after the check
+                why = one_line(e)
+        if why:
+            log.info("rollout %s: weights v%d from disk: %s", self.worker_id, w.policy_version, why)
+        await asyncio.to_thread(wait_for_dir, w.uri, self.s.weights_timeout_s if w.memory else 0.0)
+        await self.engine.load_weights(w.uri, w.policy_version)
+        return "disk"
 
     async def _watch_cancellations(self) -> None:
         """Follow the run's ``metrics`` (no group, from the start) for the trainer's ``cancelled:``

@@ -74,6 +74,17 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def shm_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Shared-memory weight segments written in this process (a trainer's ``weights_handoff``) go
+    to a temporary folder, not ``/dev/shm``, so that no test leaves one behind."""
+    import weights.shm
+
+    path = tmp_path_factory.mktemp("shm")
+    monkeypatch.setattr(weights.shm, "SHM_DIR", path)
+    return path
+
+
 @pytest.fixture
 def kafka(bootstrap: str) -> KafkaSettings:
     """Kafka settings of the test broker (short timeouts)."""

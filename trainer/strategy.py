@@ -759,6 +759,13 @@ class TorchStrategy:
             checksum = weights_sha256(tmp)
         return Path(path), checksum
 
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """The tensors :meth:`export_weights` writes, by the same names, without writing them:
+        views of the live parameters (tied ones share a tensor), with LoRA the merged weights
+        computed aside. The caller copies them before the next step changes them (the trainer's
+        shared-memory handoff, ``train.weights_handoff``)."""
+        return self._plain_state(merged=True)
+
     def save_checkpoint(self, path: str | Path) -> Path:
         """Weights (HF dir under ``model/``), optimizer state, the critic (and its optimizer), the
         algorithm state, RNG states and step at ``path``.

@@ -1,8 +1,9 @@
 """Weight files on disk: read a safetensors weight set, checksum it, publish a directory atomically.
 
 A weight set is a directory of ``*.safetensors`` files (one file or several shards; any other file,
-such as a Hugging Face shard index or ``config.json``, is ignored) or one ``.safetensors`` file.
-Files are read and hashed in name order, so sharded sets read and hash the same every time.
+such as a Hugging Face shard index or ``config.json``, is ignored), one ``.safetensors`` file, or a
+shared-memory segment (:mod:`weights.shm`). Files are read and hashed in name order, so sharded
+sets read and hash the same every time.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
+
+from weights.shm import is_segment, read_segment
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
@@ -27,8 +30,11 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the weight set at ``path`` (directory or file), on the CPU, in its stored
-    dtype. No files, or files without a tensor, is a ``FileNotFoundError`` naming ``path``."""
+    """Every tensor of the weight set at ``path`` (directory, file or shared-memory segment: then
+    views of it, :func:`weights.shm.read_segment`), on the CPU, in its stored dtype. No files, or
+    files without a tensor, is a ``FileNotFoundError`` naming ``path``."""
+    if not str(path).endswith(".safetensors") and is_segment(path):
+        return read_segment(path)
     files = safetensors_files(path)
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
@@ -70,3 +76,24 @@ def publish_dir(final: str | Path) -> Iterator[Path]:
     tmp.mkdir(parents=True)
     yield tmp
     replace_dir(tmp, dest)
+
+
+def write_state_dir(final: str | Path, state: dict[str, torch.Tensor], like: str | Path) -> tuple[Path, str]:
+    """Publish ``state`` (tied names once) as the directory ``final`` (:func:`publish_dir`): one
+    ``model.safetensors`` beside a copy of every other file of the weight directory ``like`` (the
+    config and tokenizer an earlier export wrote; its shard index is left out). Returns the
+    directory and the sha256 of its safetensors file, as ``Strategy.export_weights`` does."""
+    src = Path(like)
+    with publish_dir(final) as tmp:
+        for f in src.iterdir():
+            if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
+                shutil.copy2(f, tmp / f.name)
+        unique: dict[str, torch.Tensor] = {}
+        seen: set[tuple[int, tuple[int, ...]]] = set()
+        for name, t in state.items():  # tied names share one tensor: written once, as save_pretrained does
+            if (key := (t.data_ptr(), tuple(t.shape))) not in seen or not t.numel():
+                seen.add(key)
+                unique[name] = t.contiguous()
+        save_file(unique, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        checksum = weights_sha256(tmp)
+    return Path(final), checksum

@@ -215,6 +215,20 @@ def whole_groups(cfg: RunConfig) -> str | None:
 
 
 @rule
+def weights_handoff(cfg: RunConfig) -> str | None:
+    """``train.weights_handoff: memory`` needs the single-process torch strategy and the torch engine."""
+    if cfg.train.weights_handoff != "memory":
+        return None
+    if cfg.train.strategy != "torch":
+        return (f"train.weights_handoff=memory needs train.strategy=torch (got {cfg.train.strategy}); "
+                "use auto or disk")
+    if cfg.rollout.engine != "torch":
+        return (f"train.weights_handoff=memory needs rollout.engine=torch (got {cfg.rollout.engine}: the server "
+                "reads the directory); use auto or disk")
+    return None
+
+
+@rule
 def restart_backoff(cfg: RunConfig) -> str | None:
     r = cfg.run
     if r.restart_backoff_max_s < r.restart_backoff_s:

@@ -156,6 +156,15 @@ class TrainConfig(Section):
     Besides them the run keeps the last 3 published weight versions (``runs/<id>/weights``) and its
     final model (``runs/<id>/final``); ``rollstream export RUN --step N DIR`` copies any of those
     (docs/runs.md)."""
+    weights_handoff: Literal["auto", "memory", "disk"] = "auto"
+    """How each new weight version reaches the rollout engines. ``disk``: the trainer writes the
+    version's directory (``runs/<id>/weights``), then announces it; every engine reads it back.
+    ``memory``: the trainer copies the version into a sealed shared-memory segment (``/dev/shm``;
+    the newest 2 versions are kept), announces it, and writes the directory afterwards, off the
+    critical path; engines on the trainer's node copy straight from the segment into their model,
+    the others (or when the segment is gone) read the directory. Needs ``strategy: torch`` and
+    ``rollout.engine: torch``. ``auto``: ``memory`` where it can be (those two and a ``/dev/shm``
+    on the trainer's node), else ``disk``. A full ``/dev/shm`` sends that version by disk (a warning)."""
     eval_every: NonNegativeInt = 5
     """Greedy evaluation on the held-out set every K steps (0 = only start and end)."""
     eval_samples: NonNegativeInt = 0

@@ -39,10 +39,11 @@ from schemas.config import RunConfig
 from schemas.devices import resolve_device
 from schemas.sanity import check_scored
 from schemas.services import SERVICES
-from services.trainer.checkpoint import Checkpoints, export_final, export_weights, weights_dir
+from services.trainer.checkpoint import Checkpoints, export_final, weights_dir
 from services.trainer.evaluation import Evaluation
 from services.trainer.groups import Groups
 from services.trainer.history import History, Replay, read_history
+from services.trainer.publish import WeightsPublisher, resolve_handoff
 from services.trainer.state import TrainerState, position_key
 from services.trainer.warmup import warm_up
 from trainer.batch import samples_from_scored
@@ -95,6 +96,7 @@ class Trainer(BatchService):
         # the evaluation runs a local torch engine whatever rollout.engine is
         self.evaluation = Evaluation(cfg, settings.model_dir, device=device, max_batch=settings.eval_batch)
         self.checkpoints = Checkpoints(self.run_dir, cfg.train.keep_checkpoints)
+        self.publisher = WeightsPublisher(settings.run_id, self.run_dir, resolve_handoff(cfg))
         self.state = TrainerState()
         self.groups = Groups(self.state, cfg.algorithm, settings.run_id)
         self.history = History()
@@ -112,7 +114,9 @@ class Trainer(BatchService):
         return service_settings(self.s)
 
     def close(self) -> None:
-        """Release what the training backend holds (a multi-rank strategy's processes); idempotent."""
+        """Release what the training backend holds (a multi-rank strategy's processes) and the
+        shared-memory weights this process published; idempotent."""
+        self.publisher.close()
         close = getattr(self.strategy, "close", None)
         if close is not None:
             close()
@@ -147,11 +151,9 @@ class Trainer(BatchService):
             self.strategy.init_critic()
 
     async def weights_event(self) -> ev.WeightsPublished:
-        """Export the weights of ``state.version`` and describe them."""
-        version = self.state.version
-        path, checksum, size = await asyncio.to_thread(export_weights, self.strategy, self.run_dir, version)
-        return ev.WeightsPublished(run_id=self.s.run_id, policy_version=version, step=self.state.step,
-                                   uri=str(path), checksum=checksum, num_bytes=size)
+        """Export the weights of ``state.version`` and describe them (by disk or memory:
+        :mod:`services.trainer.publish`)."""
+        return await self.publisher.publish(self.strategy, self.state.version, self.state.step)
 
     async def weights_if_behind(self) -> ev.WeightsPublished | None:
         """The ``WeightsPublished`` of the current version (exported now) unless the newest one
@@ -164,7 +166,7 @@ class Trainer(BatchService):
     async def eval_event(self, split: str) -> ev.EvalResult:
         """An evaluation of the current version as the ``EvalResult`` to publish."""
         version = self.state.version
-        metrics = await self.evaluation.run(weights_dir(self.run_dir, version), version)
+        metrics = await self.evaluation.run(self.publisher.local_ref(version), version)
         return ev.EvalResult(run_id=self.s.run_id, step=self.state.step, policy_version=version, split=split,
                              metrics=metrics)
 
@@ -400,6 +402,7 @@ class Trainer(BatchService):
         leftovers closed as "run finished". What the record already has is not repeated."""
         step, steps = self.state.step, self.cfg.train.steps
         await self._evaluate(ctx)
+        await self.publisher.settle()  # the last version's directory is on disk before the run ends
         final = await asyncio.to_thread(export_final, self.strategy, self.run_dir)
         log.info("final model (policy version %d, after %d steps): %s", self.state.version, step, final)
         if self.checkpoints.steps()[-1:] != [step]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -27,10 +28,19 @@ def test_short_run_accounts_for_every_sample(tmp_path: Path, bootstrap: str, rep
     runs = tmp_path / "runs"
     run_id = f"e2e-async{async_ratio}-{uuid.uuid4().hex[:6]}"  # unique: a long-lived broker keeps old runs
     sampled = ["train.eval_samples=2"] if async_ratio == "0" else []  # mean@2 beside the greedy accuracy
+    handoff = "disk" if async_ratio == "1" else "auto"  # auto: shared memory (one node)
     res = rollstream("run", str(repo_root / "examples" / "main.yaml"), "--run-id", run_id,
-                     *[a for kv in [*SHORT, *sampled, f"rollout.async_ratio={async_ratio}", f"run.runs_dir={runs}"]
-                       for a in ("--set", kv)], env=env)
+                     *[a for kv in [*SHORT, *sampled, f"rollout.async_ratio={async_ratio}", f"run.runs_dir={runs}",
+                                    f"train.weights_handoff={handoff}"] for a in ("--set", kv)], env=env)
     assert res.returncode == 0, res.stdout + res.stderr
+    # the rollout workers swapped every version in from shared memory, or by disk; none is left in /dev/shm
+    from weights.shm import SHM_DIR, segment_prefix
+
+    swaps = [m for log in (runs / run_id / "logs").glob("rollout*.log")
+             for m in re.findall(r"now at policy version (\d+) \(from ([a-z ]+)\)", log.read_text())]
+    assert {src for _, src in swaps} == {"disk" if handoff == "disk" else "shared memory"}, swaps
+    assert len({v for v, _ in swaps}) >= 3, swaps
+    assert not list(SHM_DIR.glob(f"{segment_prefix(runs / run_id)}-*"))
     summary = json.loads((runs / run_id / "summary.json").read_text())
     assert summary["steps"] == 4
     # the trained model: named by the summary, the policy after the last step, loadable as it is

@@ -131,6 +131,19 @@ def test_follow_prints_from_the_last_lines_then_what_is_appended(tmp_path: Path)
     assert both == ["[trainer] 1", "[trainer] 2", "[trainer] 3", "[trainer] 4", "[feeder] x", "[trainer] part"]
 
 
+def test_a_removed_run_takes_its_shared_memory_weights_along(tmp_path: Path, shm_dir: Path) -> None:
+    import torch
+
+    from weights import new_segment_path, segment_prefix, write_segment
+
+    gone, other = make_run(tmp_path, "gone", done=4), make_run(tmp_path, "other", done=4)
+    seg = write_segment(new_segment_path(segment_prefix(gone), 4), {"w": torch.ones(1000)})
+    kept = write_segment(new_segment_path(segment_prefix(other), 4), {"w": torch.ones(10)})
+    size = rn.disk_bytes(gone) + seg.num_bytes
+    assert seg.path.parent == shm_dir and rn.remove_run(gone) == size
+    assert list(shm_dir.iterdir()) == [kept.path]
+
+
 def test_a_running_run_is_not_removed(tmp_path: Path) -> None:
     live = make_run(tmp_path, "live", phase="running", pid=os.getpid())
     with pytest.raises(rn.RunFilesError, match="run live is running"):

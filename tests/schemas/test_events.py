@@ -179,3 +179,15 @@ def test_task_system_prompt_added_after_v8_defaults_to_the_domains_in_old_payloa
     assert isinstance(old, ev.RolloutTask) and old.system_prompt == "" and old.prompt == "12+7="
     new = dec.decode((FIXTURES / "v9" / "RolloutTask.msgpack").read_bytes())
     assert isinstance(new, ev.RolloutTask) and new.system_prompt == "Answer with a number."
+
+
+def test_weights_memory_copy_added_after_v9_defaults_to_none_in_old_payloads() -> None:
+    """WeightsPublished.memory / memory_host / memory_checksum (the same-node shared-memory copy):
+    a v9 event has none (engines read the directory), a v10 one says where the segment is."""
+    dec = msgspec.msgpack.Decoder(TOPICS["weights"].event_type)
+    old = dec.decode((FIXTURES / "v9" / "WeightsPublished.msgpack").read_bytes())
+    assert isinstance(old, ev.WeightsPublished) and old.uri == "/tmp/w/v4" and old.checksum == "ab" * 32
+    assert (old.memory, old.memory_host, old.memory_checksum) == ("", "", "")
+    new = dec.decode((FIXTURES / "v10" / "WeightsPublished.msgpack").read_bytes())
+    assert isinstance(new, ev.WeightsPublished) and new.uri == "/tmp/w/v4" and new.memory_host == "node-a"
+    assert new.memory.endswith("-v00004-e5f6a7b8") and new.memory_checksum == "cd" * 32

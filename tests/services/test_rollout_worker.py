@@ -1,9 +1,10 @@
 """The rollout worker's pieces that need no broker: an episode as a ``Generation``; how long a task
-waits for its weights."""
+waits for its weights; which copy of a version it swaps in (shared memory here, else the directory)."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -63,3 +64,41 @@ async def test_version_0_is_awaited_past_the_timeout_later_versions_are_not() ->
     await asyncio.wait_for(first, 1.0)
     with pytest.raises(TimeoutError):
         await worker._wait_for_version(1)  # a later version keeps the limit
+
+
+async def test_weights_come_from_shared_memory_on_this_node_else_from_the_directory(model_dir: Path,
+                                                                                     tmp_path: Path) -> None:
+    """The sealed segment of the event is swapped in; once it is gone (or on another node) the
+    version's directory is, waited for while the trainer still writes it."""
+    import torch
+
+    from rollout.engine import TorchEngine
+    from weights import node_id, read_weights, write_segment, write_state_dir
+
+    worker = RolloutWorker.__new__(RolloutWorker)  # only what _load reads
+    worker.s = RolloutSettings(run_id="r", config=RunConfig(), model_dir=str(model_dir), weights_timeout_s=5.0)
+    worker.engine = engine = TorchEngine(model_dir, max_batch=2)
+    worker.worker_id = "w"
+    base = read_weights(model_dir)
+
+    def version(v: int) -> tuple[dict[str, torch.Tensor], ev.WeightsPublished]:
+        state = {k: t + v for k, t in base.items()}
+        seg = write_segment(tmp_path / f"seg{v}", state)
+        return state, ev.WeightsPublished(run_id="r", policy_version=v, step=v, uri=str(tmp_path / f"v{v}"),
+                                          memory=str(seg.path), memory_host=node_id(), memory_checksum=seg.checksum)
+
+    def holds(state: dict[str, torch.Tensor]) -> bool:
+        live = dict(engine.model.named_parameters())
+        return all(torch.equal(live[k], t) for k, t in state.items() if k in live)
+
+    one, e1 = version(1)
+    assert await worker._load(e1) == "shared memory" and engine.policy_version == 1 and holds(one)
+    two, e2 = version(2)
+    Path(e2.memory).unlink()  # pruned meanwhile: the directory, written a little later
+    writer = asyncio.create_task(asyncio.sleep(0.3))
+    writer.add_done_callback(lambda _: write_state_dir(e2.uri, two, like=model_dir))
+    assert await worker._load(e2) == "disk" and engine.policy_version == 2 and holds(two)
+    three, e3 = version(3)
+    write_state_dir(e3.uri, three, like=model_dir)
+    elsewhere = ev.WeightsPublished(**{**{f: getattr(e3, f) for f in e3.__struct_fields__}, "memory_host": "other"})
+    assert await worker._load(elsewhere) == "disk" and holds(three)

@@ -1,0 +1,47 @@
+"""Which copy of a published weight version an engine reads: memory on the trainer's node, else disk.
+
+A ``WeightsPublished`` event names the version's directory (``uri``) and, with the memory handoff,
+a shared-memory segment (``memory``) on the node ``memory_host`` with its checksum. An engine on
+that node reads the segment when it is there and sealed with that checksum (:func:`pick_copy`); an
+engine elsewhere, or one that finds the segment gone or refused, reads the directory, which the
+trainer may still be writing after the announcement: :func:`wait_for_dir` waits for its rename.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from weights.shm import SegmentError, check_segment, node_id
+
+log = logging.getLogger("rollstream.weights")
+
+__all__ = ["pick_copy", "wait_for_dir"]
+
+
+def pick_copy(uri: str, memory: str = "", memory_host: str = "", checksum: str = "") -> tuple[str, str]:
+    """``(path, why)``: the segment ``memory`` when it is on this node and passes
+    :func:`weights.shm.check_segment` (``why`` empty), else ``uri`` and why not the segment
+    (empty when there is none)."""
+    if not memory:
+        return uri, ""
+    if memory_host != node_id():
+        return uri, f"the memory copy is on {memory_host}, this is {node_id()}"
+    try:
+        check_segment(memory, checksum)
+    except FileNotFoundError:
+        return uri, f"the memory copy {memory} is gone"
+    except (OSError, SegmentError) as e:
+        return uri, str(e)
+    return memory, ""
+
+
+def wait_for_dir(path: str | Path, timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Whether the directory ``path`` exists within ``timeout_s`` seconds (0: look once)."""
+    p, deadline = Path(path), time.monotonic() + timeout_s
+    while not p.is_dir():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
