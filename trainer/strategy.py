@@ -186,7 +186,7 @@ class _AdaptersDisabled(torch.nn.Module):
             return self._policy[0](**kwargs)
 
 
-def causal_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+def causal_parts(model: Any) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
     """The decoder (hidden states) and the output projection of an HF causal LM (a ``PeftModel``
     too) whose logits are exactly ``head(last hidden state)``; ``None`` for any other model (no
     such parts, logit soft-capping or scaling): its logprobs come from whole logits."""
