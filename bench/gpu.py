@@ -1,7 +1,9 @@
 """The trainer strategies and the generation engine on one CUDA GPU: agreement, step time, memory.
 
-    python bench/gpu.py [--models tiny,smollm2-shape] [--dtypes float32,bfloat16] [--steps 4]
-                        [--batch 32] [--prompt-len 96] [--response-len 64] [--device cuda:0]
+    python bench/gpu.py [--models tiny,smollm2-shape,qwen2.5-0.5b-shape,qwen2.5-1.5b-shape]
+                        [--dtypes float32,bfloat16] [--steps 4] [--batch 32] [--prompt-len 96]
+                        [--response-len 64] [--response-len-max 0] [--strategies torch,fsdp2,megatron]
+                        [--micro-sweep M,M,..] [--peak-tflops 989] [--bandwidth-gbs 3350] [--device cuda:0]
                         [--no-trainers] [--no-engine] [--no-serve] [--features] [--profile DIR]
                         [--prompts 128] [--max-new-tokens 64] [--max-batch 64] [--repeats 2]
                         [--out results.jsonl]
@@ -19,6 +21,10 @@ architecture with random weights) and dtype:
   forward, against ``model.generate()``: tokens/s and the largest logprob difference from a
   teacher-forced forward pass. ``--profile DIR`` writes a ``torch.profiler`` table of one pass.
 * **Server**: ``rollstream serve`` with the rollout client, greedy, against the in-process engine.
+* **Issue 41**: each trainer row's tokens/s, MFU (``6 · N · tokens / s`` over ``--peak-tflops``)
+  and peak GiB; ``--micro-sweep`` the ``torch`` strategy at growing micro-batches, padded and packed
+  (``train.micro_batch_tokens``), up to the largest that fits; each engine row's fraction of the
+  bandwidth bound (``--bandwidth-gbs`` / weight bytes × slots).
 
 Prints one JSON line per row (versions first); ``--out`` also appends each row to a file as it is
 measured. bench/README.md ("gpu.py") says what each row measures and keeps the measured runs.
