@@ -88,7 +88,7 @@ async def sync_mode(cfg: RunConfig, model: Path, sigma: float, mean_s: float, wo
     source = make_source(domain.source, **domain.kwargs)
     verifier = domain.verifier or source.default_verifier
     strategy = TorchStrategy(model, lr=cfg.train.lr, grad_clip=cfg.train.grad_clip,
-                             micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature,
+                             micro_batch_size=cfg.train.micro_rows, temperature=cfg.rollout.temperature,
                              algo=cfg.algorithm, total_steps=cfg.train.steps, min_lr_ratio=cfg.train.min_lr_ratio,
                              lr_warmup_steps=cfg.train.lr_warmup_steps,
                              skip_zero_advantage=cfg.train.skip_zero_advantage)  # as the trainer service

@@ -78,7 +78,7 @@ def warm_model(cfg: Any, out: Path) -> Path:
     source = make_source(domain.source, **domain.kwargs)
     init = lo.init_tiny_model(out.parent / "init", cfg.model.init, seed=cfg.run.seed)
     strategy = TorchStrategy(init, lr=cfg.train.lr, grad_clip=cfg.train.grad_clip,
-                             micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature,
+                             micro_batch_size=cfg.train.micro_rows, temperature=cfg.rollout.temperature,
                              algo=cfg.algorithm, total_steps=cfg.train.steps, min_lr_ratio=cfg.train.min_lr_ratio,
                              lr_warmup_steps=cfg.train.lr_warmup_steps)
     lo.warm_up(strategy, source, cfg, rng)

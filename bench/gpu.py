@@ -1,7 +1,9 @@
 """The trainer strategies and the generation engine on one CUDA GPU: agreement, step time, memory.
 
-    python bench/gpu.py [--models tiny,smollm2-shape] [--dtypes float32,bfloat16] [--steps 4]
-                        [--batch 32] [--prompt-len 96] [--response-len 64] [--device cuda:0]
+    python bench/gpu.py [--models tiny,smollm2-shape,qwen2.5-0.5b-shape,qwen2.5-1.5b-shape]
+                        [--dtypes float32,bfloat16] [--steps 4] [--batch 32] [--prompt-len 96]
+                        [--response-len 64] [--response-len-max 0] [--strategies torch,fsdp2,megatron]
+                        [--micro-sweep M,M,..] [--peak-tflops 989] [--bandwidth-gbs 3350] [--device cuda:0]
                         [--no-trainers] [--no-engine] [--no-serve] [--features] [--profile DIR]
                         [--prompts 128] [--max-new-tokens 64] [--max-batch 64] [--repeats 2]
                         [--out results.jsonl]
@@ -19,6 +21,10 @@ architecture with random weights) and dtype:
   forward, against ``model.generate()``: tokens/s and the largest logprob difference from a
   teacher-forced forward pass. ``--profile DIR`` writes a ``torch.profiler`` table of one pass.
 * **Server**: ``rollstream serve`` with the rollout client, greedy, against the in-process engine.
+* **Issue 41**: each trainer row's tokens/s, MFU (``6 · N · tokens / s`` over ``--peak-tflops``)
+  and peak GiB; ``--micro-sweep`` the ``torch`` strategy at growing micro-batches, padded and packed
+  (``train.micro_batch_tokens``), up to the largest that fits; each engine row's fraction of the
+  bandwidth bound (``--bandwidth-gbs`` / weight bytes × slots).
 
 Prints one JSON line per row (versions first); ``--out`` also appends each row to a file as it is
 measured. bench/README.md ("gpu.py") says what each row measures and keeps the measured runs.
@@ -48,6 +54,14 @@ TOL_FP32 = 1e-4
 SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                      num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048, rope_theta=100000.0,
                      rms_norm_eps=1e-5, tie_word_embeddings=True)
+QWEN_SHAPES = {  # Qwen2.5-0.5B / -1.5B's architectures (Qwen2: biased q/k/v projections, tied embeddings)
+    "qwen2.5-0.5b-shape": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                               num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096,
+                               rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen2.5-1.5b-shape": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                               num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096,
+                               rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+}
 
 
 OUT: list[Path] = []
@@ -84,20 +98,33 @@ def make_models(root: Path, names: list[str]) -> dict[str, Path]:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
         out["smollm2-shape"] = d
+    for name, shape in QWEN_SHAPES.items():
+        if name in names:
+            from transformers import Qwen2Config
+
+            d = root / name
+            shutil.copytree(tiny, d, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+            qcfg = Qwen2Config(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0)  # type: ignore[arg-type]
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(qcfg, dtype=torch.bfloat16).save_pretrained(d)
+            out[name] = d
     return {k: v for k, v in out.items() if k in names}
 
 
-def batch(n: int, prompt_len: int, response_len: int, vocab: int) -> list[Any]:
-    """A fixed training batch: ``n`` samples in groups of 8, random tokens, rewards ±1."""
+def batch(n: int, prompt_len: int, response_len: int, vocab: int, response_len_max: int = 0) -> list[Any]:
+    """A fixed training batch: ``n`` samples in groups of 8, random tokens, rewards ±1; responses of
+    ``response_len`` tokens, or uniform in ``response_len..response_len_max`` when that is larger."""
     from trainer.batch import TrainSample
 
     g = torch.Generator().manual_seed(0)
     out = []
     for i in range(n):
         p = [1, *torch.randint(4, vocab, (prompt_len - 1,), generator=g).tolist()]
-        r = torch.randint(4, vocab, (response_len,), generator=g).tolist()
-        lp = (-3 * torch.rand(response_len, generator=g)).tolist()
-        out.append(TrainSample(p, r, lp, [1] * response_len, float(i % 3 == 0), f"s{i}", group_id=f"g{i // 8}"))
+        n_r = int(torch.randint(response_len, response_len_max + 1, (1,), generator=g)) \
+            if response_len_max > response_len else response_len
+        r = torch.randint(4, vocab, (n_r,), generator=g).tolist()
+        lp = (-3 * torch.rand(n_r, generator=g)).tolist()
+        out.append(TrainSample(p, r, lp, [1] * n_r, float(i % 3 == 0), f"s{i}", group_id=f"g{i // 8}"))
     return out
 
 
@@ -109,11 +136,15 @@ def one_strategy(a: argparse.Namespace) -> dict[str, Any]:
     from trainer.factory import make_strategy
     from weights import read_weights
 
-    sets = [f"train.strategy={a.one}", f"model.dtype={a.dtype}", "train.lr=1e-5", "train.micro_batch_size=16",
-            "algorithm.entropy_loss_coef=0.01", f"rollout.max_new_tokens={a.response_len}", "train.dist_timeout_s=300"]
+    sets = [f"train.strategy={a.one}", f"model.dtype={a.dtype}", "train.lr=1e-5",
+            "algorithm.entropy_loss_coef=0.01", f"rollout.max_new_tokens={max(a.response_len, a.response_len_max)}",
+            "train.dist_timeout_s=300",  # the model is --model-dir's; model.init only has to admit the lengths
+            f"model.init.max_position_embeddings={max(256, a.prompt_len + max(a.response_len, a.response_len_max) + 1)}"]
     if a.one != "torch":
         sets += ["train.ranks=1"] + (["train.tensor_parallel=1"] if a.one == "megatron" else [])
     sets += json.loads(a.sets or "[]")
+    if not any(x.startswith(("train.micro_batch_size=", "train.micro_batch_tokens=")) for x in sets):
+        sets.append("train.micro_batch_size=16")
     cfg = parse_config("", sets)
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
@@ -132,7 +163,8 @@ def one_strategy(a: argparse.Namespace) -> dict[str, Any]:
     s = build()
     model_mib = torch.cuda.memory_allocated(dev) / 2**20 if cuda else 0.0
     vocab = json.loads((Path(a.model_dir) / "config.json").read_text())["vocab_size"]
-    data = batch(a.batch, a.prompt_len, a.response_len, vocab)
+    data = batch(a.batch, a.prompt_len, a.response_len, vocab, a.response_len_max)
+    n_params = sum(p.numel() for p in s.model.parameters()) if hasattr(s, "model") else 0
     metrics, times = [], []
     for _ in range(a.steps):
         t0 = time.perf_counter()
@@ -156,7 +188,8 @@ def one_strategy(a: argparse.Namespace) -> dict[str, Any]:
         close()
     weights = {k: v.float() for k, v in read_weights(path).items()}
     torch.save(weights, Path(a.export) / "weights.pt")
-    return {"metrics": metrics, "times_s": times, "model_mib": model_mib, "peak_mib": peak_mib, "sha": sha} | resumed
+    return {"metrics": metrics, "times_s": times, "model_mib": model_mib, "peak_mib": peak_mib, "sha": sha,
+            "params": n_params, "tokens": sum(len(x.prompt_ids) + len(x.response_ids) for x in data)} | resumed
 
 
 def run_child(a: argparse.Namespace, model: str, model_dir: Path, dtype: str, strategy: str,
@@ -168,7 +201,7 @@ def run_child(a: argparse.Namespace, model: str, model_dir: Path, dtype: str, st
     cmd = [sys.executable, __file__, "--one", strategy, "--model-dir", str(model_dir), "--dtype", dtype,
            "--export", str(export), "--result", str(out), "--device", a.device, "--steps", str(a.steps),
            "--batch", str(a.batch), "--prompt-len", str(a.prompt_len), "--response-len", str(a.response_len),
-           "--sets", json.dumps(sets or [])] + (["--checkpoint"] if checkpoint else [])
+           "--response-len-max", str(a.response_len_max), "--sets", json.dumps(sets or [])] + (["--checkpoint"] if checkpoint else [])
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.child_timeout_s)
     took = time.perf_counter() - t0
@@ -198,8 +231,8 @@ def trainers(a: argparse.Namespace, models: dict[str, Path], work: Path) -> list
     rows = []
     for model, model_dir in models.items():
         for dtype in a.dtypes.split(","):
-            results = {s: run_child(a, model, model_dir, dtype, s, work) for s in STRATEGIES}
-            ref = results["torch"]
+            results = {s: run_child(a, model, model_dir, dtype, s, work) for s in a.strategies.split(",")}
+            ref = results.get("torch", {"error": "not run"})
             for s, r in results.items():
                 row: dict[str, Any] = {"model": model, "dtype": dtype, "strategy": s, "wall_s": round(r["wall_s"], 1)}
                 if "error" in r:
@@ -209,7 +242,7 @@ def trainers(a: argparse.Namespace, models: dict[str, Path], work: Path) -> list
                     row |= {"step_s": statistics.median(r["times_s"][1:] or r["times_s"]),
                             "first_step_s": r["times_s"][0], "model_mib": r["model_mib"], "peak_mib": r["peak_mib"],
                             "loss_step1": r["metrics"][0].get("loss/policy"),
-                            "grad_norm_step1": r["metrics"][0].get("actor/grad_norm")}
+                            "grad_norm_step1": r["metrics"][0].get("actor/grad_norm")} | throughput(a, r)
                     if s != "torch" and "error" not in ref:
                         d, key = max_metric_diff(r["metrics"][0], ref["metrics"][0])
                         w = max_weight_diff(r["weights"], ref["weights"])
@@ -218,6 +251,49 @@ def trainers(a: argparse.Namespace, models: dict[str, Path], work: Path) -> list
                             row["agree"] = "PASS" if max(d, w) <= TOL_FP32 else "FAIL"
                 rows.append(row)
                 emit(row)
+    return rows
+
+
+def throughput(a: argparse.Namespace, r: dict[str, Any]) -> dict[str, Any]:
+    """Trained tokens/s and MFU of a trainer result: ``6 · N · tokens / step_s`` over the device's
+    peak (``--peak-tflops``: dense bf16; for float32 rows it is the bf16 peak too, as the issue's table)."""
+    step_s = statistics.median(r["times_s"][1:] or r["times_s"])
+    flops = 6 * r["params"] * r["tokens"] / step_s
+    return {"tokens": r["tokens"], "params": r["params"], "tokens_per_s": r["tokens"] / step_s,
+            "mfu": flops / (a.peak_tflops * 1e12), "peak_gib": r["peak_mib"] / 1024}
+
+
+MICRO_VARIANTS = {
+    "padded": lambda m, mean_len: [f"train.micro_batch_size={m}"],
+    "packed": lambda m, mean_len: [f"train.micro_batch_tokens={round(m * mean_len)}"],
+}
+"""``--micro-sweep``: a micro-batch of ``m`` samples, padded, or packed (by tokens: ``m`` mean samples)."""
+
+
+def micro_sweep(a: argparse.Namespace, models: dict[str, Path], work: Path) -> list[dict[str, Any]]:
+    """``train.strategy: torch`` at each micro-batch of ``--micro-sweep`` (samples), padded and packed:
+    s/step, MFU and peak memory, until one does not fit (out of memory: the row carries the error);
+    then a row per model, dtype and variant with the largest micro-batch that fitted."""
+    rows = []
+    mean_len = a.prompt_len + (a.response_len + max(a.response_len, a.response_len_max)) / 2
+    for model, model_dir in models.items():
+        for dtype in a.dtypes.split(","):
+            for variant, sets in MICRO_VARIANTS.items():
+                fits = 0
+                for m in (int(x) for x in a.micro_sweep.split(",")):
+                    r = run_child(a, model, model_dir, dtype, "torch", work, sets(m, mean_len), tag=f"-{variant}{m}")
+                    row: dict[str, Any] = {"sweep": variant, "model": model, "dtype": dtype, "micro_batch": m}
+                    if "error" in r:
+                        rows.append(row | {"error": r["error"]})
+                        emit(rows[-1])
+                        break
+                    fits = m
+                    row |= {"step_s": statistics.median(r["times_s"][1:] or r["times_s"])} | throughput(a, r)
+                    rows.append(row)
+                    emit(row)
+                rows.append({"sweep": variant, "model": model, "dtype": dtype, "largest_micro_batch_that_fits": fits,
+                             "of": a.micro_sweep})
+                emit(rows[-1])
     return rows
 
 
@@ -358,11 +434,15 @@ def engine_rows(a: argparse.Namespace, models: dict[str, Path]) -> list[dict[str
                         worst[kind] = max(worst[kind], (lp.cpu() - torch.tensor(c.logprobs)).abs().max().item())
             med = {k: statistics.median(v) for k, v in tok_s.items()}
             graphed = engines["slots"]._slots.decoder
+            weight_bytes = sum(p.numel() * p.element_size() for p in model_obj.parameters())
+            bound = a.bandwidth_gbs * 1e9 / weight_bytes * min(a.max_batch, len(prompts))  # tok/s reading the weights once per step
             row = {"model": model, "dtype": dtype, "engine_tok_s": med["slots"], "engine_eager_tok_s": med["eager"],
                    "engine_hf_tok_s": med["hf"], "generate_tok_s": med["generate"],
                    "engine_over_generate": med["slots"] / med["generate"],
                    "engine_eager_over_generate": med["eager"] / med["generate"],
                    "engine_hf_over_generate": med["hf"] / med["generate"], "logprob_max_diff": worst["slots"],
+                   "weight_bytes": weight_bytes, "bandwidth_bound_tok_s": bound,
+                   "engine_fraction_of_bound": med["slots"] / bound,
                    "logprob_max_diff_eager": worst["eager"], "logprob_max_diff_hf": worst["hf"],
                    "cuda_graphs": bool(getattr(graphed, "cuda_graphs", False)),
                    "graph_captures": int(getattr(graphed, "graph_captures", 0)),
@@ -434,6 +514,14 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=64, help="engine: slots = generate() chunk")
     ap.add_argument("--repeats", type=int, default=2, help="engine: timed passes per implementation (median)")
     ap.add_argument("--child-timeout-s", type=float, default=300.0)
+    ap.add_argument("--response-len-max", type=int, default=0,
+                    help="trainers: responses uniform in --response-len..this (0: all --response-len)")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES), help="trainers: which strategies")
+    ap.add_argument("--micro-sweep", default="", metavar="M,M,...",
+                    help="torch strategy: these micro-batch sizes (samples), padded and packed, until one does not fit")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="MFU's denominator (H100 SXM dense bf16: 989)")
+    ap.add_argument("--bandwidth-gbs", type=float, default=3350.0,
+                    help="engine: the memory bandwidth of the bound (H100 SXM HBM3: 3350 GB/s)")
     ap.add_argument("--out", default="", help="also append every row to this file as it is measured (JSON lines)")
     # the child side
     ap.add_argument("--one", choices=STRATEGIES, help=argparse.SUPPRESS)
@@ -459,6 +547,8 @@ def main() -> None:
         models = make_models(Path(tmp), names)
         if not a.no_trainers:
             trainers(a, models, Path(tmp))
+        if a.micro_sweep:
+            micro_sweep(a, models, Path(tmp))
         if a.features:
             features(a, models, Path(tmp))
         if not a.no_engine:

@@ -192,7 +192,7 @@ async def learn(cfg: RunConfig, work: Path, clip_high: float) -> dict[str, Any]:
         lr=cfg.train.lr,
         weight_decay=cfg.train.weight_decay,
         grad_clip=cfg.train.grad_clip,
-        micro_batch_size=cfg.train.micro_batch_size,
+        micro_batch_size=cfg.train.micro_rows,
         temperature=cfg.rollout.temperature,
         algo=cfg.algorithm,
         clip_high=clip_high,

@@ -91,6 +91,10 @@ class FSDP2Strategy(TorchStrategy):
     """One rank of an FSDP2 data-parallel trainer (see the module doc). Needs
     ``torch.distributed`` initialised (world size = ``train.ranks``)."""
 
+    chunked_head = False
+    """Whole logits: the decoder and the output projection called apart would skip the root FSDP
+    unit's unsharding of the embedding, the final norm and the head."""
+
     def __init__(self, cfg: RunConfig, model_dir: str | Path, *, device: str) -> None:
         if not dist.is_initialized():
             raise RuntimeError("FSDP2Strategy needs torch.distributed initialised (trainer.ranks.MultiRankStrategy "

@@ -26,11 +26,13 @@ docs/architecture.md, "Engines and strategies".
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
@@ -42,7 +44,7 @@ from schemas.config import AlgorithmConfig, RunConfig, TrainConfig, resolve_dtyp
 from trainer import algorithm as alg
 from trainer import losses as L
 from trainer.batch import TokenBatch, TrainSample, collate, merge_rows, segment_layout, split_rows
-from trainer.logprobs import token_logprobs
+from trainer.logprobs import head_logprobs, token_logprobs
 from trainer.losses import entropy_from_logits, masked_mean
 from trainer.sft import SFTExample, sft_warmup
 from weights import (
@@ -162,15 +164,45 @@ class _AdaptersDisabled(torch.nn.Module):
         super().__init__()
         self._policy = [peft_model]  # a list, not a submodule: its parameters stay the policy's
 
-    def forward(self, **kwargs: Any) -> Any:
+    @property
+    def policy(self) -> Any:
+        """The ``PeftModel`` this reference is (adapters on outside :meth:`adapters_off`)."""
+        return self._policy[0]
+
+    @contextlib.contextmanager
+    def adapters_off(self) -> Iterator[None]:
+        """The policy in eval mode, without gradients and with its adapters disabled."""
         model = self._policy[0]
         was_training = model.training
         model.eval()
         try:
             with torch.no_grad(), model.disable_adapter():
-                return model(**kwargs)
+                yield
         finally:
             model.train(was_training)
+
+    def forward(self, **kwargs: Any) -> Any:
+        with self.adapters_off():
+            return self._policy[0](**kwargs)
+
+
+def causal_parts(model: Any) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    """The decoder (hidden states) and the output projection of an HF causal LM (a ``PeftModel``
+    too) whose logits are exactly ``head(last hidden state)``; ``None`` for any other model (no
+    such parts, logit soft-capping or scaling): its logprobs come from whole logits."""
+    hf: Any = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_decoder, get_head = getattr(hf, "get_decoder", None), getattr(hf, "get_output_embeddings", None)
+    if get_decoder is None or get_head is None:
+        return None
+    head, config = get_head(), getattr(hf, "config", None)
+    if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
+        return None
+    for key, neutral in (("final_logit_softcapping", None), ("logit_scale", None), ("logits_scaling", 1.0),
+                         ("output_multiplier_scale", None)):
+        if getattr(config, key, neutral) not in (neutral, None):
+            return None
+    decoder = get_decoder()
+    return (decoder, head) if isinstance(decoder, torch.nn.Module) and decoder is not hf else None
 
 
 def strategy_kwargs(cfg: RunConfig, device: str) -> dict[str, Any]:
@@ -178,7 +210,8 @@ def strategy_kwargs(cfg: RunConfig, device: str) -> dict[str, Any]:
     (a concrete torch device; ``model.dtype: auto`` resolves for it)."""
     return dict(
         lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip,
-        micro_batch_size=cfg.train.micro_batch_size, temperature=cfg.rollout.temperature,
+        micro_batch_size=cfg.train.micro_rows, micro_batch_tokens=cfg.train.micro_batch_tokens,
+        logprob_chunk_tokens=cfg.train.logprob_chunk_tokens, temperature=cfg.rollout.temperature,
         algo=cfg.algorithm, max_len=cfg.rollout.max_new_tokens, dtype=resolve_dtype(cfg.model.dtype, device),
         total_steps=cfg.train.steps, min_lr_ratio=cfg.train.min_lr_ratio,
         lr_warmup_steps=cfg.train.lr_warmup_steps, device=device,
@@ -248,6 +281,8 @@ class TorchStrategy:
         weight_decay: float = 0.0,
         grad_clip: float = 1.0,
         micro_batch_size: int = 16,
+        micro_batch_tokens: int = 0,
+        logprob_chunk_tokens: int = 1024,
         temperature: float = 1.0,
         algo: AlgorithmConfig | None = None,
         max_len: int | None = None,
@@ -291,6 +326,8 @@ class TorchStrategy:
         self.lr_warmup_steps = lr_warmup_steps
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
+        self.logprob_chunk_tokens = logprob_chunk_tokens
         self.temperature = temperature
         algo = algo or AlgorithmConfig()
         if clip_low is not None:
@@ -434,6 +471,68 @@ class TorchStrategy:
     def _forward_logits(self, batch: TokenBatch) -> torch.Tensor:
         return self._forward(self.model, batch).logits  # (B, L, V)
 
+    chunked_head = True
+    """Compute token logprobs from hidden states in chunks (:meth:`_head_logprobs`) where the model
+    allows it (:func:`causal_parts`); a strategy whose model is sharded sets it off."""
+
+    def _parts(self, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+        if not self.chunked_head:
+            return None
+        return causal_parts(model.policy if isinstance(model, _AdaptersDisabled) else model)
+
+    def _hidden(self, model: torch.nn.Module, decoder: torch.nn.Module, micro: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last hidden states of ``micro`` (N, H) and the row of each (sample, position) in them
+        (b, l). Padded: ``N = b · l``. Packed (``micro_batch_tokens``): the samples' tokens one after
+        the other in one sequence (``N`` = their sum), position ids restarting at each sample, which
+        transformers turns into an attention within each sample."""
+        ids, attn = micro.input_ids.to(self.device), micro.attention_mask.to(self.device)  # (b, l)
+        b, width = ids.shape
+        off = model.adapters_off() if isinstance(model, _AdaptersDisabled) else contextlib.nullcontext()
+        with off:
+            if not self.micro_batch_tokens:
+                h = decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state  # (b, l, H)
+                return h.reshape(b * width, -1), torch.arange(b * width, device=self.device).view(b, width)
+            keep = attn.bool()  # (b, l) right-padded: row-major order is each sample in turn
+            pos = (attn.cumsum(1) - 1)[keep]  # (N,) 0.. per sample
+            h = decoder(input_ids=ids[keep][None], position_ids=pos[None], attention_mask=None,
+                        use_cache=False).last_hidden_state[0]  # (N, H)
+        lens = attn.sum(1)  # (b,)
+        starts = lens.cumsum(0) - lens  # (b,)
+        index = (starts[:, None] + torch.arange(width, device=self.device)).clamp(max=h.shape[0] - 1)  # (b, l)
+        return h, index
+
+    def _head_logprobs(self, parts: tuple[torch.nn.Module, torch.nn.Linear], model: torch.nn.Module,
+                       micro: TokenBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token logprobs and entropies at the rollout temperature (b, l - 1) at the positions of
+        ``micro.loss_mask > 0`` (0 elsewhere: those are never computed), from the hidden states in
+        chunks of ``logprob_chunk_tokens`` (:func:`trainer.logprobs.head_logprobs`); also the hidden
+        states (N, H) and their index (b, l) (:meth:`_hidden`)."""
+        decoder, head = parts
+        hidden, index = self._hidden(model, decoder, micro)
+        mask = micro.loss_mask.to(self.device) > 0  # (b, l - 1)
+        rows, cols = torch.nonzero(mask, as_tuple=True)  # (M,) each
+        targets = micro.input_ids.to(self.device)[rows, cols + 1]  # (M,) the token predicted at (row, col)
+        with model.adapters_off() if isinstance(model, _AdaptersDisabled) else contextlib.nullcontext():
+            lp_m, ent_m = head_logprobs(hidden, head, index[rows, cols], targets, self.temperature,
+                                        self.logprob_chunk_tokens)  # (M,) each
+        zeros = torch.zeros(mask.shape, device=self.device)  # (b, l - 1)
+        return zeros.index_put((rows, cols), lp_m), zeros.index_put((rows, cols), ent_m), hidden, index
+
+    def _groups(self, batch: TokenBatch) -> list[tuple[int, int]]:
+        """Row ranges ``[start, stop)`` of ``batch``'s micro-batches, in order: ``micro_batch_size``
+        rows each, or (``micro_batch_tokens``) consecutive rows whose tokens add up to at most
+        ``micro_batch_tokens`` (a longer row alone)."""
+        n = batch.num_rows
+        if not self.micro_batch_tokens:
+            return [(i, min(i + self.micro_batch_size, n)) for i in range(0, n, self.micro_batch_size)]
+        out, start, total = [], 0, 0
+        for i, length in enumerate(batch.attention_mask.sum(dim=1).tolist()):
+            if i > start and total + length > self.micro_batch_tokens:
+                out.append((start, i))
+                start, total = i, 0
+            total += length
+        return [*out, (start, n)] if n else out
+
     def _values(self, out: Any, micro: TokenBatch) -> torch.Tensor:
         assert self.critic is not None
         hidden = out.hidden_states[-1] if self.critic.trunk is None else None
@@ -446,12 +545,16 @@ class TorchStrategy:
             self._check_reference()
             model = self.ref_model
         model = self.model if model is None else model
+        head = self._parts(model)
         parts = []
-        for start in range(0, batch.input_ids.shape[0], self.micro_batch_size):
-            micro = batch.rows(start, start + self.micro_batch_size)
-            k0 = first_trained_col(micro)
-            logits = self._forward(model, micro, keep_from=k0).logits  # (b, l - k0, V)
-            lp = pad_left(token_logprobs(logits, micro.input_ids[:, k0:].to(self.device), self.temperature), k0)
+        for start, stop in self._groups(batch):
+            micro = batch.rows(start, stop)
+            if head is not None:  # the trained positions only (0 elsewhere), without whole logits
+                lp = self._head_logprobs(head, model, micro)[0]  # (b, l - 1)
+            else:
+                k0 = first_trained_col(micro)
+                logits = self._forward(model, micro, keep_from=k0).logits  # (b, l - k0, V)
+                lp = pad_left(token_logprobs(logits, micro.input_ids[:, k0:].to(self.device), self.temperature), k0)
             parts.append(torch.nn.functional.pad(lp, (0, batch.input_ids.shape[1] - 1 - lp.shape[1])))
         return torch.cat(parts).cpu()
 
@@ -462,8 +565,8 @@ class TorchStrategy:
         self._check_reference()
         assert self.ref_model is not None
         parts = []
-        for start in range(0, batch.input_ids.shape[0], self.micro_batch_size):
-            micro = batch.rows(start, start + self.micro_batch_size)
+        for start, stop in self._groups(batch):
+            micro = batch.rows(start, stop)
             pol = torch.log_softmax(self._forward(self.model, micro).logits[:, :-1].float() / self.temperature, -1)
             ref = torch.log_softmax(self._forward(self.ref_model, micro).logits[:, :-1].float() / self.temperature, -1)
             kl = L.kl_penalty(pol, ref, "full")  # (b, l - 1)
@@ -474,8 +577,8 @@ class TorchStrategy:
     def values(self, batch: TokenBatch) -> torch.Tensor:
         """The critic's values (B, L - 1), without gradients."""
         parts = []
-        for start in range(0, batch.input_ids.shape[0], self.micro_batch_size):
-            micro = batch.rows(start, start + self.micro_batch_size)
+        for start, stop in self._groups(batch):
+            micro = batch.rows(start, stop)
             shared_trunk = self.critic is not None and self.critic.trunk is None
             out = self._forward(self.model, micro, hidden=True) if shared_trunk else None
             v = self._values(out, micro)
@@ -558,12 +661,24 @@ class TorchStrategy:
         cfg = self.algo
         need_hidden = self.critic is not None and self.critic.trunk is None
         full_kl_loss = cfg.use_kl_loss and cfg.kl_loss_type == "full" and "ref_logprobs" in micro.extras
-        k0 = 0 if full_kl_loss else first_trained_col(micro)  # prompt columns before it need no logits
-        out = self._forward(self.model, micro, hidden=need_hidden, keep_from=k0)
-        logits = out.logits  # (b, l - k0, V)
-        ids = micro.input_ids.to(self.device)
-        lp = pad_left(token_logprobs(logits, ids[:, k0:], self.temperature), k0)  # (b, l - 1)
+        head = None if full_kl_loss else self._parts(self.model)
         mask = micro.loss_mask.to(self.device)
+        if head is not None:  # chunked from the hidden states: no (b, l, V) tensor in either pass
+            lp, ent, hidden, index = self._head_logprobs(head, self.model, micro)  # (b, l - 1) each
+            out: Any = SimpleNamespace(hidden_states=(hidden[index],) if need_hidden else ())  # (b, l, H): a value head
+            if not cfg.entropy_loss_coef:
+                ent = ent.detach()
+        else:
+            k0 = 0 if full_kl_loss else first_trained_col(micro)  # prompt columns before it need no logits
+            out = self._forward(self.model, micro, hidden=need_hidden, keep_from=k0)
+            logits = out.logits  # (b, l - k0, V)
+            ids = micro.input_ids.to(self.device)
+            lp = pad_left(token_logprobs(logits, ids[:, k0:], self.temperature), k0)  # (b, l - 1)
+            if cfg.entropy_loss_coef:
+                ent = pad_left(entropy_from_logits(logits[:, :-1] / self.temperature), k0)  # (b, l - 1)
+            else:
+                with torch.no_grad():
+                    ent = pad_left(entropy_from_logits(logits[:, :-1].detach() / self.temperature), k0)  # (b, l - 1)
         if "pg_select" in micro.extras:  # a selective loss (clip_cov, kl_cov): the batch's token choice
             loss, metrics = alg.selective_policy_loss(cfg, lp, micro.old_logprobs.to(self.device),
                                                       micro.advantages.to(self.device), mask, self.max_len,
@@ -572,12 +687,8 @@ class TorchStrategy:
             loss, metrics = alg.policy_loss(cfg, lp, micro.old_logprobs.to(self.device),
                                             micro.advantages.to(self.device), mask, self.max_len)
         if cfg.entropy_loss_coef:
-            ent = pad_left(entropy_from_logits(logits[:, :-1] / self.temperature), k0)  # (b, l - 1)
             e_loss, m = L.entropy_loss(ent, mask, cfg.entropy_loss_coef, cfg.loss_agg_mode, self.max_len)
             loss = loss + e_loss
-        else:
-            with torch.no_grad():
-                ent = pad_left(entropy_from_logits(logits[:, :-1].detach() / self.temperature), k0)  # (b, l - 1)
         metrics["actor/entropy"] = float(masked_mean(ent.detach(), mask))
         if "ref_logprobs" in micro.extras:
             coef = cfg.kl_loss_coef if cfg.use_kl_loss else 0.0
@@ -673,8 +784,8 @@ class TorchStrategy:
         total = max(batch.num_tokens if by_tokens else batch.num_seqs, 1)
         trained = self.gradient_rows(batch).by_length()
         micros = []
-        for start in range(0, trained.num_rows, self.micro_batch_size):
-            micro = trained.rows(start, start + self.micro_batch_size)
+        for start, stop in self._groups(trained):
+            micro = trained.rows(start, stop)
             share = (micro.num_tokens if by_tokens else micro.num_seqs) / total
             if share > 0:
                 micros.append((micro, share))

@@ -329,6 +329,11 @@ def trainer_layout(cfg: RunConfig) -> str | None:
         return f"train.tensor_parallel={t.tensor_parallel} must divide train.ranks={t.ranks}"
     if t.tensor_parallel > 1 and t.strategy != "megatron":
         return f"train.tensor_parallel={t.tensor_parallel} needs train.strategy=megatron"
+    if t.micro_batch_tokens and t.micro_batch_size is not None:
+        return (f"train.micro_batch_size={t.micro_batch_size} and train.micro_batch_tokens={t.micro_batch_tokens} "
+                "are both set: micro-batches are sized by one of them, remove the other")
+    if t.micro_batch_tokens and t.strategy != "torch":
+        return f"train.micro_batch_tokens={t.micro_batch_tokens} works with train.strategy='torch' only (use train.micro_batch_size)"
     return None
 
 

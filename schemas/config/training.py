@@ -100,6 +100,10 @@ class RolloutConfig(Section):
     way. ``false`` is refused with a generation server (use ``rollstream serve --no-cuda-graphs``)."""
 
 
+DEFAULT_MICRO_BATCH_SIZE = 16
+"""``train.micro_batch_size`` when neither it nor ``train.micro_batch_tokens`` is set."""
+
+
 class TrainConfig(Section):
     """The trainer."""
 
@@ -134,8 +138,23 @@ class TrainConfig(Section):
     """AdamW weight decay."""
     grad_clip: NonNegativeFloat = 1.0
     """Max global gradient norm (0 = off)."""
-    micro_batch_size: PositiveInt = 16
-    """Samples per forward/backward pass (gradient accumulation over the batch)."""
+    micro_batch_size: PositiveInt | None = None
+    """Samples per forward/backward pass (gradient accumulation over the batch); unset: 16, unless
+    ``micro_batch_tokens`` sizes the micro-batches (set one of the two, not both). Each micro-batch
+    is right-padded to its longest sample (samples are sorted by length first)."""
+    micro_batch_tokens: NonNegativeInt = 0
+    """Size the micro-batches by tokens instead: each holds consecutive samples (shortest first) whose
+    ``prompt + response`` tokens add up to at most this many (a longer sample runs alone), and with
+    ``strategy: torch`` they are packed into one sequence without padding (position ids restart at
+    every sample, so attention stays within each sample). 0 = off (``micro_batch_size``). Only for
+    ``strategy: torch``."""
+    logprob_chunk_tokens: Annotated[int, Meta(ge=1, le=1 << 20)] = 1024
+    """The token logprobs and entropies of the loss are computed from the last hidden states this
+    many positions at a time (forward, and recomputed in backward): the whole-vocabulary logits of
+    a micro-batch are never held at once, only ``logprob_chunk_tokens × vocabulary`` floats (fp32:
+    200 MB for 1024 positions of a 49,152-token vocabulary). Larger: fewer, bigger matmuls.
+    ``strategy: torch`` with a plain Hugging Face causal LM; ``fsdp2``, ``megatron`` and the exact
+    KL loss (``algorithm.kl_loss_type: full``) still compute whole logits."""
     skip_zero_advantage: bool = True
     """Leave out of the forward/backward passes the samples whose advantage is 0 at every trained
     token (GRPO groups whose samples all got the same reward) when the loss is the policy loss
@@ -194,6 +213,11 @@ class TrainConfig(Section):
     lora_target_modules: Annotated[list[NonEmptyStr], Meta(min_length=1)] = msgspec.field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     """Module names (suffixes) that get LoRA adapters."""
+
+    @property
+    def micro_rows(self) -> int:
+        """Samples per micro-batch when sized by samples (``micro_batch_size``, default 16)."""
+        return self.micro_batch_size or DEFAULT_MICRO_BATCH_SIZE
 
 
 NormType = Literal["batch", "group", "running", "none"]

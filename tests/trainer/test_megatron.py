@@ -131,9 +131,11 @@ def _free_port() -> int:
 
 def _torch(model_dir: Path, algo: AlgorithmConfig) -> TorchStrategy:
     cfg = R.config(1, algo)
-    return TorchStrategy(model_dir, lr=R.LR, grad_clip=R.GRAD_CLIP, micro_batch_size=R.MICRO, algo=algo,
-                         temperature=cfg.rollout.temperature, max_len=cfg.rollout.max_new_tokens,
-                         total_steps=cfg.train.steps)
+    s = TorchStrategy(model_dir, lr=R.LR, grad_clip=R.GRAD_CLIP, micro_batch_size=R.MICRO, algo=algo,
+                      temperature=cfg.rollout.temperature, max_len=cfg.rollout.max_new_tokens,
+                      total_steps=cfg.train.steps)
+    s.chunked_head = False  # megatron's GPTModel gives whole logits: compare the parallelism, not the logprob path
+    return s
 
 
 def _assert_metrics_match(got: dict[str, float], want: dict[str, float]) -> None:

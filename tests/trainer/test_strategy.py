@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from schemas.config import AlgorithmConfig
 from tests.floats import assert_close, assert_same_update, gradient_terms, rounding_tol
 from trainer.batch import TrainSample, collate
 from trainer.sft import SFTExample, sft_batch, sft_loss, sft_warmup
@@ -331,3 +332,73 @@ def test_rows_are_not_skipped_when_another_loss_term_needs_them(model_dir: Path,
     batch, _ = strategy.prepare(tied_groups())
     assert strategy.gradient_rows(batch) is batch
     assert strategy.train_step(tied_groups())["train/skipped_rows"] == 0
+
+
+# --------------------------------------------------------------------------- chunked head, packing
+
+
+def step_grads(strategy: TorchStrategy, samples: list[TrainSample]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The gradient of one step's loss (every micro-batch's backward, no optimizer step) and its metrics."""
+    batch, _ = strategy.prepare(samples)
+    _, micros = strategy.micro_batches(batch)
+    metrics: dict[str, float] = {}
+    for micro, share in micros:
+        for k, v in strategy.backward(micro, share).items():
+            metrics[k] = metrics.get(k, 0.0) + share * v
+    grads = {k: p.grad.detach().clone() for k, p in strategy.model.named_parameters() if p.grad is not None}
+    strategy.optimizer.zero_grad(set_to_none=True)
+    return grads, metrics
+
+
+def assert_same_grads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], terms: int) -> None:
+    assert set(a) == set(b) and a
+    for k in a:
+        assert_close(a[k], b[k], terms)
+
+
+def test_chunked_head_gives_the_whole_logits_step(model_dir: Path) -> None:
+    """Logprobs, entropy (with an entropy bonus, so its gradient counts) and every parameter's
+    gradient (the tied embedding / LM head included) equal the whole-logits path's, for chunks of
+    positions that do and do not divide the trained positions."""
+    samples = make_samples(6)
+    algo = AlgorithmConfig(entropy_loss_coef=0.01)
+    whole = TorchStrategy(model_dir, micro_batch_size=4, temperature=0.8, algo=algo)
+    whole.chunked_head = False
+    batch = collate(samples, whole.pad_id)
+    m = batch.loss_mask > 0
+    lp_w = whole.logprobs(batch)
+    g_w, m_w = step_grads(whole, samples)
+    for chunk in (1, 7, 1024):
+        chunked = TorchStrategy(model_dir, micro_batch_size=4, temperature=0.8, algo=algo, logprob_chunk_tokens=chunk)
+        lp_c = chunked.logprobs(batch)
+        assert_close(lp_c[m], lp_w[m], hidden_size(whole))
+        assert bool((lp_c[~m] == 0).all())  # untrained positions are not computed
+        g_c, m_c = step_grads(chunked, samples)
+        assert m_c["actor/entropy"] == pytest.approx(m_w["actor/entropy"], rel=rounding_tol(1.0, hidden_size(whole)))
+        assert_same_grads(g_c, g_w, grad_terms(whole, samples))
+
+
+def test_packed_micro_batches_equal_padded(model_dir: Path) -> None:
+    """``micro_batch_tokens``: the samples of a micro-batch in one sequence without padding give the
+    padded path's logprobs and gradient, whatever the token budget's grouping."""
+    samples = make_samples(8)
+    padded = TorchStrategy(model_dir, micro_batch_size=8, temperature=0.8)
+    packed = TorchStrategy(model_dir, micro_batch_tokens=10_000, temperature=0.8)
+    small = TorchStrategy(model_dir, micro_batch_tokens=20, temperature=0.8)
+    batch = collate(samples, padded.pad_id)
+    m = batch.loss_mask > 0
+    assert_close(packed.logprobs(batch)[m], padded.logprobs(batch)[m], hidden_size(padded))
+    assert len(small.micro_batches(small.prepare(samples)[0])[1]) > 1
+    g_pad, m_pad = step_grads(padded, samples)
+    for s in (packed, small):
+        g, mets = step_grads(s, samples)
+        assert mets["loss/policy"] == pytest.approx(m_pad["loss/policy"], abs=rounding_tol(1.0, grad_terms(s, samples)))
+        assert_same_grads(g, g_pad, grad_terms(padded, samples))
+
+
+def test_token_budget_groups_consecutive_rows(model_dir: Path) -> None:
+    s = TorchStrategy(model_dir, micro_batch_tokens=10)
+    lens = [3, 4, 3, 12, 2, 9]
+    attn = torch.tensor([[1] * n + [0] * (12 - n) for n in lens])
+    batch = collate(make_samples(len(lens)), s.pad_id).replace(attention_mask=attn)
+    assert s._groups(batch) == [(0, 3), (3, 4), (4, 5), (5, 6)]  # 3+4+3; 12 alone (over budget); 2 (+9 > 10); 9

@@ -150,7 +150,7 @@ class MegatronStrategy(TorchStrategy):
         # its weights are converted below and the HF model dropped
         super().__init__(
             model_dir, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-            micro_batch_size=t.micro_batch_size, temperature=cfg.rollout.temperature, algo=cfg.algorithm,
+            micro_batch_size=t.micro_rows, temperature=cfg.rollout.temperature, algo=cfg.algorithm,
             max_len=cfg.rollout.max_new_tokens, dtype=resolve_dtype(cfg.model.dtype, device),
             total_steps=t.steps, min_lr_ratio=t.min_lr_ratio, lr_warmup_steps=t.lr_warmup_steps, device="cpu",
             skip_zero_advantage=t.skip_zero_advantage,
