@@ -13,8 +13,8 @@ row with the error. The bad-input row runs ``tests/test_bad_input.py`` (the CLI 
                                                                         [--runs-dir DIR] [--json OUT]
 
 ``$ROLLSTREAM_BOOTSTRAP`` (else the local broker of ``rollstream stack up``: ``common.find_broker``)
-is the broker of the runs (never stopped); the broker-outage scenario
-starts, stops and restarts a broker of its own in a temporary home. The exit status is 1 when a
+is the broker of the runs (never stopped); the broker-outage and broker-kill scenarios
+start, stop (or SIGKILL) and restart a broker of their own in a temporary home. The exit status is 1 when a
 scenario failed.
 """
 
@@ -110,7 +110,12 @@ def scenarios(bootstrap: str, outage_home: Callable[[], tuple[Path, str]]) -> di
         home, own = outage_home()
         return broker_outage_run(runs, home, own)
 
+    def broker_kill(runs: Path, i: int) -> FaultResult:
+        home, own = outage_home()
+        return broker_outage_run(runs, home, own, outage_s=10.0, kill=True)
+
     out["outage"] = ("Kafka broker stopped for 20 s mid-run", outage)
+    out["broker-kill"] = ("`kill -9` of the Kafka broker mid-run, started again 10 s later", broker_kill)
     out["verifier"] = ("verifier hangs (`sleep`) or raises on 2/7 of the answers",
                        lambda runs, i: faulty_verifier_run(runs, bootstrap, runs.parent / f"plugin{i}"))
     out["poison"] = ("poison records (7 undecodable / impossible events mid-run)",
