@@ -196,9 +196,9 @@ def bootstrap_for_run(cfg: Any) -> str:
         if cfg.kafka.security_protocol == "PLAINTEXT" and not stack.kafka_reachable(explicit, timeout_s=10):
             raise UserError(f"no Kafka broker answers at {explicit}")
         return str(explicit)
-    local = stack.local_kafka(home())
-    if local is not None and stack.kafka_reachable(local.bootstrap, timeout_s=5):
-        return local.bootstrap
+    local = stack.local_bootstrap(home())  # the local broker, or the nodes of `stack up --brokers N`
+    if local is not None and stack.kafka_reachable(local, timeout_s=5):
+        return local
     with console.status("starting the local Kafka broker...") as status:
         stack.ensure_kafka_jars(progress=lambda m: status.update(m))
         proc, _ = stack.start_local_kafka(home(), progress=lambda m: status.update(m))

@@ -166,10 +166,8 @@ def _plan(home: Path, brokers: int) -> Cluster:
     return Cluster(nodes)
 
 
-def _launch(home: Path, cluster: Cluster, node: Node, java: str, libs: Path,
-            deadline: float) -> tuple[subprocess.Popen[bytes], float]:
-    """Write node ``node``'s server.properties, format its storage once (the cluster's id) and
-    launch its JVM (not waiting for it)."""
+def _prepare(home: Path, cluster: Cluster, node: Node, java: str, libs: Path, deadline: float) -> None:
+    """Write node ``node``'s server.properties and format its storage once (the cluster's id)."""
     for p in (node.port, node.controller_port):
         if not port_free(p):
             raise StackError(f"port {p} of broker {node.node_id} of the local cluster is in use by another program; "
@@ -184,7 +182,6 @@ def _launch(home: Path, cluster: Cluster, node: Node, java: str, libs: Path,
     write_server_properties(nh, node_properties(node.node_id, node.port, node.controller_port, voters, data_dir,
                                                 len(cluster.nodes)))
     broker._format_storage(nh, java, libs, data_dir, deadline, [])
-    return broker.launch_jvm(nh, java, libs, NODE_JVM_OPTS)
 
 
 def _record_node(node: Node, child: subprocess.Popen[bytes], started_at: float) -> broker.KafkaProcess:
@@ -220,10 +217,13 @@ def start_cluster(home: Path, brokers: int = 3, timeout_s: float = 120,
         deadline = time.monotonic() + timeout_s
         launched: list[tuple[Node, subprocess.Popen[bytes], float]] = []
         try:
+            if todo:  # the storage formats (a JVM each) at once
+                with ThreadPoolExecutor(len(todo)) as pool:
+                    list(pool.map(lambda n: _prepare(home, cluster, n, java, libs, deadline), todo))
             for node in todo:
                 if progress:
                     progress(f"starting broker {node.node_id} of {len(cluster.nodes)} on {node.bootstrap}")
-                child, started_at = _launch(home, cluster, node, java, libs, deadline)
+                child, started_at = broker.launch_jvm(node.home, java, libs, NODE_JVM_OPTS)
                 launched.append((node, child, started_at))
             for node, child, started_at in launched:
                 broker.await_ready(child, node.bootstrap, kafka_log_path(node.home), deadline, timeout_s)
