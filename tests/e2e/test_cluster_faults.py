@@ -8,8 +8,10 @@ temporary home, stopped at the end).
   leaders, the run completes with the invariants (nothing lost, trained twice or recorded twice,
   every step once). This one runs in CI (not ``slow``).
 
-``bench/reliability.py`` runs the other cluster faults with the same harness
-(:func:`cluster_fault_run` with another fault).
+The other cluster faults of :data:`FAULTS` (``slow``; ``bench/reliability.py`` runs them all as
+scenarios ``cluster-<name>``): ``kill -9`` of the trainer group's coordinator, of the reward
+router's transaction coordinator, one broker frozen with SIGSTOP for 30 s (a gray failure), a
+rolling restart of the 3 brokers, the whole cluster killed and started again.
 """
 
 from __future__ import annotations
@@ -115,6 +117,83 @@ def kill_generations_leader(home: Path, bootstrap: str, run_id: str, down_s: flo
     return t
 
 
+def coordinator(bootstrap: str, key: str, kind: int) -> int:
+    """The broker coordinating group ``key`` (``kind`` 0) or transactional id ``key`` (``kind`` 1)."""
+    return int(asyncio.run(_admin(bootstrap, lambda a: a.find_coordinator(key, kind))))
+
+
+def kill_coordinator(service: str, kind: int, down_s: float = 5.0) -> Fault:
+    """``kill -9`` of the group (``kind`` 0) or transaction (``kind`` 1) coordinator of ``service``'s
+    group id (the reward router's transactional id is its group id); started again after ``down_s``."""
+    from schemas.services import SERVICES
+
+    def fault(home: Path, bootstrap: str, run_id: str) -> float:
+        victim = coordinator(bootstrap, SERVICES[service].group_id(run_id), kind)
+        t = signal_node(home, victim, signal.SIGKILL)
+        time.sleep(down_s)
+        restart_nodes(home, [victim])
+        return t
+
+    return fault
+
+
+def freeze_generations_leader(home: Path, bootstrap: str, run_id: str, frozen_s: float = 30.0) -> float:
+    """SIGSTOP of the broker leading most of ``generations``' partitions for ``frozen_s``, then
+    SIGCONT: a gray failure (its sockets stay open, nothing answers); it is fenced and rejoins."""
+    from schemas.topics import topic_name
+
+    victim = main_leader(bootstrap, topic_name(run_id, "generations"))
+    t = signal_node(home, victim, signal.SIGSTOP)
+    try:
+        time.sleep(frozen_s)
+    finally:
+        signal_node(home, victim, signal.SIGCONT)
+    return t
+
+
+def rolling_restart(home: Path, bootstrap: str, run_id: str) -> float:
+    """Each broker in turn stopped (SIGTERM: a controlled shutdown) and started again, the next
+    one once it answers and every partition of the run's topics has its 3 replicas in sync."""
+    from infra.kafka import broker
+    from infra.kafka.cluster import node_home
+    from schemas.topics import topic_name
+
+    t = time.time()
+    for node_id in range(1, BROKERS + 1):
+        broker.stop_local_kafka(node_home(home, node_id))
+        restart_nodes(home, [node_id])
+        deadline = time.monotonic() + 120
+        while any(len(p["isr"]) < BROKERS for p in partitions_of(bootstrap, topic_name(run_id, "generations"))):
+            assert time.monotonic() < deadline, f"broker {node_id} not back in sync within 120 s"
+            time.sleep(0.5)
+    return t
+
+
+def kill_whole_cluster(home: Path, bootstrap: str, run_id: str, down_s: float = 10.0) -> float:
+    """``kill -9`` of every broker at once; all started again after ``down_s``."""
+    t = time.time()
+    for node_id in range(1, BROKERS + 1):
+        signal_node(home, node_id, signal.SIGKILL)
+    time.sleep(down_s)
+    restart_nodes(home, list(range(1, BROKERS + 1)))
+    return t
+
+
+FAULTS: dict[str, tuple[str, Fault]] = {
+    "leader": ("`kill -9` of the broker leading `generations` (mid-transaction), back after 5 s",
+               kill_generations_leader),
+    "group-coordinator": ("`kill -9` of the trainer group's coordinator, back after 5 s",
+                          kill_coordinator("trainer", 0)),
+    "txn-coordinator": ("`kill -9` of the reward router's transaction coordinator, back after 5 s",
+                        kill_coordinator("reward", 1)),
+    "freeze": ("SIGSTOP of the `generations` leader for 30 s (gray failure), then SIGCONT",
+               freeze_generations_leader),
+    "rolling": ("rolling restart of the 3 brokers (SIGTERM, start, in sync, next)", rolling_restart),
+    "whole": ("`kill -9` of all 3 brokers at once, started again after 10 s", kill_whole_cluster),
+}
+"""name -> (label in docs/reliability.md, fault): the cluster faults of ``bench/reliability.py``."""
+
+
 # --------------------------------------------------------------------------- one run
 
 
@@ -154,6 +233,16 @@ async def _topic_config(bootstrap: str, topic: str) -> dict[str, str]:
 
     async with TopicAdmin(KafkaSettings(), bootstrap) as admin:
         return await admin.topic_config(topic)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", [n for n in FAULTS if n != "leader"])
+def test_a_cluster_fault_mid_run(tmp_path: Path, cluster_home: Path, name: str) -> None:
+    label, fault = FAULTS[name]
+    res = cluster_fault_run(tmp_path / "runs", cluster_home, fault, name)
+    assert res.recovery_s is not None and res.invariants["trained"] > 0, res
+    print(f"{label}: recovery {res.recovery_s:.1f} s, wall {res.wall_s:.0f} s, {res.invariants['issued']} issued")
 
 
 @pytest.mark.timeout(420)
