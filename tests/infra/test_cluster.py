@@ -56,7 +56,7 @@ def test_an_unreadable_record_and_a_bad_count_are_one_line(tmp_path: Path) -> No
     assert kc.local_cluster(tmp_path) is None and kc.running_cluster(tmp_path) is None
     kc.cluster_dir(tmp_path).mkdir(parents=True)
     (kc.cluster_dir(tmp_path) / "cluster.json").write_text(json.dumps({"nodes": [{"node_id": 1}]}))
-    with pytest.raises(StackError, match="cluster.json cannot be read") as err:
+    with pytest.raises(StackError, match=r"cluster\.json cannot be read") as err:
         kc.local_cluster(tmp_path)
     assert "\n" not in str(err.value) and "to start over" in str(err.value)
     with pytest.raises(StackError, match="--brokers 0: from 1 to 9"):
