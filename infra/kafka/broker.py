@@ -45,6 +45,7 @@ from infra.kafka.home import (
     kafka_log_path,
     log_error,
     new_cluster_id,
+    node_homes,
     norm_home,
     port_free,
     previous_ports,
@@ -305,12 +306,10 @@ def start_local_kafka(
     kdir.mkdir(parents=True, exist_ok=True)
     (home / "logs").mkdir(parents=True, exist_ok=True)
     with file_lock(kdir / ".lock", 120.0, f"the local Kafka in {home}"):
-        from infra.kafka.cluster import running_cluster
-
-        cluster = running_cluster(home)
-        if cluster is not None:
-            raise StackError(f"the local Kafka cluster of {home} runs ({len(cluster.running)} of {len(cluster.nodes)} "
-                             "brokers); stop it (`rollstream stack down`) before starting a single broker")
+        nodes = cluster_nodes(home)
+        if nodes:
+            raise StackError(f"the local Kafka cluster of {home} runs ({len(nodes)} brokers); stop it "
+                             "(`rollstream stack down`) before starting a single broker")
         running = local_kafka(home)
         if running is not None:
             want = "PLAINTEXT" if sasl_ssl is None else f"SASL_SSL ({sasl_ssl.mechanism} user {sasl_ssl.user!r})"
@@ -494,11 +493,14 @@ def local_bootstrap(home: Path | None = None) -> str | None:
     """The address of the local broker running in ``home`` (default :func:`home_dir`), else of its
     local cluster (:mod:`infra.kafka.cluster`: every running node), else None: the ``local``
     argument of :func:`runtime.probe.find_bootstrap`."""
-    from infra.kafka.cluster import running_cluster
-
     home = home if home is not None else home_dir()
     proc = local_kafka(home)
     if proc is not None:
         return proc.bootstrap
-    cluster = running_cluster(home)
-    return ",".join(n.bootstrap for n in cluster.running) if cluster else None
+    nodes = cluster_nodes(home)
+    return ",".join(n.bootstrap for n in nodes) if nodes else None
+
+
+def cluster_nodes(home: Path) -> list[KafkaProcess]:
+    """The running nodes of the local cluster of ``home`` (:mod:`infra.kafka.cluster`), by node id."""
+    return [p for p in map(local_kafka, node_homes(home)) if p is not None]

@@ -32,6 +32,7 @@ from infra.kafka import broker
 from infra.kafka.home import (
     HOST,
     StackError,
+    cluster_dir,
     file_lock,
     free_port,
     kafka_dir,
@@ -83,11 +84,6 @@ class Cluster:
 
     def node(self, node_id: int) -> Node:
         return next(n for n in self.nodes if n.node_id == node_id)
-
-
-def cluster_dir(home: Path) -> Path:
-    """``<home>/cluster``: the cluster's record and its nodes' homes."""
-    return norm_home(home) / "cluster"
 
 
 def node_home(home: Path, node_id: int) -> Path:
