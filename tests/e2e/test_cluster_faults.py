@@ -103,7 +103,9 @@ def restart_nodes(home: Path, node_ids: list[int]) -> float:
 
 
 Fault = Callable[[Path, str, str], float]
-"""A fault: ``(cluster home, bootstrap, run id) -> when it struck`` (its recovery counts from there)."""
+"""A fault: ``(cluster home, bootstrap, run id) -> the time its recovery counts from``: the kill
+of a broker the cluster can do without (it is started again later), or the end of an outage (the
+frozen broker resumed, the last broker of a rolling restart back, the whole cluster back)."""
 
 
 def kill_generations_leader(home: Path, bootstrap: str, run_id: str, down_s: float = 5.0) -> float:
@@ -143,12 +145,12 @@ def freeze_generations_leader(home: Path, bootstrap: str, run_id: str, frozen_s:
     from schemas.topics import topic_name
 
     victim = main_leader(bootstrap, topic_name(run_id, "generations"))
-    t = signal_node(home, victim, signal.SIGSTOP)
+    signal_node(home, victim, signal.SIGSTOP)
     try:
         time.sleep(frozen_s)
     finally:
-        signal_node(home, victim, signal.SIGCONT)
-    return t
+        resumed = signal_node(home, victim, signal.SIGCONT)
+    return resumed
 
 
 def rolling_restart(home: Path, bootstrap: str, run_id: str) -> float:
@@ -158,7 +160,7 @@ def rolling_restart(home: Path, bootstrap: str, run_id: str) -> float:
     from infra.kafka.cluster import node_home
     from schemas.topics import topic_name
 
-    t = time.time()
+    t = 0.0
     for node_id in range(1, BROKERS + 1):
         broker.stop_local_kafka(node_home(home, node_id))
         restart_nodes(home, [node_id])
@@ -166,17 +168,16 @@ def rolling_restart(home: Path, bootstrap: str, run_id: str) -> float:
         while any(len(p["isr"]) < BROKERS for p in partitions_of(bootstrap, topic_name(run_id, "generations"))):
             assert time.monotonic() < deadline, f"broker {node_id} not back in sync within 120 s"
             time.sleep(0.5)
+        t = time.time()
     return t
 
 
 def kill_whole_cluster(home: Path, bootstrap: str, run_id: str, down_s: float = 10.0) -> float:
     """``kill -9`` of every broker at once; all started again after ``down_s``."""
-    t = time.time()
     for node_id in range(1, BROKERS + 1):
         signal_node(home, node_id, signal.SIGKILL)
     time.sleep(down_s)
-    restart_nodes(home, list(range(1, BROKERS + 1)))
-    return t
+    return restart_nodes(home, list(range(1, BROKERS + 1)))
 
 
 FAULTS: dict[str, tuple[str, Fault]] = {
