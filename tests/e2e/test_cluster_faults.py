@@ -44,7 +44,7 @@ def cluster_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         kc.start_cluster(home, BROKERS)
         yield home
     finally:
-        kc.stop_cluster(home)
+        kc.stop_cluster(home, timeout_s=5)  # a temporary cluster: no need to wait out a clean shutdown
 
 
 # --------------------------------------------------------------------------- what the cluster says
