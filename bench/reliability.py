@@ -13,8 +13,9 @@ row with the error. The bad-input row runs ``tests/test_bad_input.py`` (the CLI 
                                                                         [--runs-dir DIR] [--json OUT]
 
 ``$ROLLSTREAM_BOOTSTRAP`` (else the local broker of ``rollstream stack up``: ``common.find_broker``)
-is the broker of the runs (never stopped); the broker-outage scenario
-starts, stops and restarts a broker of its own in a temporary home. The exit status is 1 when a
+is the broker of the runs (never stopped); the broker-outage and broker-kill scenarios
+start, stop (or SIGKILL) and restart a broker of their own in a temporary home, and the
+``cluster-*`` scenarios (``tests/e2e/test_cluster_faults.py``) a 3-broker cluster of their own. The exit status is 1 when a
 scenario failed.
 """
 
@@ -48,6 +49,8 @@ from tests.e2e.faults import (  # noqa: E402
     check_invariants,
     invariants,
 )
+from tests.e2e.test_cluster_faults import FAULTS as CLUSTER_FAULTS  # noqa: E402
+from tests.e2e.test_cluster_faults import cluster_fault_run  # noqa: E402
 from tests.e2e.test_faults import (  # noqa: E402
     broker_outage_run,
     faulty_verifier_run,
@@ -93,7 +96,8 @@ def bad_input_row() -> dict[str, Any]:
             "wall_s": time.time() - t0, "ok": proc.returncode == 0}
 
 
-def scenarios(bootstrap: str, outage_home: Callable[[], tuple[Path, str]]) -> dict[str, tuple[str, Callable[..., FaultResult]]]:
+def scenarios(bootstrap: str, outage_home: Callable[[], tuple[Path, str]],
+              cluster_home: Callable[[], Path]) -> dict[str, tuple[str, Callable[..., FaultResult]]]:
     """name -> (table label, run(runs_dir, index) -> FaultResult)."""
     out: dict[str, tuple[str, Callable[..., FaultResult]]] = {}
     labels = {"feeder": "`kill -9` feeder", "rollout": "`kill -9` rollout (mid-generation)",
@@ -110,7 +114,15 @@ def scenarios(bootstrap: str, outage_home: Callable[[], tuple[Path, str]]) -> di
         home, own = outage_home()
         return broker_outage_run(runs, home, own)
 
+    def broker_kill(runs: Path, i: int) -> FaultResult:
+        home, own = outage_home()
+        return broker_outage_run(runs, home, own, outage_s=10.0, kill=True)
+
     out["outage"] = ("Kafka broker stopped for 20 s mid-run", outage)
+    out["broker-kill"] = ("`kill -9` of the Kafka broker mid-run, started again 10 s later", broker_kill)
+    for name, (label, fault) in CLUSTER_FAULTS.items():
+        out[f"cluster-{name}"] = (f"3-broker cluster: {label}",
+                                  lambda runs, i, n=name, f=fault: cluster_fault_run(runs, cluster_home(), f, n))
     out["verifier"] = ("verifier hangs (`sleep`) or raises on 2/7 of the answers",
                        lambda runs, i: faulty_verifier_run(runs, bootstrap, runs.parent / f"plugin{i}"))
     out["poison"] = ("poison records (7 undecodable / impossible events mid-run)",
@@ -156,7 +168,15 @@ def main() -> int:
             state["home"], state["bootstrap"] = home, proc.bootstrap
         return state["home"], state["bootstrap"]
 
-    table = scenarios(bootstrap, outage_home)
+    def cluster_home() -> Path:
+        from infra.kafka import cluster as kc
+
+        if "cluster" not in state:
+            state["cluster"] = base / "cluster-kafka"
+            kc.start_cluster(state["cluster"], 3)
+        return Path(state["cluster"])
+
+    table = scenarios(bootstrap, outage_home, cluster_home)
     names = args.only or list(table)
     unknown = [n for n in names if n not in table]
     if unknown:
@@ -190,6 +210,10 @@ def main() -> int:
             from infra.kafka import broker as stack
 
             stack.stop_local_kafka(state["home"])
+        if "cluster" in state:
+            from infra.kafka.cluster import stop_cluster
+
+            stop_cluster(state["cluster"])
     bad = None if args.no_bad_input or args.only else bad_input_row()
 
     print("| fault | runs | samples issued | samples lost | trained twice | duplicate rows | "

@@ -83,6 +83,7 @@ def status_cmd(
     import json
 
     from launch.status import gather, render
+    from rollout.factory import SERVER_ENGINES
 
     if fmt not in ("table", "json"):
         raise UserError(f"--format {fmt!r}: one of table, json")
@@ -93,7 +94,8 @@ def status_cmd(
     _unknown_run_quickly(run, runs_dir, cfg, state, bootstrap)
     report = asyncio.run(gather(
         run, run_dir, bootstrap=bootstrap, kafka=_kafka(cfg), steps=cfg.train.steps if cfg else None,
-        stall_after_s=cfg.run.stall_after_s if cfg else 120.0))
+        stall_after_s=cfg.run.stall_after_s if cfg else 120.0,
+        server_urls=cfg.rollout.server_urls if cfg and cfg.rollout.engine in SERVER_ENGINES else ()))
     if cfg is None and state is None and not report["kafka"]["topics"]:
         if report["kafka"]["error"]:
             raise UserError(f"run {run} not found in {runs_dir} and Kafka did not tell: {report['kafka']['error']}")

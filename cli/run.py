@@ -66,6 +66,15 @@ def check_backends(cfg: Any, devices: bool = True) -> None:
     check_judges(cfg)  # last: it may load a judge's tokenizer (seconds)
 
 
+def check_servers(cfg: Any) -> None:
+    """A server engine's ``rollout.server_urls`` answer (:func:`rollout.factory.check_servers`):
+    checked by ``run`` and ``resume`` before anything starts, not by ``service`` (a rollout worker
+    retries a server that is down for ``rollout.server_down_s``)."""
+    from rollout.factory import check_servers as check
+
+    check(cfg)
+
+
 def check_devices(cfg: Any) -> None:
     """``rollout.device`` / ``train.device`` exist on this machine (:func:`schemas.devices.placement`);
     so does ``judge.device`` when a domain has a judge."""
@@ -187,9 +196,9 @@ def bootstrap_for_run(cfg: Any) -> str:
         if cfg.kafka.security_protocol == "PLAINTEXT" and not stack.kafka_reachable(explicit, timeout_s=10):
             raise UserError(f"no Kafka broker answers at {explicit}")
         return str(explicit)
-    local = stack.local_kafka(home())
-    if local is not None and stack.kafka_reachable(local.bootstrap, timeout_s=5):
-        return local.bootstrap
+    local = stack.local_bootstrap(home())  # the local broker, or the nodes of `stack up --brokers N`
+    if local is not None and stack.kafka_reachable(local, timeout_s=5):
+        return local
     with console.status("starting the local Kafka broker...") as status:
         stack.ensure_kafka_jars(progress=lambda m: status.update(m))
         proc, _ = stack.start_local_kafka(home(), progress=lambda m: status.update(m))
@@ -238,6 +247,8 @@ def run_cmd(
     cfg = read_config(config, set_)
     check_launcher(cfg, launcher, address, prepare_only)
     check_backends(cfg)
+    if not prepare_only:  # a prepared run's servers may come later, with its services
+        check_servers(cfg)
     cfg = with_store(cfg)
     rid = check_run_id(run_id) if run_id else supervisor.new_run_id(cfg)
     if dry_run:
@@ -290,6 +301,7 @@ def resume_cmd(
         cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, runs_dir=str(runs_dir)))
     check_launcher(cfg, launcher, address, False)
     check_backends(cfg)
+    check_servers(cfg)
     cfg = with_store(cfg)
     progress = (state or {}).get("progress") or {}
     console.print(f"resuming run {run} ({now} at step {progress.get('step', 0)}/{cfg.train.steps})")

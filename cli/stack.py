@@ -84,20 +84,40 @@ def stack_up(
         help="--sasl-ssl: file whose first line is the user's password (default: $ROLLSTREAM_SASL_PASSWORD, "
              "else a generated one in <home>/kafka/sasl.password). Read at the home's first start only.",
     ),
+    brokers: int = typer.Option(
+        1, "--brokers",
+        help="Brokers of the local Kafka: 1, or a local KRaft cluster of N broker+controller JVMs on this machine "
+             "(their quorum: the N controllers; at most 512 MiB of heap each). With 3 or more, a run's topics get "
+             "3 replicas and min.insync.replicas 2. PLAINTEXT, free ports chosen at the first start and kept.",
+    ),
 ) -> None:
-    """Start the local Kafka broker (unless --bootstrap points at a reachable one) and prepare the store."""
+    """Start the local Kafka broker, or a local cluster (--brokers N), unless --bootstrap points at a reachable one; prepare the store."""
     from infra.kafka import broker as stack
     from runtime.probe import find_bootstrap
 
     explicit = find_bootstrap(opt("bootstrap"))  # the rule's steps before the local broker (no config here)
+    if brokers != 1 and (sasl_ssl or port):
+        raise UserError(f"--brokers {brokers} starts a PLAINTEXT cluster on ports of its own; leave out "
+                        f"{'--sasl-ssl' if sasl_ssl else '--port'}")
     if explicit:
-        if sasl_ssl:
+        if sasl_ssl or brokers != 1:
+            raise UserError(f"{'--sasl-ssl' if sasl_ssl else '--brokers'} starts a local broker; leave out "
+                            "--bootstrap / ROLLSTREAM_BOOTSTRAP")
             raise UserError("--sasl-ssl starts a local broker; leave out --bootstrap / ROLLSTREAM_BOOTSTRAP")
         found = _probe(explicit, 10)
         if not found.ok:
             raise UserError(found.detail if found.fatal else
                             f"no Kafka broker answers at {explicit} (from --bootstrap / ROLLSTREAM_BOOTSTRAP)")
         out.print(f"kafka: using {explicit}")
+    elif brokers != 1:
+        from infra.kafka import cluster as kc
+
+        with console.status(f"starting a local Kafka cluster of {brokers} brokers...") as status:
+            cl, launched = kc.start_cluster(home(), brokers, progress=lambda m: status.update(m))
+        word = f"started (brokers {', '.join(map(str, launched))})" if launched else "already running"
+        out.print(f"kafka: a cluster of {brokers} brokers {word} at {cl.bootstrap}")
+        for line in kc.describe(cl):
+            out.print(f"  {line}", markup=False, highlight=False)
     else:
         from infra.kafka.local_security import SaslSslOptions
 
@@ -120,11 +140,18 @@ def stack_up(
 @stack_app.command("down")
 @friendly
 def stack_down() -> None:
-    """Stop the local Kafka broker started by `stack up` (data and logs are kept)."""
+    """Stop the local Kafka broker, or every broker of the local cluster, started by `stack up` (data and logs are kept)."""
     from infra.kafka import broker as stack
+    from infra.kafka.cluster import stop_cluster
 
     stopped = stack.stop_local_kafka(home())
-    out.print("kafka: stopped" if stopped else "kafka: no local broker was running")
+    nodes = stop_cluster(home())
+    if nodes:
+        out.print(f"kafka: stopped brokers {', '.join(map(str, nodes))} of the local cluster")
+    elif stopped:
+        out.print("kafka: stopped")
+    else:
+        out.print("kafka: no local broker was running")
 
 
 @stack_app.command("status")
@@ -140,6 +167,14 @@ def stack_status() -> None:
     local = stack.local_kafka(home())
     kind = f" ({local.security_protocol})" if local is not None and local.bootstrap == bootstrap else ""
     out.print(f"kafka: {bootstrap or 'none (run `rollstream stack up`)'}{kind} — {state}")
+    from infra.kafka.cluster import local_cluster
+
+    cluster = local_cluster(home())
+    if cluster is not None and local is None:  # each broker of the local cluster
+        for node in cluster.nodes:
+            up = node.process is not None and _probe(node.bootstrap, 3).ok
+            out.print(f"  broker {node.node_id}: {node.bootstrap} "
+                      + (f"pid {node.process.pid} — {'up' if up else 'DOWN'}" if node.process else "— stopped"))
     try:
         store_ok, desc = _store_check(opt("store"))
     except Exception as e:

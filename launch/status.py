@@ -14,7 +14,7 @@ samples scored after its last step, never trained), which is normal, and the tab
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from launch.healing import service_of
 from launch.runinfo import RunInfo, probe_run
 from launch.runs import resume_command
 from launch.state import pid_alive, read_state
+from rollout.factory import servers_down
 from runtime.probe import NO_BROKER
 from schemas.config import KafkaSettings
 from schemas.errors import one_line
@@ -65,13 +66,14 @@ def ago(ts: float | None, now: float) -> float | None:
 
 def stall_text(*, idle_s: float, stall_after_s: float, any_weights: bool, lags: dict[str, int | None],
                feeder_idle_s: float | None, tasks_issued: int, services: dict[str, dict[str, Any]],
-               draining: str = "", drain_age_s: float | None = None) -> str | None:
+               draining: str = "", drain_age_s: float | None = None,
+               servers_down: dict[str, str] | None = None) -> str | None:
     """One line naming a stall (``None``: the run is not stalled): no training step (no new
     weights version) for ``idle_s`` >= ``stall_after_s`` seconds (before the first weights
     version, the trainer's warm-up, ``WARM_UP_FACTOR`` times as long), then what each stage
     shows: the lag of the rollout, reward and trainer groups (and of the env and judge workers' when
-    ``lags`` has ``env`` / ``judge``), how long the feeder has issued nothing, the services not running, and a drain
-    under way."""
+    ``lags`` has ``env`` / ``judge``), how long the feeder has issued nothing, the services not running, a drain
+    under way, and the generation servers that do not answer (``servers_down``: URL -> why)."""
     if idle_s < stall_after_s * (1 if any_weights else WARM_UP_FACTOR):
         return None
     parts = [f"no training step for {idle_s:.0f} s" if any_weights
@@ -87,6 +89,9 @@ def stall_text(*, idle_s: float, stall_after_s: float, any_weights: bool, lags: 
             for label, s in services.items() if s.get("state") not in ("running", "exited", "stopped", "unknown", None)]
     if down:
         parts.append("; ".join(down))
+    if servers_down:
+        parts.append("; ".join(f"generation server {url} not answering ({why}; rollout.server_urls)"
+                               for url, why in servers_down.items()))
     if draining:
         parts.append(f"draining ({draining})" + (f" for {drain_age_s:.0f} s" if drain_age_s is not None else ""))
     return "; ".join(parts)
@@ -113,8 +118,10 @@ def phase_of(state: dict[str, Any] | None, sup_alive: bool, info: RunInfo | None
 
 
 async def gather(run_id: str, run_dir: Path, *, bootstrap: str | None, kafka: KafkaSettings,
-                 steps: int | None, stall_after_s: float, timeout_s: float = 20.0) -> dict[str, Any]:
-    """The status of ``run_id`` as a JSON-able dict (what ``--format json`` prints)."""
+                 steps: int | None, stall_after_s: float, timeout_s: float = 20.0,
+                 server_urls: Sequence[str] = ()) -> dict[str, Any]:
+    """The status of ``run_id`` as a JSON-able dict (what ``--format json`` prints); a stall of a
+    run with ``server_urls`` (a server engine's) names those that do not answer."""
     now = time.time()
     state = read_state(run_dir)
     sup_pid = int((state or {}).get("supervisor_pid") or 0)
@@ -173,6 +180,7 @@ async def gather(run_id: str, run_dir: Path, *, bootstrap: str | None, kafka: Ka
         "services": services,
         "kafka": {"bootstrap": bootstrap, "topics": info is not None, "error": kafka_error},
         "stall": None,
+        "servers_down": {},
         "resume": None,
     }
     # a run that ended before it finished (Ctrl-C, a failed service, its supervisor killed) resumes
@@ -181,11 +189,13 @@ async def gather(run_id: str, run_dir: Path, *, bootstrap: str | None, kafka: Ka
             and not (run_dir / "summary.json").exists()):
         report["resume"] = resume_command(run_id, run_dir.parent)
     if info is not None and phase in ("running", "draining", "starting", "abandoned") and idle is not None:
+        down = await servers_down(server_urls) if server_urls else {}
+        report["servers_down"] = down
         report["stall"] = stall_text(
             idle_s=idle, stall_after_s=stall_after_s, any_weights=w is not None,
             lags={s: info.lag(s) for s in lag_services(services)}, feeder_idle_s=ago(info.last_task_ts, now),
             tasks_issued=info.tasks_issued, services=services, draining=report["draining"],
-            drain_age_s=ago(drain.ts, now) if drain else None)
+            drain_age_s=ago(drain.ts, now) if drain else None, servers_down=down)
     return report
 
 

@@ -63,6 +63,7 @@ from launch.runinfo import RunInfo, probe_run
 from launch.state import write_state
 from launch.status import WARM_UP_FACTOR, lag_services, stall_text
 from launch.threads import torch_threads
+from rollout.factory import SERVER_ENGINES, servers_down
 from runtime.bus import Consumer, Producer
 from schemas import events as ev
 from schemas.config import RunConfig
@@ -181,6 +182,8 @@ class Supervisor:
         self._state_at = 0.0
         self._stall_info: RunInfo | None = None
         self._stall_probe: asyncio.Task[RunInfo | None] | None = None
+        self._servers_probe: asyncio.Task[dict[str, str]] | None = None
+        self._servers_down: dict[str, str] = {}  # generation servers not answering, at the last probe
         self._wall_drained = False
         self._stall_probe_at = 0.0
 
@@ -371,13 +374,21 @@ class Supervisor:
         if self._stall_probe is None and time.monotonic() - self._stall_probe_at > STALL_PROBE_EVERY_S:
             self._stall_probe_at = time.monotonic()
             self._stall_probe = asyncio.create_task(probe_run(self.cfg.kafka, self.bootstrap, self.run_id))
+            r = self.cfg.rollout
+            if r.engine in SERVER_ENGINES:
+                self._servers_probe = asyncio.create_task(servers_down(r.server_urls))
+        down = self._servers_probe
+        if down is not None and down.done():
+            self._servers_down = {} if down.cancelled() or down.exception() else down.result()
+            self._servers_probe = None
         info, now = self._stall_info, time.time()
         services = {s.label: s.as_dict() for s in self.slots}
         text = stall_text(
             idle_s=idle, stall_after_s=limit, any_weights=self.progress.policy_version >= 0,
             lags={s: info.lag(s) if info else None for s in lag_services(services)},
             feeder_idle_s=(now - info.last_task_ts) if info and info.last_task_ts else None,
-            tasks_issued=info.tasks_issued if info else 0, services=services, draining=self.progress.draining)
+            tasks_issued=info.tasks_issued if info else 0, services=services, draining=self.progress.draining,
+            servers_down=self._servers_down)
         if info is None:
             text = (text or "").split("; ", 1)[0] + " (asking the broker what each stage does...)"
         return f"stalled: {text}"
@@ -414,8 +425,9 @@ class Supervisor:
                 if time.monotonic() - self._state_at > STATE_EVERY_S:
                     self.write_state()
         finally:
-            if self._stall_probe is not None:
-                self._stall_probe.cancel()
+            for task in (self._stall_probe, self._servers_probe):
+                if task is not None:
+                    task.cancel()
             await producer.stop()
             await consumer.stop()
 

@@ -8,13 +8,17 @@
 A value that cannot run (a server engine without ``rollout.server_urls``, a URL that is not
 ``http(s)://host:port``, ``server_urls`` with the torch engine, ...) is refused by
 :func:`check_engine` with one line naming the key, the value and what to use instead; the CLI
-calls it before anything starts, and :func:`make_engine` calls it again.
+calls it before anything starts, and :func:`make_engine` calls it again. :func:`check_servers`
+(``rollstream run`` / ``resume``, before anything starts) refuses a server URL where nothing answers;
+:func:`servers_down` names the ones that stopped answering (a stall in ``rollstream status``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -85,6 +89,47 @@ def check_engine(cfg: RunConfig) -> None:
                           "truncated logprobs (processed) or untempered ones (raw), not the tempered untruncated "
                           "behaviour logprobs the trainer recomputes; use rollout.top_p=1 with vllm, or "
                           "rollout.engine=server or torch")
+
+
+SERVER_PROBE_S = 3.0
+"""How long a generation server's port may take to accept a connection before it counts as down, seconds."""
+
+
+async def _server_down(url: str, timeout_s: float) -> str | None:
+    """Why nothing answers at ``url`` (a TCP connection to its host and port), or None when something does."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(parts.hostname, port), timeout_s)
+    except TimeoutError:
+        return f"no answer within {timeout_s:g} s"
+    except ConnectionRefusedError:
+        return "connection refused"
+    except OSError as e:  # an unknown host, an unreachable network...
+        return str(e.strerror or e or type(e).__name__)
+    writer.close()
+    return None
+
+
+async def servers_down(urls: Sequence[str], timeout_s: float = SERVER_PROBE_S) -> dict[str, str]:
+    """The URLs of ``urls`` where nothing accepts a connection within ``timeout_s``, with why (tried at once)."""
+    why = await asyncio.gather(*(_server_down(u, timeout_s) for u in urls))
+    return {u: w for u, w in zip(urls, why, strict=True) if w is not None}
+
+
+def check_servers(cfg: RunConfig, timeout_s: float = SERVER_PROBE_S) -> None:
+    """Raise :class:`ConfigError` naming the first URL of ``rollout.server_urls`` where nothing
+    answers (a server engine only): a run would otherwise start and wait ``rollout.server_down_s``
+    per sample. Later outages are retried by the client (``rollout.server_down_s``)."""
+    r = cfg.rollout
+    if r.engine not in SERVER_ENGINES or not r.server_urls:
+        return
+    down = asyncio.run(servers_down([check_url(u) for u in r.server_urls], timeout_s))
+    if down:
+        url, why = next(iter(down.items()))
+        serve = "rollstream serve MODEL_DIR --port PORT" if r.engine == "server" else "vllm serve MODEL_DIR --port PORT"
+        raise ConfigError(f"config: rollout.server_urls has {url!r} but no generation server answers there ({why}); "
+                          f"start it (`{serve}`) or fix the URL")
 
 
 def worker_index(label: str | None = None) -> int:

@@ -54,8 +54,8 @@ class TopicAdmin(AsyncClient):
     """Creates and inspects the per-run topics of :data:`schemas.topics.TOPICS`.
 
     ``replication_factor=None`` uses ``min(3, number of brokers)``. Topics get the registry's
-    partitions and cleanup policy, and ``max.message.bytes`` large enough for
-    :data:`DEFAULT_MAX_MESSAGE_BYTES` messages.
+    partitions and cleanup policy, ``max.message.bytes`` large enough for
+    :data:`DEFAULT_MAX_MESSAGE_BYTES` messages, and ``min.insync.replicas=2`` with 3 replicas.
     """
 
     def __init__(
@@ -95,10 +95,14 @@ class TopicAdmin(AsyncClient):
             self._stopped = True
             await self._raw.close()
 
-    def topic_configs(self, spec: TopicSpec) -> dict[str, str]:
-        """Configs a run topic is created with: the registry's plus ``max.message.bytes``."""
+    def topic_configs(self, spec: TopicSpec, replication_factor: int = 1) -> dict[str, str]:
+        """Configs a run topic is created with: the registry's plus ``max.message.bytes``; with 3
+        or more replicas ``min.insync.replicas=2`` (a write is on two brokers before it is
+        acknowledged, and one broker may be down)."""
         cfg = dict(spec.configs())
         cfg["max.message.bytes"] = str(self.max_message_bytes + TOPIC_MESSAGE_HEADROOM_BYTES)
+        if replication_factor >= 3:
+            cfg["min.insync.replicas"] = "2"
         return cfg
 
     async def _timeout(self, coro: Awaitable[Any], what: str) -> Any:
@@ -120,7 +124,7 @@ class TopicAdmin(AsyncClient):
             cluster = await self._timeout(self.raw.describe_cluster(), "describe_cluster")
             rf = max(1, min(3, len(cluster.get("brokers") or [1])))
         new = [
-            NewTopic(spec.topic(run_id), spec.partitions, rf, topic_configs=self.topic_configs(spec))
+            NewTopic(spec.topic(run_id), spec.partitions, rf, topic_configs=self.topic_configs(spec, rf))
             for spec in TOPICS.values()
         ]
         resp = await self._timeout(self.raw.create_topics(new), "create_topics")

@@ -327,8 +327,10 @@ class Consumer(_Client[AIOKafkaConsumer]):
             fetch_max_wait_ms=fetch_max_wait_ms,
         )
         if metadata_max_age_ms is None:
-            # a pattern subscription discovers new topics (new runs) on metadata refresh
-            metadata_max_age_ms = 5_000 if pattern else 300_000
+            # a pattern subscription discovers new topics (new runs) on metadata refresh; otherwise
+            # 30 s: aiokafka retries an offset reset against a partition's old leader (a broker
+            # frozen, then back) until the next refresh, and only then learns the new leader
+            metadata_max_age_ms = 5_000 if pattern else 30_000
         self._kwargs["metadata_max_age_ms"] = metadata_max_age_ms
         self._decoders: dict[str, msgspec.msgpack.Decoder[Any]] = {}
 

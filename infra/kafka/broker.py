@@ -27,10 +27,10 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from infra.kafka.home import (
     HOME_ENV,
@@ -45,6 +45,7 @@ from infra.kafka.home import (
     kafka_log_path,
     log_error,
     new_cluster_id,
+    node_homes,
     norm_home,
     port_free,
     previous_ports,
@@ -305,6 +306,10 @@ def start_local_kafka(
     kdir.mkdir(parents=True, exist_ok=True)
     (home / "logs").mkdir(parents=True, exist_ok=True)
     with file_lock(kdir / ".lock", 120.0, f"the local Kafka in {home}"):
+        nodes = cluster_nodes(home)
+        if nodes:
+            raise StackError(f"the local Kafka cluster of {home} runs ({len(nodes)} brokers); stop it "
+                             "(`rollstream stack down`) before starting a single broker")
         running = local_kafka(home)
         if running is not None:
             want = "PLAINTEXT" if sasl_ssl is None else f"SASL_SSL ({sasl_ssl.mechanism} user {sasl_ssl.user!r})"
@@ -362,50 +367,12 @@ def start_local_kafka(
         if sasl is not None and scram:
             ls.record_scram(home, sasl)
 
-        log_path = kafka_log_path(home)
-        if log_path.exists():
-            os.replace(log_path, log_path.with_name("kafka.log.1"))
         bootstrap = f"{HOST}:{port}"
         if progress:
-            progress(f"starting Kafka {KAFKA_VERSION} on {bootstrap} (log: {log_path})")
-        cmd = [
-            java, *JVM_OPTS, *_log4j_opts(), f"-Dkafka.logs.dir={home / 'logs'}",
-            "-cp", f"{libs}/*", "kafka.Kafka", str(props_path(home)),
-        ]  # fmt: skip
-        started_at = time.time()
-        with log_path.open("ab") as out:
-            child = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                cwd=kdir, start_new_session=True, close_fds=True,
-            )  # fmt: skip
-        _CHILDREN[child.pid] = child
-        try:
-            while True:
-                rc = child.poll()
-                if rc is not None:
-                    _CHILDREN.pop(child.pid, None)
-                    raise StackError(
-                        f"local Kafka exited during startup (exit code {rc}): "
-                        f"{exit_reason(log_path)}; full log: {log_path}"
-                    )
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    _terminate(child.pid, 10.0)
-                    raise StackError(
-                        f"local Kafka did not answer on {bootstrap} within {timeout_s:.0f} s and was stopped; "
-                        f"{log_error(log_path) or 'no error in the log'}; full log: {log_path}"
-                    )
-                found = probe_kafka(bootstrap, min(2.0, remaining), security)
-                if found.ok:
-                    break
-                if found.fatal:
-                    raise StackError(f"the local Kafka on {bootstrap} refuses its own SASL_SSL setup: {found.detail} "
-                                     f"(SCRAM users are made at the first start; a fresh --home starts over)")
-                time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
-        except BaseException:
-            if _pid_alive(child.pid):
-                _terminate(child.pid, 10.0)
-            raise
+            progress(f"starting Kafka {KAFKA_VERSION} on {bootstrap} (log: {kafka_log_path(home)})")
+        child, started_at = launch_jvm(home, java, libs)
+        log_path = kafka_log_path(home)
+        await_ready(child, bootstrap, log_path, deadline, timeout_s, security)
         proc = KafkaProcess(
             bootstrap=bootstrap,
             pid=child.pid,
@@ -422,6 +389,61 @@ def start_local_kafka(
         if progress:
             progress(f"Kafka {KAFKA_VERSION} is up on {bootstrap} ({proc.security_protocol}, pid {child.pid})")
         return proc, True
+
+
+def launch_jvm(home: Path, java: str, libs: Path, jvm_opts: tuple[str, ...] = JVM_OPTS) -> tuple[subprocess.Popen[bytes], float]:
+    """Launch the broker JVM of ``home`` (its server.properties, formatted storage) detached in its
+    own session, stdout+stderr to ``<home>/logs/kafka.log`` (the previous log kept as
+    ``kafka.log.1``); returns the child and the Unix time of the launch."""
+    log_path = kafka_log_path(home)
+    if log_path.exists():
+        os.replace(log_path, log_path.with_name("kafka.log.1"))
+    cmd = [
+        java, *jvm_opts, *_log4j_opts(), f"-Dkafka.logs.dir={home / 'logs'}",
+        "-cp", f"{libs}/*", "kafka.Kafka", str(props_path(home)),
+    ]  # fmt: skip
+    started_at = time.time()
+    with log_path.open("ab") as out:
+        child = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cwd=kafka_dir(home), start_new_session=True, close_fds=True,
+        )  # fmt: skip
+    _CHILDREN[child.pid] = child
+    return child, started_at
+
+
+def await_ready(child: subprocess.Popen[bytes], bootstrap: str, log_path: Path, deadline: float, timeout_s: float,
+                security: Mapping[str, Any] | None = None) -> None:
+    """Wait until a metadata request to ``bootstrap`` lists a broker. If the JVM exits, does not
+    answer by ``deadline`` or the wait is interrupted, it is stopped and a :class:`StackError`
+    names its log (``log_path``) and the log's last error line."""
+    try:
+        while True:
+            rc = child.poll()
+            if rc is not None:
+                _CHILDREN.pop(child.pid, None)
+                raise StackError(
+                    f"local Kafka exited during startup (exit code {rc}): "
+                    f"{exit_reason(log_path)}; full log: {log_path}"
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                _terminate(child.pid, 10.0)
+                raise StackError(
+                    f"local Kafka did not answer on {bootstrap} within {timeout_s:.0f} s and was stopped; "
+                    f"{log_error(log_path) or 'no error in the log'}; full log: {log_path}"
+                )
+            found = probe_kafka(bootstrap, min(2.0, remaining), security)
+            if found.ok:
+                return
+            if found.fatal:
+                raise StackError(f"the local Kafka on {bootstrap} refuses its own SASL_SSL setup: {found.detail} "
+                                 f"(SCRAM users are made at the first start; a fresh --home starts over)")
+            time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+    except BaseException:
+        if _pid_alive(child.pid):
+            _terminate(child.pid, 10.0)
+        raise
 
 
 def stop_local_kafka(home: Path, timeout_s: float = 30) -> bool:
@@ -468,7 +490,17 @@ def _unrecorded_brokers(home: Path) -> list[int]:
 
 
 def local_bootstrap(home: Path | None = None) -> str | None:
-    """The address of the local broker running in ``home`` (default :func:`home_dir`), else None:
-    the ``local`` argument of :func:`runtime.probe.find_bootstrap`."""
-    proc = local_kafka(home if home is not None else home_dir())
-    return proc.bootstrap if proc else None
+    """The address of the local broker running in ``home`` (default :func:`home_dir`), else of its
+    local cluster (:mod:`infra.kafka.cluster`: every running node), else None: the ``local``
+    argument of :func:`runtime.probe.find_bootstrap`."""
+    home = home if home is not None else home_dir()
+    proc = local_kafka(home)
+    if proc is not None:
+        return proc.bootstrap
+    nodes = cluster_nodes(home)
+    return ",".join(n.bootstrap for n in nodes) if nodes else None
+
+
+def cluster_nodes(home: Path) -> list[KafkaProcess]:
+    """The running nodes of the local cluster of ``home`` (:mod:`infra.kafka.cluster`), by node id."""
+    return [p for p in map(local_kafka, node_homes(home)) if p is not None]

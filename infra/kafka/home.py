@@ -12,6 +12,9 @@ Layout of a home (``./.rollstream`` or ``$ROLLSTREAM_HOME``; see :mod:`infra.kaf
     <home>/kafka/data/             the Kafka log directory (topics survive restarts)
     <home>/logs/kafka.log          the broker's stdout+stderr (previous start: kafka.log.1)
     <home>/logs/kafka-format.log   output of the one-time storage format
+    <home>/cluster/                a local cluster (`stack up --brokers N`): cluster.json, and
+                                   node<i>/, each node's home laid out as above
+                                   (:mod:`infra.kafka.cluster`)
 
 Nothing happens at import time.
 """
@@ -33,6 +36,7 @@ __all__ = [
     "HOST",
     "KAFKA_VERSION",
     "StackError",
+    "cluster_dir",
     "exit_reason",
     "file_lock",
     "free_port",
@@ -41,6 +45,7 @@ __all__ = [
     "kafka_log_path",
     "log_error",
     "new_cluster_id",
+    "node_homes",
     "norm_home",
     "port_free",
     "previous_ports",
@@ -96,6 +101,17 @@ def props_path(home: Path) -> Path:
 def kafka_log_path(home: Path) -> Path:
     """``<home>/logs/kafka.log``: the broker's stdout+stderr."""
     return home / "logs" / "kafka.log"
+
+
+def cluster_dir(home: Path) -> Path:
+    """``<home>/cluster``: the local cluster's record and its nodes' homes."""
+    return norm_home(home) / "cluster"
+
+
+def node_homes(home: Path) -> list[Path]:
+    """The homes of the local cluster's nodes that exist (``<home>/cluster/node<i>``), by node id."""
+    found = [p for p in cluster_dir(home).glob("node*") if p.name[4:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[4:]))
 
 
 def norm_home(home: Path | str) -> Path:

@@ -54,6 +54,23 @@ def test_stack_status_and_unreachable_broker_is_fast(tmp_path: Path, bootstrap: 
     assert time.monotonic() - t0 < 30  # two commands, each well under 15 s
 
 
+def test_stack_status_and_down_of_a_stopped_cluster(tmp_path: Path) -> None:
+    """A local cluster recorded in the home (`stack up --brokers 3` ran once) whose brokers are all
+    stopped: `stack status` shows each of them, `stack down` has nothing to stop."""
+    from infra.kafka.cluster import _plan
+
+    home = tmp_path / "home"
+    ports = [n.port for n in _plan(home, 3).nodes]
+    env = {k: v for k, v in os.environ.items() if k != "ROLLSTREAM_BOOTSTRAP"}
+    env["ROLLSTREAM_HOME"] = str(home)
+    status = cli("stack", "status", env=env)
+    assert status.returncode == 1, status.stdout + status.stderr
+    for i, port in enumerate(ports, 1):
+        assert f"broker {i}: 127.0.0.1:{port} — stopped" in status.stdout, status.stdout
+    down = cli("stack", "down", env=env)
+    assert down.returncode == 0 and down.stdout.strip() == "kafka: no local broker was running", down.stdout
+
+
 def test_topics_list_and_describe(bootstrap: str, run_id: str) -> None:
     import asyncio
 

@@ -20,7 +20,7 @@ from tests.cli.test_cli import cli, one_error_line
 
 
 def make_run(bootstrap: str, run_id: str, runs: Path, events: list[tuple[str, ev.Event]],
-             state: dict[str, Any] | None = None) -> None:
+             state: dict[str, Any] | None = None, overrides: tuple[str, ...] = ()) -> None:
     """Topics, ``config.yaml`` and (optionally) ``supervisor.json`` of a run, with ``events``."""
 
     async def go() -> None:
@@ -31,7 +31,7 @@ def make_run(bootstrap: str, run_id: str, runs: Path, events: list[tuple[str, ev
                 await producer.send_and_wait(topic_name(run_id, name), event)
 
     asyncio.run(go())
-    write_run_config(parse_config("", [f"run.runs_dir={runs}", "train.steps=6", "run.stall_after_s=30"]),
+    write_run_config(parse_config("", [f"run.runs_dir={runs}", "train.steps=6", "run.stall_after_s=30", *overrides]),
                      runs / run_id)
     if state is not None:
         write_state(runs / run_id, state)
@@ -56,7 +56,7 @@ def test_status_of_a_running_run_with_a_dead_supervisor_and_a_stall(bootstrap: s
         "services": {"rollout": {"state": "running", "pid": 999_999_998, "restarts": 1, "last_exit_code": -9,
                                  "last_error": "ERROR boom"},
                      "trainer": {"state": "running", "pid": os.getpid(), "restarts": 0}},
-    })
+    }, overrides=("rollout.engine=server", "rollout.server_urls=['http://127.0.0.1:1']"))  # its server is gone
     res = cli("status", run_id, "--runs-dir", str(tmp_path), "--format", "json", env=env(bootstrap))
     assert res.returncode == 3, res.stderr  # ended before it finished: resumable
     report = json.loads(res.stdout)
@@ -69,12 +69,16 @@ def test_status_of_a_running_run_with_a_dead_supervisor_and_a_stall(bootstrap: s
     assert report["feeder"]["tasks_issued"] == 1 and report["feeder"]["last_issued_s_ago"] >= 299
     assert report["stall"].startswith("no training step for 3")  # 300 s and a bit
     assert "rollout lag ?, reward lag ?, scored lag ?; feeder has issued nothing for 3" in report["stall"]
+    assert report["servers_down"] == {"http://127.0.0.1:1": "connection refused"}
+    assert report["stall"].endswith("generation server http://127.0.0.1:1 not answering (connection refused; "
+                                    "rollout.server_urls)")
     table = cli("status", run_id, "--runs-dir", str(tmp_path), env=env(bootstrap))
     assert table.returncode == 3, table.stderr
     assert f"run {run_id}: abandoned (supervisor pid 999999999 gone)" in table.stdout
     assert f"interrupted before it finished: resume it with `rollstream resume {run_id} --runs-dir {tmp_path}`" \
         in table.stdout
     assert "stalled: no training step" in table.stdout and "ERROR boom" in table.stdout
+    assert "generation server http://127.0.0.1:1 not answering" in table.stdout
     assert "the supervisor is gone; still running: trainer" in table.stdout
 
 

@@ -6,7 +6,8 @@
   supervisor restarts it and the run completes; ``rollstream status`` and the record's
   ``service_events`` show that one restart;
 * the Kafka broker stopped for 20 s in the middle of the run (a broker of the test's own, never
-  the shared one) and started again: every service rides it out;
+  the shared one) and started again, or killed with ``kill -9`` and started again 10 s later:
+  every service rides it out;
 * a verifier that hangs or crashes on some samples: they are scored 0 with the reason, the run
   goes on.
 
@@ -21,6 +22,7 @@ import json
 import os
 import random
 import re
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -138,17 +140,38 @@ def own_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path,
         stack.stop_local_kafka(home)
 
 
-def broker_outage_run(runs: Path, home: Path, bootstrap: str, outage_s: float = 20.0) -> FaultResult:
-    """One run on the broker of ``home`` with that broker stopped for ``outage_s`` mid-run."""
+def kill_9_broker(home: Path) -> float:
+    """SIGKILL the local broker of ``home`` (no clean shutdown: its logs are recovered at the next
+    start) and wait until it is gone; the wall time of the kill."""
+    from infra.kafka import broker as stack
+
+    proc = stack.local_kafka(home)
+    assert proc is not None, f"no broker runs in {home}"
+    t = time.time()
+    os.kill(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    while stack.local_kafka(home) is not None:  # reaps it (a child of this process) and forgets it
+        assert time.monotonic() < deadline, f"broker pid {proc.pid} still alive after SIGKILL"
+        time.sleep(0.1)
+    return t
+
+
+def broker_outage_run(runs: Path, home: Path, bootstrap: str, outage_s: float = 20.0,
+                      kill: bool = False) -> FaultResult:
+    """One run on the broker of ``home`` with that broker stopped (SIGTERM, a clean shutdown; with
+    ``kill``: SIGKILL) for ``outage_s`` mid-run, then started again on the same port."""
     from infra.kafka import broker as stack
 
     env = {k: v for k, v in os.environ.items() if k != "ROLLSTREAM_BOOTSTRAP"}
-    run_id = f"e2e-outage-{uuid.uuid4().hex[:6]}"
+    run_id = f"e2e-{'kill9' if kill else 'outage'}-{uuid.uuid4().hex[:6]}"
     t0 = time.time()
     with Watch(bootstrap, run_id) as watch:
         run = RunProc(runs, run_id, OVERRIDES, env, bootstrap=bootstrap)
         watch.wait(lambda s: s.done_steps >= 1, 300, "1 step", run)
-        stack.stop_local_kafka(home)
+        if kill:
+            kill_9_broker(home)
+        else:
+            stack.stop_local_kafka(home)
         time.sleep(outage_s)
         proc, _ = stack.start_local_kafka(home)
         up_at = time.time()
@@ -166,6 +189,16 @@ def broker_outage_run(runs: Path, home: Path, bootstrap: str, outage_s: float = 
 def test_broker_down_for_20_s_mid_run(tmp_path: Path, own_broker: tuple[Path, str]) -> None:
     home, bootstrap = own_broker
     broker_outage_run(tmp_path / "runs", home, bootstrap)
+
+
+def test_kill_9_of_the_broker_mid_run(tmp_path: Path, own_broker: tuple[Path, str]) -> None:
+    """No clean shutdown: the broker recovers its logs and the transactions left open (aborted at
+    its restart or at their timeout), the services ride it out as a graceful stop."""
+    home, bootstrap = own_broker
+    res = broker_outage_run(tmp_path / "runs", home, bootstrap, outage_s=10.0, kill=True)
+    assert res.recovery_s is not None and res.invariants["trained"] > 0, res
+    print(f"kill -9 of the broker: recovery {res.recovery_s:.1f} s after its restart, wall {res.wall_s:.0f} s, "
+          f"{res.invariants['issued']} samples issued, 0 lost")
 
 
 # --------------------------------------------------------------------------- a verifier that hangs or crashes

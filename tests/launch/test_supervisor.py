@@ -283,6 +283,10 @@ def test_stall_text_says_what_it_sees() -> None:
                                       "reward": {"state": "running"}}})
     assert text == ("no training step for 130 s; rollout lag 60, reward lag ?, scored lag 3; "
                     "rollout restarting (2 restarts); draining (stopped by user) for 20 s")
+    assert stall_text(idle_s=130.0, feeder_idle_s=1.0, servers_down={"http://h:8000": "connection refused"},
+                      **base) == ("no training step for 130 s; rollout lag 0, reward lag 0, scored lag 0; "
+                                  "generation server http://h:8000 not answering (connection refused; "
+                                  "rollout.server_urls)")
     assert stall_text(idle_s=200.0, feeder_idle_s=None, **{**base, "any_weights": False}) is None  # warm-up
     assert "no weights published 600 s after the start" in str(
         stall_text(idle_s=600.0, feeder_idle_s=None, **{**base, "any_weights": False}))

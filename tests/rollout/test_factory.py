@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rollout.engine import TorchEngine
-from rollout.factory import check_engine, make_engine, worker_index
+from rollout.factory import check_engine, check_servers, make_engine, servers_down, worker_index
 from rollout.server_engine import ServerEngine
 from schemas.config import ConfigError, parse_config
 
@@ -78,3 +78,24 @@ def test_make_engine_passes_rollout_cuda_graphs_to_the_torch_engine(model_dir: P
     assert on.cuda_graphs and not off.cuda_graphs
     with pytest.raises(ConfigError, match="cuda_graphs"):
         parse_config("", ["rollout.cuda_graphs=sometimes"])
+
+
+async def test_servers_down_names_the_urls_where_nothing_listens() -> None:
+    import asyncio
+
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        up = f"http://127.0.0.1:{port}"
+        assert await servers_down([up, "http://127.0.0.1:1"]) == {"http://127.0.0.1:1": "connection refused"}
+        assert await servers_down([up]) == {}
+
+
+def test_a_server_url_where_nothing_answers_is_refused_in_one_line() -> None:
+    cfg = parse_config("", ["rollout.engine=vllm", "rollout.server_urls=['http://127.0.0.1:1']"])
+    with pytest.raises(ConfigError) as err:
+        check_servers(cfg)
+    msg = str(err.value)
+    assert "\n" not in msg and "'http://127.0.0.1:1'" in msg and "connection refused" in msg, msg
+    assert "vllm serve MODEL_DIR" in msg, msg
+    check_servers(parse_config("", []))  # the torch engine has no server to ask
