@@ -36,8 +36,8 @@ from replay import (
     with_run_id,
 )
 from runtime.bus import Consumer, Record, TopicAdmin, TopicPartition
-from runtime.records import key_for
 from runtime.reading import read_to_end
+from runtime.records import key_for
 from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import TOPICS, spec_for_topic, split_value, topic_name
