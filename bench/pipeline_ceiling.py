@@ -373,8 +373,9 @@ def run_row(name: str, sets: list[str], args: argparse.Namespace, work: Path, en
 def base_sets(args: argparse.Namespace, work: Path) -> list[str]:
     """The main example as shipped, but: no supervised warm-up (there is no model to warm up), a run
     that trains until ``--seconds`` have passed (``run.max_wall_s``: then it drains) or ``--steps``,
-    this bench's runs directory, and ``--set``."""
-    return ["train.warmup_sft_steps=0", f"train.steps={args.steps or UNTIL_DRAINED}", f"run.max_wall_s={args.seconds}",
+    this bench's runs directory, versions through the disk (there are no weights to hand over in
+    memory: :class:`NoTrainStrategy` writes a marker), and ``--set``."""
+    return ["train.warmup_sft_steps=0", "train.weights_handoff=disk", f"train.steps={args.steps or UNTIL_DRAINED}", f"run.max_wall_s={args.seconds}",
             f"run.runs_dir={work / 'runs'}", "run.seed=0", *args.sets]
 
 
