@@ -72,6 +72,9 @@ class TxnLoop:
         self.ahead: dict[TopicPartition, set[Entry]] = {}
         """Per partition, the records (and events of records partly done) at or after the committed
         offset whose outputs a committed transaction holds (the ahead list committed with the offset)."""
+        self.txn_lock = asyncio.Lock()
+        """One transaction at a time: the periodic commit and the revoke hook (the consumer's
+        rebalance task) would otherwise begin a second one on the same producer."""
         self.ahead_read: set[TopicPartition] = set()
         """Partitions whose committed ahead list was read since they were assigned. Not the keys of
         ``ahead``: a transaction that was already committing when its partition was revoked puts
@@ -239,7 +242,11 @@ class TxnLoop:
     async def _commit_txn_ready(self, only: set[TopicPartition] | None = None) -> None:
         """One transaction: the outputs of every finished record not committed yet, and per
         partition the offset one past its finished prefix with the ahead list of the finished
-        records after it (:mod:`runtime.offsets`)."""
+        records after it (:mod:`runtime.offsets`). Transactions never overlap (``txn_lock``)."""
+        async with self.txn_lock:
+            await self._commit_txn_locked(only)
+
+    async def _commit_txn_locked(self, only: set[TopicPartition] | None) -> None:
         keys, offsets, ahead = self._txn_plan(only)
         if not offsets:
             return

@@ -3,6 +3,8 @@ finished records the next transaction commits, and the offset and ahead list it 
 
 from __future__ import annotations
 
+import asyncio
+
 from runtime.bus import TopicPartition
 from runtime.offsets import AHEAD_MAX_CHARS, WHOLE, decode_ahead, encode_ahead
 from runtime.runner import Context, Delivery, Record, Runner, Service, ServiceSettings, Subscription
@@ -68,3 +70,26 @@ def test_events_of_a_batched_record_go_in_one_by_one() -> None:
     assert [(o, i) for _, o, i in keys] == [(0, 0), (1, 0), (1, 2), (2, 0), (2, 1), (2, 2)]
     assert offsets == {TP: (1, "rs-ahead1:0.0,0.2,1")}  # events 0 and 2 of record 1, all of record 2
     assert ahead == {TP: {(1, 0), (1, 2), (2, WHOLE)}}
+
+
+async def test_a_revoke_waits_for_the_transaction_in_flight_and_never_overlaps_it() -> None:
+    r = finished_loop([0, 1], last=3)
+    active, most, committed = 0, 0, []
+
+    async def transaction(outputs: list, offsets: dict) -> None:  # the producer: one transaction at a time
+        nonlocal active, most
+        active += 1
+        most = max(most, active)
+        await asyncio.sleep(0.05)
+        committed.append(dict(offsets))
+        active -= 1
+
+    r.io.transaction = transaction  # type: ignore[method-assign]
+    periodic = asyncio.ensure_future(r._commit_txn_ready())
+    await asyncio.sleep(0.01)  # the periodic transaction is in flight
+    r.offsets.done(TP, 2)
+    r.done[(TP, 2, 0)] = ([], None, None)  # finished meanwhile: the revoke commits it
+    await asyncio.gather(periodic, r.on_revoked({TP}))
+    assert most == 1  # before the lock: IN_TRANSACTION -> IN_TRANSACTION on the same producer
+    assert [c[TP][0] for c in committed] == [2, 3]  # each event once, in order
+    assert not r.done
