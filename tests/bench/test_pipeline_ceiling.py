@@ -110,7 +110,7 @@ def test_the_profile_is_split_by_service_call_site_and_mechanism() -> None:
         "recorder": {"chDB insert, rows (recorder's store)": 4}}
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_the_bench_runs_and_ends_with_its_ceiling_line(bootstrap: str) -> None:
     res = subprocess.run([sys.executable, str(ROOT / "bench" / "pipeline_ceiling.py"), "--bootstrap", bootstrap,
                           "--seconds", "40", "--no-profile"], capture_output=True, text=True, cwd=ROOT, timeout=600,

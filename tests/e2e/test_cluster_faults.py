@@ -6,9 +6,10 @@ temporary home, stopped at the end).
 * ``kill -9`` of the broker that leads most of ``generations``' partitions, while the reward
   router is mid-transaction (samples are flowing), started again 5 s later: the partitions get new
   leaders, the run completes with the invariants (nothing lost, trained twice or recorded twice,
-  every step once). This one runs in CI (not ``slow``).
+  every step once). This one runs in CI (``make test``).
 
-The other cluster faults of :data:`FAULTS` (``slow``; ``bench/reliability.py`` runs them all as
+The other cluster faults of :data:`FAULTS` (marker ``bench``: ``make test-bench``, not in ``make test``;
+``bench/reliability.py`` runs them all as
 scenarios ``cluster-<name>``): ``kill -9`` of the trainer group's coordinator, of the reward
 router's transaction coordinator, one broker frozen with SIGSTOP for 30 s (a gray failure), a
 rolling restart of the 3 brokers, the whole cluster killed and started again.
@@ -236,7 +237,7 @@ async def _topic_config(bootstrap: str, topic: str) -> dict[str, str]:
         return await admin.topic_config(topic)
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", [n for n in FAULTS if n != "leader"])
 def test_a_cluster_fault_mid_run(tmp_path: Path, cluster_home: Path, name: str) -> None:
