@@ -200,3 +200,12 @@ def test_the_contract_is_in_the_repository() -> None:
             if "DESIGN.md" in path.read_text(errors="replace") and path != Path(__file__):
                 cited.append(str(path.relative_to(ROOT)))
     assert not cited, cited
+
+
+def test_no_bench_script_shadows_a_package() -> None:
+    """A bench script runs with bench/ first on sys.path (and hands that path to the services it
+    starts), so ``bench/weights.py`` once hid the ``weights`` package from a whole run."""
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
+    scripts = {p.stem for p in (ROOT / "bench").glob("*.py")}
+    assert packages, "no packages found at the repository root"
+    assert not scripts & packages, f"bench scripts named like packages: {sorted(scripts & packages)}"

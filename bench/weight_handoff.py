@@ -1,6 +1,6 @@
 """The weight handoff: from a version's export to an engine generating with it, disk against memory.
 
-    python bench/weights.py [--models tiny,smollm2-shape,qwen2.5-0.5b-shape] [--reps 3]
+    python bench/weight_handoff.py [--models tiny,smollm2-shape,qwen2.5-0.5b-shape] [--reps 3]
                             [--device cpu|cuda] [--dtype auto|float32|bfloat16] [--out results.jsonl]
 
 For each model (``tiny``: the main example's shape; ``smollm2-shape`` and ``qwen2.5-0.5b-shape``:
