@@ -27,6 +27,17 @@ def new_event_id() -> str:
     return uuid.uuid4().hex
 
 
+def group_id_of(k: int) -> str:
+    """The id of the feeder's group number ``k`` (0, 1, ... in the order they are issued): ``g000042``."""
+    return f"g{k:06d}"
+
+
+def group_number(group_id: str) -> int | None:
+    """``k`` of a group id made by :func:`group_id_of`; ``None`` for any other id."""
+    digits = group_id[1:]
+    return int(digits) if group_id[:1] == "g" and digits.isascii() and digits.isdigit() else None
+
+
 def sample_id_of(group_id: str, index: int) -> str:
     """The id of sample ``index`` of group ``group_id``: ``<group_id>/<index>`` (the feeder names every
     sample of a group so, and the trainer recomputes the ids of a group's members from it)."""

@@ -89,6 +89,21 @@ def split_value(value: bytes | None) -> list[bytes] | None:
     return [bytes(r) for r in _RAW_LIST.decode(value)]
 
 
+def count_events(value: bytes | None) -> int:
+    """How many events a record's ``value`` carries, from the batched array's header alone (1 for a
+    single event, 0 for a tombstone)."""
+    if not value:
+        return 0
+    head = value[0]
+    if 0x90 <= head < 0xA0:
+        return head & 0x0F
+    if head == 0xDC:
+        return int.from_bytes(value[1:3], "big")
+    if head == 0xDD:
+        return int.from_bytes(value[1:5], "big")
+    return 1
+
+
 def decode_all(decoder: msgspec.msgpack.Decoder[Any], value: bytes) -> list[Any]:
     """Every event of a record's ``value``: one for a single event, each element of a batched one.
     The decoder's errors propagate."""

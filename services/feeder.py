@@ -105,8 +105,8 @@ class Feeder(BatchService):
             self.issued[event.sample_id] = event.group_id
             self.groups.add(event.group_id)
             self.members.setdefault(event.group_id, set()).add(event.index)
-            if event.group_id[:1] == "g" and event.group_id[1:].isdigit():
-                self.next_index = max(self.next_index, int(event.group_id[1:]) + 1)
+            if (k := ev.group_number(event.group_id)) is not None:
+                self.next_index = max(self.next_index, k + 1)
         elif isinstance(event, ev.SampleOutcome):
             self._close(event.sample_id)
             if event.status == "trained" and event.step >= 0:
@@ -145,7 +145,7 @@ class Feeder(BatchService):
         domains = self.cfg.data.domains
         i = rng.choices(range(len(domains)), weights=[d.ratio for d in domains])[0]
         problem = self.sources[i].sample(rng)
-        group_id = f"g{k:06d}"
+        group_id = ev.group_id_of(k)
         n, r = self.cfg.rollout.group_size, self.cfg.rollout.group_size_redundancy
         env = episode_spec(problem.reference) if envs.is_episodic(domains[i].source) else None
         return [
@@ -163,8 +163,8 @@ class Feeder(BatchService):
         n = self.group_width
         out: list[ev.RolloutTask] = []
         for gid, have in sorted(self.members.items()):
-            if len(have) < n and gid[:1] == "g" and gid[1:].isdigit():
-                out += [t for t in self.group_tasks(int(gid[1:])) if t.index not in have]
+            if len(have) < n and (k := ev.group_number(gid)) is not None:
+                out += [t for t in self.group_tasks(k) if t.index not in have]
         return out
 
     def can_issue(self, pending: int = 0) -> bool:
