@@ -6,7 +6,8 @@ through a Kafka outage (:mod:`runtime.outage`):
 * :meth:`KafkaIO.poll` / :meth:`KafkaIO.keepalive` — records, or a poll that keeps a busy
   instance in its group;
 * :meth:`KafkaIO.send_outputs` — outputs sent and acknowledged, again through a new producer
-  when the broker no longer accepts the old one (:meth:`KafkaIO.renew_producer`);
+  when the broker no longer accepts the old one (:meth:`KafkaIO.renew_producer`); a failed one
+  already on its topic (its acknowledgement lost) is not sent again (:meth:`KafkaIO._landed`);
 * :meth:`KafkaIO.send_together` — the outputs of handler calls that finish at the same moment,
   sent as one :meth:`KafkaIO.send_outputs`;
 * :meth:`KafkaIO.commit` — consumed offsets (a commit refused by a rebalance is logged);
@@ -292,7 +293,9 @@ class KafkaIO:
         while the broker is away (waited for, not sent again: that could duplicate it); outputs
         that failed are sent again (0.5 s doubling to 5 s apart); a producer whose state the broker
         no longer accepts after a restart (out-of-order sequence, unknown producer id) is replaced
-        and what it had not delivered goes through the new one. Raises :class:`BusError` with one
+        and what it had not delivered goes through the new one. A failed output may be on its topic
+        all the same (written, its acknowledgement lost): it is looked for there first and not sent
+        again when found (:meth:`_landed`). Raises :class:`BusError` with one
         line when that has gone on for ``kafka.outage_timeout_s``, or at once when Kafka refuses
         the outputs for another reason."""
         if not outs:
