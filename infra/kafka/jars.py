@@ -184,9 +184,9 @@ def ensure_kafka_jars(progress: Callable[[str], None] | None = None, lock: Path 
             with count:
                 done[0] += 1
                 done[1] += jar.size_bytes
-            if progress:
-                progress(f"fetching Kafka {KAFKA_VERSION} jars from {repo}: {done[0]}/{len(jars)} "
-                         f"({done[1] / 1e6:.1f} of {total_mb:.1f} MB) into {root} (once)")
+                if progress:
+                    progress(f"fetching Kafka {KAFKA_VERSION} jars from {repo}: {done[0]}/{len(jars)} "
+                             f"({done[1] / 1e6:.1f} of {total_mb:.1f} MB) into {root} (once)")
 
         try:
             with ThreadPoolExecutor(4) as pool:

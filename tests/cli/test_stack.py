@@ -45,3 +45,16 @@ def test_stack_up_with_no_java_no_maven_and_an_empty_cache(tmp_path: Path) -> No
         assert Path(f"/proc/{pid}/exe").resolve() == java.resolve()
     finally:
         subprocess.run([py, "-m", "cli", "stack", "down"], env=env, capture_output=True, timeout=60, cwd=tmp_path)
+
+
+def test_bundle_and_up_from_refuse_bad_directories_in_one_line(tmp_path: Path) -> None:
+    env = _env(tmp_path)
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("x")
+    for args, needle in ((["stack", "bundle", str(full), "--no-wheels"], "is not an empty directory"),
+                         (["stack", "up", "--from", str(tmp_path / "nowhere")], "is not a bundle")):
+        res = subprocess.run([sys.executable, "-m", "cli", *args], env=env, capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path)
+        lines = (res.stdout + res.stderr).strip().splitlines()
+        assert res.returncode != 0 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], lines
