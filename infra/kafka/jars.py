@@ -93,6 +93,7 @@ def read_lock(path: Path = LOCK) -> list[LockedJar]:
 
 
 def lock_digest(path: Path = LOCK) -> str:
+    """SHA-256 of a file (the lock, the pom)."""
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -111,7 +112,8 @@ def read_marker(libs: Path) -> dict[str, object] | None:
 
 
 def write_marker(libs: Path, jars: int, source: str, lock: Path = LOCK) -> None:
-    marker = {"kafka_version": KAFKA_VERSION, "lock_sha256": lock_digest(lock), "jars": jars, "source": source}
+    marker = {"kafka_version": KAFKA_VERSION, "lock_sha256": lock_digest(lock), "jars": jars, "source": source,
+              **({"pom_sha256": lock_digest(_POM)} if _POM.is_file() else {})}  # earlier rollstreams read it
     (libs / _MARKER).write_text(json.dumps(marker))
 
 
@@ -161,8 +163,13 @@ def ensure_kafka_jars(progress: Callable[[str], None] | None = None, lock: Path 
 
     def ready() -> bool:
         marker = read_marker(libs) or {}
-        return marker.get("kafka_version") == KAFKA_VERSION and (
-            not lock.is_file() or marker.get("lock_sha256") == lock_digest(lock))  # fmt: skip
+        if marker.get("kafka_version") != KAFKA_VERSION:
+            return False
+        if not lock.is_file() or marker.get("lock_sha256") == lock_digest(lock):
+            return True
+        # A cache that Maven filled from the pom this lock was made from (earlier rollstream): kept.
+        return (_POM.is_file() and marker.get("pom_sha256") == lock_digest(_POM)
+                and {j.file_name for j in read_lock(lock)} <= {p.name for p in libs.glob("*.jar")})
 
     if ready():
         return libs

@@ -90,3 +90,19 @@ def test_the_real_lock_holds_the_broker_and_slf4j_2() -> None:
     assert {"log4j-core", "log4j-slf4j2-impl", "scala-library"} <= set(locked)
     url = locked["kafka_2.13"].url(jars.MAVEN_CENTRAL)
     assert url == f"https://repo1.maven.org/maven2/org/apache/kafka/kafka_2.13/{KAFKA_VERSION}/kafka_2.13-{KAFKA_VERSION}.jar"
+
+
+def test_a_cache_maven_filled_from_the_same_pom_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    _, lock = _repo(tmp_path, {"a": b"alpha", "b": b"beta"})
+    monkeypatch.setenv(jars.REPO_ENV, (tmp_path / "nowhere").as_uri())
+    libs = jars.jar_cache_dir()
+    libs.mkdir(parents=True)
+    (libs / "a-1.0.jar").write_bytes(b"alpha")
+    pom = jars.lock_digest(jars.INFRA_DIR / "pom.xml")
+    (libs / ".rollstream-complete").write_text(json.dumps({"kafka_version": KAFKA_VERSION, "pom_sha256": pom}))
+    with pytest.raises(StackError, match="nowhere/org/example/"):  # b is missing: downloaded (and fails here)
+        jars.ensure_kafka_jars(lock=lock)
+    (libs / "b-1.0.jar").write_bytes(b"beta")
+    assert jars.ensure_kafka_jars(lock=lock) == libs  # complete: kept as Maven left it
