@@ -73,7 +73,7 @@ def trim_jar(src: Path, dest: Path) -> None:
 
 
 def _tar_into(src: Path, sink: IO[bytes]) -> None:
-    with tarfile.open(fileobj=sink, mode="w") as tar:
+    with tarfile.open(fileobj=sink, mode="w|") as tar:
         for path in sorted(src.rglob("*")):
             tar.add(path, arcname=str(path.relative_to(src)), recursive=False)
 
