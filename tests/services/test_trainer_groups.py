@@ -96,7 +96,7 @@ def test_assemble_drops_stale_samples_and_filters_small_groups_with_reasons() ->
     fresh = group("f", [1, 0, 1, 0], version=5)
     mixed = [scored("m", 0, 1, 3, 4), scored("m", 1, 0, 4, 4), scored("m", 2, 1, 5, 4), scored("m", 3, 0, 5, 4)]
     lone = [scored("l", 0, 1, 1, 4), scored("l", 1, 0, 1, 4), scored("l", 2, 1, 1, 4), scored("l", 3, 0, 5, 4)]
-    batch, rejected = assemble([fresh, mixed, lone], version=5, max_staleness=1)
+    batch, rejected, _ = assemble([fresh, mixed, lone], version=5, max_staleness=1)
     assert ids(batch) == ["f/0", "f/1", "f/2", "f/3", "m/1", "m/2", "m/3"]
     by_id = {r.sample.generation.task.sample_id: (r.status, r.reason) for r in rejected}
     assert by_id["m/0"] == ("dropped_stale", "stale: gap 2 > 1")
@@ -107,19 +107,19 @@ def test_assemble_drops_stale_samples_and_filters_small_groups_with_reasons() ->
 
 
 def test_assemble_keeps_an_on_policy_batch_whole() -> None:
-    batch, rejected = assemble([group("g", [1, 0, 1, 0], version=7)], version=7, max_staleness=0)
-    assert len(batch) == 4 and rejected == []
+    batch, rejected, baselines = assemble([group("g", [1, 0, 1, 0], version=7)], version=7, max_staleness=0)
+    assert len(batch) == 4 and rejected == [] and baselines == []
 
 
 def test_assemble_applies_the_dynamic_filter_and_names_dead_members() -> None:
     algo = AlgorithmConfig(dynamic_filter="all_equal")
-    batch, rejected = assemble([group("a", [1, 1, 1, 1]), group("b", [1, 0, 0, 1])], version=0, max_staleness=0,
+    batch, rejected, _ = assemble([group("a", [1, 1, 1, 1]), group("b", [1, 0, 0, 1])], version=0, max_staleness=0,
                                algo=algo)
     assert {s.generation.task.group_id for s in batch} == {"b"} and len(batch) == 4
     assert {(r.sample.generation.task.group_id, r.status) for r in rejected} == {("a", "filtered")}
     assert all("all 4 rewards equal" in r.reason for r in rejected)
     # a group that lost 3 of 4 members to dead letters is filtered, and the reason says why
-    _, rejected = assemble([group("d", [1], size=4)], version=0, max_staleness=0, dead={"d": 3})
+    _, rejected, _ = assemble([group("d", [1], size=4)], version=0, max_staleness=0, dead={"d": 3})
     assert [(r.status, r.reason) for r in rejected] == [
         ("filtered", "group too small: 1 member(s) left (3 dead-lettered), a group baseline needs 2")]
 
@@ -160,7 +160,7 @@ def test_every_decision_is_one_outcome_and_marks_the_sample_decided() -> None:
     assert all("all 4 rewards equal" in o.reason and o.trained_version == 3 for o in filtered)
     assert buf.filter_complete() == [] and buf.kept == {"mixed"}  # a kept group is not checked again
     assert buf.next_batch(8) is None and buf.next_batch(4) == ["mixed"]
-    batch, rejected = buf.assemble(["mixed"], max_staleness=1)
+    batch, baselines, rejected = buf.assemble(["mixed"], max_staleness=1)
     assert ids(batch) == ["mixed/1", "mixed/2", "mixed/3"]
     assert [(o.sample_id, o.status, o.reason, o.policy_version) for o in rejected] == [
         ("mixed/0", "dropped_stale", "stale: gap 2 > 1", 1)]
