@@ -112,10 +112,12 @@ class RunConfig(Section):
     @property
     def max_inflight(self) -> int:
         """Samples the feeder keeps outstanding: ``batch_size × (1 + async_ratio) × (1 +
-        oversample_ratio)``, times ``(group_size + group_size_redundancy) / group_size``."""
+        oversample_ratio)``, times ``(group_size + group_size_redundancy + b) / group_size`` (``b = 1``
+        with ``remax``: its greedy baseline task)."""
         n, r = self.rollout.group_size, self.rollout.group_size_redundancy
+        b = int(self.algorithm.adv_estimator == "remax")
         return int(self.train.batch_size * (1 + self.rollout.async_ratio) * (1 + self.algorithm.oversample_ratio)
-                   * (n + r) / n)
+                   * (n + r + b) / n)
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
