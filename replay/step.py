@@ -100,8 +100,8 @@ def replay_train_step(cfg: RunConfig, run_id: str, step: int, *, dsn: str = "", 
     """Recompute step ``step`` of run ``run_id`` (see the module doc)."""
     from launch.prepare import model_dir_of
     from launch.supervisor import run_dir_of, store_dsn_of
-    from services.trainer.groups import baseline_ids
     from services.trainer import Trainer, TrainerSettings
+    from services.trainer.groups import baseline_ids
 
     run_dir = run_dir_of(cfg, run_id)
     say = progress or (lambda msg: None)

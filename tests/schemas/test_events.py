@@ -191,3 +191,14 @@ def test_weights_memory_copy_added_after_v9_defaults_to_none_in_old_payloads() -
     new = dec.decode((FIXTURES / "v10" / "WeightsPublished.msgpack").read_bytes())
     assert isinstance(new, ev.WeightsPublished) and new.uri == "/tmp/w/v4" and new.memory_host == "node-a"
     assert new.memory.endswith("-v00004-e5f6a7b8") and new.memory_checksum == "cd" * 32
+
+
+def test_task_baseline_index_added_after_v10_defaults_to_none_in_old_payloads() -> None:
+    """RolloutTask.baseline_index (ReMax's greedy baseline task): a v10 task's group has none, a v11
+    one names it (one past the group's samples); only the task with that index is the baseline."""
+    dec = msgspec.msgpack.Decoder(TOPICS["tasks"].event_type)
+    old = dec.decode((FIXTURES / "v10" / "RolloutTask.msgpack").read_bytes())
+    assert isinstance(old, ev.RolloutTask) and old.baseline_index == -1 and not old.is_baseline
+    new = dec.decode((FIXTURES / "v11" / "RolloutTask.msgpack").read_bytes())
+    assert isinstance(new, ev.RolloutTask) and new.baseline_index == 5 and not new.is_baseline
+    assert msgspec.structs.replace(new, index=5).is_baseline
