@@ -40,7 +40,6 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -117,9 +116,13 @@ def restarts(run: RunProc, service: str) -> int:
 
 
 def strike(run: RunProc, watch: Watch, home: Path, bootstrap: str, faults: list[str], rng: random.Random,
-           timeout_s: float) -> Strike:
+           timeout_s: float, say: Callable[[str], None] = print) -> Strike:
     """Inject ``faults`` at once (a broker fault in a thread, the service kills during it) and wait
-    for the recovery: each killed service restarted, then a training step created after the fault."""
+    for the recovery: each killed service restarted, then a training step created after the fault.
+    A broker the fault's restart gave up on (not answering within 120 s) is started once more,
+    with 300 s, and the recovery counts from then."""
+    from infra.kafka import cluster as kc
+    from infra.kafka.home import StackError
     broker = [n for n in faults if n not in SERVICES]
     services = [n for n in faults if n in SERVICES]
     before = {s: restarts(run, s) for s in services}
@@ -133,6 +136,13 @@ def strike(run: RunProc, watch: Watch, home: Path, bootstrap: str, faults: list[
         def go() -> None:
             try:
                 times.append(fault(home, bootstrap, run.run_id))
+            except StackError as e:  # a broker not back within 120 s on a loaded machine: start it again
+                say(f"         {broker[0]}: {str(e).splitlines()[0][:160]}; starting the stopped brokers again")
+                try:
+                    kc.start_cluster(home, 3, timeout_s=300)
+                    times.append(time.time())
+                except BaseException as again:  # reported as the strike's error
+                    errors.append(again)
             except BaseException as e:  # reported as the strike's error
                 errors.append(e)
 
@@ -198,7 +208,7 @@ def soak(runs: Path, home: Path, *, minutes: float | None, faults: int | None, i
                 names = draw(rng, pool, pair_p)
                 if faults is not None:
                     names = names[: faults - out.injected]
-                s = strike(run, watch, home, bootstrap, names, rng, recovery_timeout_s)
+                s = strike(run, watch, home, bootstrap, names, rng, recovery_timeout_s, say)
                 out.strikes.append(s)
                 rec = "—" if s.recovery_s is None else f"{s.recovery_s:.1f} s"
                 say(f"{time.time() - t0:7.0f} s  fault {out.injected:3d}: {' + '.join(names):28s} recovery {rec}  "
