@@ -258,11 +258,12 @@ def test_kill_9_of_the_generations_leader_mid_transaction(tmp_path: Path, cluste
 # --------------------------------------------------------------------------- the chaos soak, short
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(300)
 def test_a_3_fault_chaos_soak(tmp_path: Path, cluster_home: Path) -> None:
     """``bench/chaos.py``'s soak cut to 3 faults close together (here, to share this module's
-    cluster): seed 8 draws the ``generations`` leader killed with the recorder killed during it,
-    then the reward router killed; each recovered before the next, the invariants at the end."""
+    cluster), the quick ones (a broker fault's restart of a JVM is the test above): seed 1 draws
+    the feeder and the recorder killed at once, then the reward router; each recovered before the
+    next, the invariants at the end."""
     import importlib.util
     import sys
 
@@ -271,10 +272,10 @@ def test_a_3_fault_chaos_soak(tmp_path: Path, cluster_home: Path) -> None:
     chaos = sys.modules["bench_chaos"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
     spec.loader.exec_module(chaos)
     res = chaos.soak(tmp_path / "runs", cluster_home, minutes=None, faults=3, interval_s=0.5,
-                     pool=["feeder", "reward", "recorder", "leader"], pair_p=0.5, seed=8, first_after_steps=1,
-                     recovery_timeout_s=180)
+                     pool=["feeder", "reward", "recorder"], pair_p=0.5, seed=1, first_after_steps=1,
+                     recovery_timeout_s=120)
     print(chaos.summary(res))
-    assert [s.faults for s in res.strikes] == [["leader", "recorder"], ["reward"]], res.strikes
+    assert [s.faults for s in res.strikes] == [["feeder", "recorder"], ["reward"]], res.strikes
     assert res.error is None and (res.injected, res.survived) == (3, 3), res
     inv = res.invariants
     assert inv["trained"] > 0 and inv["steps_distinct"] > 1, inv
