@@ -150,6 +150,9 @@ def strike(run: RunProc, watch: Watch, home: Path, bootstrap: str, faults: list[
         thread.start()
         time.sleep(rng.uniform(0.5, 3.0))  # a service killed while the brokers are at fault
     for s in services:
+        deadline = time.monotonic() + 60
+        while not run.service_pids(s) and time.monotonic() < deadline:  # being restarted already
+            time.sleep(0.2)
         killed[s] = len(run.service_pids(s))
         times.append(run.kill_service(s))
     if thread is not None:
