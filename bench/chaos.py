@@ -125,7 +125,7 @@ def strike(run: RunProc, watch: Watch, home: Path, bootstrap: str, faults: list[
     from infra.kafka.home import StackError
     broker = [n for n in faults if n not in SERVICES]
     services = [n for n in faults if n in SERVICES]
-    before = {s: restarts(run, s) for s in services}
+    before: dict[str, int] = {}
     killed: dict[str, int] = {}
     times: list[float] = []
     errors: list[BaseException] = []
@@ -153,7 +153,7 @@ def strike(run: RunProc, watch: Watch, home: Path, bootstrap: str, faults: list[
         deadline = time.monotonic() + 60
         while not run.service_pids(s) and time.monotonic() < deadline:  # being restarted already
             time.sleep(0.2)
-        killed[s] = len(run.service_pids(s))
+        before[s], killed[s] = restarts(run, s), len(run.service_pids(s))
         times.append(run.kill_service(s))
     if thread is not None:
         thread.join(timeout=timeout_s)
