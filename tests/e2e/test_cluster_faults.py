@@ -265,3 +265,30 @@ def test_kill_9_of_the_generations_leader_mid_transaction(tmp_path: Path, cluste
     assert res.recovery_s is not None and res.invariants["trained"] > 0, res
     print(f"kill -9 of the generations leader: recovery {res.recovery_s:.1f} s, wall {res.wall_s:.0f} s, "
           f"{res.invariants['issued']} samples issued, 0 lost")
+
+
+# --------------------------------------------------------------------------- the chaos soak, short
+
+
+@pytest.mark.timeout(300)
+def test_a_3_fault_chaos_soak(tmp_path: Path, cluster_home: Path) -> None:
+    """``bench/chaos.py``'s soak cut to 3 faults close together (here, to share this module's
+    cluster), the quick ones (a broker fault's restart of a JVM is the test above): seed 1 draws
+    the feeder and the recorder killed at once, then the reward router; each recovered before the
+    next, the invariants at the end."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("bench_chaos", Path(__file__).resolve().parents[2] / "bench" / "chaos.py")
+    assert spec is not None and spec.loader is not None
+    chaos = sys.modules["bench_chaos"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+    spec.loader.exec_module(chaos)
+    res = chaos.soak(tmp_path / "runs", cluster_home, minutes=None, faults=3, interval_s=0.5,
+                     pool=["feeder", "reward", "recorder"], pair_p=0.5, seed=1, first_after_steps=1,
+                     recovery_timeout_s=120)
+    print(chaos.summary(res))
+    assert [s.faults for s in res.strikes] == [["feeder", "recorder"], ["reward"]], res.strikes
+    assert res.error is None and (res.injected, res.survived) == (3, 3), res
+    inv = res.invariants
+    assert inv["trained"] > 0 and inv["steps_distinct"] > 1, inv
+    assert (inv["lost"], inv["trained_twice"], inv["two_outcomes"], inv["duplicate_rows"]) == (0, 0, 0, 0), inv
