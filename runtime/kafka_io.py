@@ -26,7 +26,6 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from aiokafka.errors import CommitFailedError, KafkaConnectionError, KafkaError, ProducerFenced
-from aiokafka.partitioner import DefaultPartitioner
 
 from runtime.bus import (
     BusError,
@@ -42,6 +41,7 @@ from runtime.bus import (
 from runtime.deadletter import dead_letter_for
 from runtime.outage import Outage, Retry, is_outage, needs_new_producer, producer_dead
 from runtime.reading import ReadTimeout, read_to_end
+from runtime.records import KeyPartitioner
 from runtime.service import Counters, Output, derive_event_id
 from runtime.settings import ServiceSettings, resolve_topic
 from schemas.errors import one_line
@@ -79,6 +79,7 @@ class KafkaIO:
         self._renew_lock = asyncio.Lock()
         self._closing: set[asyncio.Task[Any]] = set()
         self._partitions: dict[str, list[int]] = {}
+        self._partitioner = KeyPartitioner()
         self._together: tuple[list[Output], list[str], asyncio.Future[None]] | None = None
         self.producer = self._new_producer()
         grace_ms = int(s.handling.shutdown_grace_s * 1000)
@@ -220,13 +221,21 @@ class KafkaIO:
             return outs, [[i] for i in range(len(outs))]
         groups: dict[tuple[str, int | None], list[int]] = {}
         alone: list[int] = []
+        known: dict[str, list[int] | None] = {}  # a topic's partitions, None: sent alone
         for i, o in enumerate(outs):
-            parsed = None if o.dead_letter else parse_topic(o.topic)
-            parts = await self._partitions_of(o.topic) if parsed and parsed[1] in BATCHED_TOPICS else None
+            if o.dead_letter:
+                alone.append(i)
+                continue
+            if o.topic in known:
+                parts = known[o.topic]
+            else:
+                parsed = parse_topic(o.topic)
+                batched = parsed is not None and parsed[1] in BATCHED_TOPICS
+                parts = known[o.topic] = await self._partitions_of(o.topic) if batched else None
             if parts is None:
                 alone.append(i)
                 continue
-            part = None if o.key is None else DefaultPartitioner()(o.key, parts, parts)
+            part = None if o.key is None else self._partitioner(o.key, parts, parts)
             groups.setdefault((o.topic, part), []).append(i)
         limit = self.producer.max_request_bytes - 64 * 1024  # room for the batch's own overhead
         records: list[Output] = [outs[i] for i in alone]

@@ -226,6 +226,8 @@ class RolloutWorker(Service):
         """Until the engine holds ``version`` or newer (``TimeoutError`` after ``weights_timeout_s``,
         except for version 0: see the setting)."""
         need = max(0, version)
+        if self.engine.policy_version >= need:  # the usual case: no lock, no timer, no task per sample
+            return
         async with self._version_changed:
             await asyncio.wait_for(
                 self._version_changed.wait_for(lambda: self.engine.policy_version >= need),
