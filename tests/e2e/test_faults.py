@@ -111,8 +111,9 @@ def kill_service_run(runs: Path, bootstrap: str, service: str, seed: int = 0, *s
 
 
 # the feeder's and the recorder's kills are `make test-bench` (CI time): CI's 3-fault chaos soak
-# (tests/e2e/test_cluster_faults.py) kills both at once
-@pytest.mark.parametrize("service", [pytest.param(s, marks=pytest.mark.bench) if s in ("feeder", "recorder") else s
+# (tests/e2e/test_cluster_faults.py) kills both at once; the reward service's too: CI's
+# test_kill_9_of_an_at_least_once_reward_router kills a reward process mid-run
+@pytest.mark.parametrize("service", [pytest.param(s, marks=pytest.mark.bench) if s in ("feeder", "recorder", "reward") else s
                                      for s in KILL_AT])
 def test_kill_9_of_a_service_mid_run(tmp_path: Path, bootstrap: str, service: str) -> None:
     kill_service_run(tmp_path / "runs", bootstrap, service)
