@@ -10,7 +10,9 @@ Data parallel, equal to the single-process full-batch step: every rank prepares 
 identically; the micro-batches that train anything are dealt round-robin (:func:`deal`), each
 loss scaled by its share of the whole batch times the world size (FSDP2 averages the reduced
 gradients); a rank with fewer runs a zero-weighted one so every rank takes part in the same
-collectives; metrics are merged over the ranks (:func:`merge_rank_metrics`). Parameters keep the
+collectives; metrics are merged over the ranks (:func:`merge_rank_metrics`). Token logprobs are
+chunked from the hidden states and micro-batches may be packed, as in the torch strategy
+(``train.logprob_chunk_tokens``, ``train.micro_batch_tokens``). Parameters keep the
 model's dtype (no mixed precision). The KL reference and a critic are replicated, not sharded;
 LoRA is refused by the config.
 
@@ -43,6 +45,7 @@ from transformers import AutoModelForCausalLM
 
 from schemas.config import RunConfig
 from trainer.batch import TrainSample
+from trainer.logprobs import last_hidden
 from trainer.strategy import EXTREME_METRICS, TorchStrategy, ValueModel, strategy_kwargs
 from weights import publish_dir, read_weights, weights_sha256
 
@@ -91,9 +94,15 @@ class FSDP2Strategy(TorchStrategy):
     """One rank of an FSDP2 data-parallel trainer (see the module doc). Needs
     ``torch.distributed`` initialised (world size = ``train.ranks``)."""
 
-    chunked_head = False
-    """Whole logits: the decoder and the output projection called apart would skip the root FSDP
-    unit's unsharding of the embedding, the final norm and the head."""
+    def _decode(self, model: torch.nn.Module, decoder: torch.nn.Module, **inputs: Any) -> torch.Tensor:
+        """The policy's last hidden states through its root FSDP unit's forward (with no logits:
+        :func:`trainer.logprobs.last_hidden`), which gathers the embedding, final norm and head and
+        keeps them gathered until its backward: the chunked head then reads the full head weight
+        and its gradient is reduce-scattered with the root unit's. The reference and a critic's
+        trunk are plain models."""
+        if model is not self.model:
+            return super()._decode(model, decoder, **inputs)
+        return last_hidden(model, decoder, **inputs)
 
     def __init__(self, cfg: RunConfig, model_dir: str | Path, *, device: str) -> None:
         if not dist.is_initialized():

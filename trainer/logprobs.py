@@ -1,12 +1,14 @@
 """Token logprobs: the one definition the strategy's losses and the supervised warm-up share (and
 that the rollout engine's behaviour logprobs match, :mod:`rollout.sampling`).
 
-* :func:`token_logprobs`: from whole logits ``(B, L, V)`` (the reference; the warm-up, the
-  strategies whose model only gives logits).
+* :func:`token_logprobs`: from whole logits ``(B, L, V)`` (the reference; the models whose
+  logits are not ``head(last hidden state)``, Megatron's ``GPTModel``).
 * :func:`head_logprobs`: the chosen tokens' logprobs and the entropy from the last hidden states
   and the output projection, in chunks of positions, without ever holding ``(B, L, V)``: the
   forward keeps one chunk's logits at a time and the backward recomputes them chunk by chunk
   (:class:`HeadLogprobs`). Same numbers up to float summation order.
+* :func:`causal_parts`: the decoder and the head of a model where that applies;
+  :func:`last_hidden`: the decoder's output from a call of the whole model (sharded models).
 """
 
 from __future__ import annotations
@@ -102,4 +104,122 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, positions: torch.
     """
     out: tuple[torch.Tensor, torch.Tensor] = HeadLogprobs.apply(
         hidden[positions], head.weight, head.bias, targets, temperature, chunk)
+    return out
+
+
+def causal_parts(model: Any) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    """The decoder (hidden states) and the output projection of an HF causal LM (a ``PeftModel``
+    too) whose logits are exactly ``head(last hidden state)``; ``None`` for any other model (no
+    such parts, logit soft-capping or scaling): its logprobs come from whole logits."""
+    hf: Any = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_decoder, get_head = getattr(hf, "get_decoder", None), getattr(hf, "get_output_embeddings", None)
+    if get_decoder is None or get_head is None:
+        return None
+    head, config = get_head(), getattr(hf, "config", None)
+    if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
+        return None
+    for key, neutral in (("final_logit_softcapping", None), ("logit_scale", None), ("logits_scaling", 1.0),
+                         ("output_multiplier_scale", None)):
+        if getattr(config, key, neutral) not in (neutral, None):
+            return None
+    decoder = get_decoder()
+    return (decoder, head) if isinstance(decoder, torch.nn.Module) and decoder is not hf else None
+
+
+def last_hidden(model: torch.nn.Module, decoder: torch.nn.Module, **inputs: Any) -> torch.Tensor:
+    """The last hidden states ``decoder`` gives inside a call of the whole ``model`` on ``inputs``
+    (``(b, l, H)``), no logits computed (``logits_to_keep`` = no position). Through the model's
+    own forward, so what wraps it runs too: FSDP2's root unit gathers the embedding, final norm
+    and head (and keeps them gathered until its backward), a ``PeftModel`` its adapters."""
+    box: list[torch.Tensor] = []
+    handle = decoder.register_forward_hook(lambda _m, _a, out: box.append(out.last_hidden_state))
+    try:
+        ids = inputs["input_ids"]
+        model(**inputs, logits_to_keep=torch.empty(0, dtype=torch.long, device=ids.device), use_cache=False)
+    finally:
+        handle.remove()
+    return box[-1]
+
+
+def _all_reduce(x: torch.Tensor, group: Any, op: Any = None) -> torch.Tensor:
+    """``x`` reduced over ``group`` in place (nothing without a group)."""
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(x, op=dist.ReduceOp.SUM if op is None else op, group=group)
+    return x
+
+
+class ShardedHeadLogprobs(torch.autograd.Function):
+    """:class:`HeadLogprobs` with the vocabulary split over the ranks of ``group`` (Megatron's
+    vocabulary-parallel output layer): this rank holds the head's rows ``offset .. offset + v``,
+    of which the first ``valid`` are real tokens (the rest pad the vocabulary to a multiple of the
+    ranks). hidden (M, H) the same on every rank, weight (v, H) -> lp (M,), entropy (M,) float32.
+
+    Per chunk the log-normaliser ``lse = log Σ_v e^{s_v}`` and ``Σ_v e^{s_v} s_v`` (the entropy
+    ``lse − Σ p s``) are summed over the ranks after a max over them; the backward recomputes this
+    rank's ``s``, takes ``p = e^{s − lse}`` with the saved ``lse`` and sums the hidden states'
+    gradient over the ranks (each rank's is its vocabulary slice's part)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                chunk: int, group: Any, offset: int, valid: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch.distributed as dist
+
+        m = hidden.shape[0]
+        lse = torch.empty(m, dtype=torch.float32, device=hidden.device)  # (M,)
+        lp = torch.empty(m, dtype=torch.float32, device=hidden.device)  # (M,)
+        ent = torch.empty(m, dtype=torch.float32, device=hidden.device)  # (M,)
+        w = weight[:valid]  # (v', H) the real tokens' rows
+        with torch.no_grad():
+            for s in range(0, m, chunk):
+                t = targets[s : s + chunk] - offset  # (c,) this rank's column of the target, if it has it
+                mine = (t >= 0) & (t < w.shape[0])  # (c,)
+                z = torch.nn.functional.linear(hidden[s : s + chunk], w).float() / temperature  # (c, v')
+                top = _all_reduce(z.max(-1).values if w.shape[0] else torch.full(t.shape, -torch.inf,
+                                  device=z.device), group, dist.ReduceOp.MAX)  # (c,)
+                e = torch.exp(z - top.unsqueeze(-1))  # (c, v')
+                zt = torch.where(mine, z.gather(-1, t.clamp(0, max(w.shape[0] - 1, 0)).unsqueeze(-1)).squeeze(-1)
+                                 if w.shape[0] else torch.zeros_like(top), 0.0)  # (c,)
+                sums = _all_reduce(torch.stack([e.sum(-1), (e * z).sum(-1), zt]), group)  # (3, c)
+                lse[s : s + chunk] = top + sums[0].log()
+                lp[s : s + chunk] = sums[2] - lse[s : s + chunk]
+                ent[s : s + chunk] = lse[s : s + chunk] - sums[1] / sums[0]
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        ctx.args = (temperature, chunk, group, offset, valid)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx: Any, g_lp: torch.Tensor, g_ent: torch.Tensor) -> tuple[Any, ...]:
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        temperature, chunk, group, offset, valid = ctx.args
+        w = weight[:valid]  # (v', H)
+        g_h = torch.empty_like(hidden)  # (M, H)
+        g_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # (v, H), 0 on padding rows
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s : s + chunk]  # (c, H)
+            t = targets[s : s + chunk] - offset  # (c,)
+            mine = (t >= 0) & (t < w.shape[0])  # (c,)
+            with torch.no_grad():
+                gl, ge = g_lp[s : s + chunk].unsqueeze(-1), g_ent[s : s + chunk].unsqueeze(-1)  # (c, 1)
+                logp = torch.nn.functional.linear(h, w).float() / temperature - lse[s : s + chunk, None]  # (c, v')
+                p = logp.exp()  # (c, v')
+                g = logp.add_(ent[s : s + chunk, None]).mul_(ge).add_(gl).mul_(p).neg_()  # (c, v'): −p (gl + ge (log p + H))
+                rows = torch.nonzero(mine).squeeze(-1)  # chunk rows whose target is this rank's
+                g[rows, t[rows]] += gl[rows, 0]  # + gl at the target
+                g_z = (g / temperature).to(weight.dtype)  # (c, v')
+                g_h[s : s + chunk] = g_z @ w  # (c, H) this slice's part
+                g_w[:valid] += (g_z.t() @ h).float()  # (v', H)
+        _all_reduce(g_h, group)  # the hidden states feed every rank's slice
+        return g_h, g_w.to(weight.dtype), None, None, None, None, None, None
+
+
+def sharded_head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
+                          temperature: float, chunk: int, group: Any, offset: int,
+                          valid: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`head_logprobs` for a vocabulary split over ``group`` (:class:`ShardedHeadLogprobs`):
+    hidden (N, H), weight (v, H) this rank's rows from ``offset`` (``valid`` of them real),
+    positions (M,), targets (M,) -> lp (M,), entropy (M,) float32, the same on every rank."""
+    out: tuple[torch.Tensor, torch.Tensor] = ShardedHeadLogprobs.apply(
+        hidden[positions], weight, targets, temperature, chunk, group, offset, valid)
     return out

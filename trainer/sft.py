@@ -4,7 +4,9 @@ Before RL the tiny model knows nothing; a short supervised stage on correct solu
 the answer format and some arithmetic, so sampled groups contain both right and wrong answers
 and GRPO gets a signal. The loss is the token mean of ``-log p(target)`` over the answer tokens
 only (prompt tokens are context, not targets), at temperature 1, with its own AdamW optimizer
-and a constant learning rate.
+and a constant learning rate. The logprobs come from the last hidden states ``chunk`` positions
+at a time (:func:`trainer.logprobs.head_logprobs`) where the model allows it, else from whole
+logits.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.batch import TokenBatch, TrainSample, collate
-from trainer.logprobs import token_logprobs
+from trainer.logprobs import causal_parts, head_logprobs, last_hidden, token_logprobs
 from trainer.losses import masked_mean
 
 
@@ -42,13 +44,23 @@ def sft_batch(examples: list[SFTExample], pad_id: int) -> TokenBatch:
     )
 
 
-def sft_loss(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
-    """Token-mean negative log-likelihood of the target tokens of ``batch``."""
+def sft_loss(model: torch.nn.Module, batch: TokenBatch, chunk: int = 1024) -> torch.Tensor:
+    """Token-mean negative log-likelihood of the target tokens of ``batch``: from the hidden
+    states, ``chunk`` positions' logits at a time, where :func:`trainer.logprobs.causal_parts`
+    finds a decoder and a head; from whole logits otherwise (or when ``chunk`` is 0)."""
     device = next(model.parameters()).device
-    ids = batch.input_ids.to(device)
-    logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(device)).logits  # (B, L, V)
-    nll = -token_logprobs(logits, ids)  # (B, L - 1)
-    return masked_mean(nll, batch.loss_mask.to(device))
+    ids, attn = batch.input_ids.to(device), batch.attention_mask.to(device)  # (B, L)
+    mask = batch.loss_mask.to(device)  # (B, L - 1)
+    parts = causal_parts(model) if chunk else None
+    if parts is None:
+        logits = model(input_ids=ids, attention_mask=attn).logits  # (B, L, V)
+        return masked_mean(-token_logprobs(logits, ids), mask)
+    hidden = last_hidden(model, parts[0], input_ids=ids, attention_mask=attn)  # (B, L, H)
+    rows, cols = torch.nonzero(mask > 0, as_tuple=True)  # (M,) each
+    lp_m, _ = head_logprobs(hidden.reshape(-1, hidden.shape[-1]), parts[1], rows * ids.shape[1] + cols,
+                            ids[rows, cols + 1], 1.0, chunk)  # (M,)
+    lp = torch.zeros(mask.shape, device=device).index_put((rows, cols), lp_m)  # (B, L - 1), 0 untrained
+    return masked_mean(-lp, mask)
 
 
 def sft_warmup(
@@ -59,18 +71,19 @@ def sft_warmup(
     pad_id: int,
     grad_clip: float = 1.0,
     weight_decay: float = 0.0,
+    chunk: int = 1024,
     on_step: Callable[[int, float], None] | None = None,
 ) -> list[float]:
     """Train ``model`` in place, one AdamW step per batch; return the loss of every step.
 
     ``on_step(step, loss)`` is called after each step (progress output). ``batches`` must be
-    finite: its length is the number of steps.
+    finite: its length is the number of steps. ``chunk``: positions per logits chunk (:func:`sft_loss`).
     """
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     losses = []
     for step, examples in enumerate(batches, start=1):
-        loss = sft_loss(model, sft_batch(examples, pad_id))
+        loss = sft_loss(model, sft_batch(examples, pad_id), chunk)
         loss.backward()
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)

@@ -44,7 +44,7 @@ from schemas.config import AlgorithmConfig, RunConfig, TrainConfig, resolve_dtyp
 from trainer import algorithm as alg
 from trainer import losses as L
 from trainer.batch import TokenBatch, TrainSample, collate, merge_rows, segment_layout, split_rows
-from trainer.logprobs import head_logprobs, token_logprobs
+from trainer.logprobs import causal_parts, head_logprobs, token_logprobs
 from trainer.losses import entropy_from_logits, masked_mean
 from trainer.sft import SFTExample, sft_warmup
 from weights import (
@@ -184,25 +184,6 @@ class _AdaptersDisabled(torch.nn.Module):
     def forward(self, **kwargs: Any) -> Any:
         with self.adapters_off():
             return self._policy[0](**kwargs)
-
-
-def causal_parts(model: Any) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
-    """The decoder (hidden states) and the output projection of an HF causal LM (a ``PeftModel``
-    too) whose logits are exactly ``head(last hidden state)``; ``None`` for any other model (no
-    such parts, logit soft-capping or scaling): its logprobs come from whole logits."""
-    hf: Any = model.get_base_model() if hasattr(model, "get_base_model") else model
-    get_decoder, get_head = getattr(hf, "get_decoder", None), getattr(hf, "get_output_embeddings", None)
-    if get_decoder is None or get_head is None:
-        return None
-    head, config = get_head(), getattr(hf, "config", None)
-    if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
-        return None
-    for key, neutral in (("final_logit_softcapping", None), ("logit_scale", None), ("logits_scaling", 1.0),
-                         ("output_multiplier_scale", None)):
-        if getattr(config, key, neutral) not in (neutral, None):
-            return None
-    decoder = get_decoder()
-    return (decoder, head) if isinstance(decoder, torch.nn.Module) and decoder is not hf else None
 
 
 def strategy_kwargs(cfg: RunConfig, device: str) -> dict[str, Any]:
@@ -440,7 +421,8 @@ class TorchStrategy:
         the policy is unchanged (up to float round-off) and RL starts with fresh adapters on the
         warmed-up base. Call it before RL: it would make the RL optimizer's adapter moments stale."""
         try:
-            losses = sft_warmup(self.model, batches, lr=lr, pad_id=self.pad_id, grad_clip=grad_clip)
+            losses = sft_warmup(self.model, batches, lr=lr, pad_id=self.pad_id, grad_clip=grad_clip,
+                                chunk=self.logprob_chunk_tokens if self.chunked_head else 0)
         finally:
             self.model.train()
         if self.lora:
@@ -473,9 +455,9 @@ class TorchStrategy:
 
     chunked_head = True
     """Compute token logprobs from hidden states in chunks (:meth:`_head_logprobs`) where the model
-    allows it (:func:`causal_parts`); a strategy whose model is sharded sets it off."""
+    allows it (:func:`causal_parts`); off: whole logits (tests compare the two paths)."""
 
-    def _parts(self, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    def _parts(self, model: torch.nn.Module) -> tuple[torch.nn.Module, Any] | None:
         if not self.chunked_head:
             return None
         return causal_parts(model.policy if isinstance(model, _AdaptersDisabled) else model)
@@ -490,18 +472,22 @@ class TorchStrategy:
         off = model.adapters_off() if isinstance(model, _AdaptersDisabled) else contextlib.nullcontext()
         with off:
             if not self.micro_batch_tokens:
-                h = decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state  # (b, l, H)
+                h = self._decode(model, decoder, input_ids=ids, attention_mask=attn)  # (b, l, H)
                 return h.reshape(b * width, -1), torch.arange(b * width, device=self.device).view(b, width)
             keep = attn.bool()  # (b, l) right-padded: row-major order is each sample in turn
             pos = (attn.cumsum(1) - 1)[keep]  # (N,) 0.. per sample
-            h = decoder(input_ids=ids[keep][None], position_ids=pos[None], attention_mask=None,
-                        use_cache=False).last_hidden_state[0]  # (N, H)
+            h = self._decode(model, decoder, input_ids=ids[keep][None], position_ids=pos[None],
+                             attention_mask=None)[0]  # (N, H)
         lens = attn.sum(1)  # (b,)
         starts = lens.cumsum(0) - lens  # (b,)
         index = (starts[:, None] + torch.arange(width, device=self.device)).clamp(max=h.shape[0] - 1)  # (b, l)
         return h, index
 
-    def _head_logprobs(self, parts: tuple[torch.nn.Module, torch.nn.Linear], model: torch.nn.Module,
+    def _decode(self, model: torch.nn.Module, decoder: torch.nn.Module, **inputs: Any) -> torch.Tensor:
+        """The last hidden states (b, l, H) of ``model``'s ``decoder`` on ``inputs``."""
+        return decoder(**inputs, use_cache=False).last_hidden_state  # type: ignore[no-any-return]
+
+    def _head_logprobs(self, parts: tuple[torch.nn.Module, Any], model: torch.nn.Module,
                        micro: TokenBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Token logprobs and entropies at the rollout temperature (b, l - 1) at the positions of
         ``micro.loss_mask > 0`` (0 elsewhere: those are never computed), from the hidden states in

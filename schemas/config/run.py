@@ -334,8 +334,9 @@ def trainer_layout(cfg: RunConfig) -> str | None:
     if t.micro_batch_tokens and t.micro_batch_size is not None:
         return (f"train.micro_batch_size={t.micro_batch_size} and train.micro_batch_tokens={t.micro_batch_tokens} "
                 "are both set: micro-batches are sized by one of them, remove the other")
-    if t.micro_batch_tokens and t.strategy != "torch":
-        return f"train.micro_batch_tokens={t.micro_batch_tokens} works with train.strategy='torch' only (use train.micro_batch_size)"
+    if t.micro_batch_tokens and t.strategy == "megatron":
+        return (f"train.micro_batch_tokens={t.micro_batch_tokens} does not work with train.strategy='megatron' "
+                "(its GPTModel takes padded rows): use train.micro_batch_size")
     return None
 
 

@@ -1,6 +1,8 @@
 """``train.strategy: fsdp2`` over 2 CPU processes (gloo) against the single-process torch strategy
 on the same batches: metrics and updated weights, the exported HF directory, warm-up, checkpoint
-resume, the KL reference and the critic."""
+resume, the KL reference and the critic, packed micro-batches (one rank). FSDP2 computes its token logprobs
+(and the warm-up's) in chunks from the hidden states; the torch strategy it is compared with takes
+the whole-logits path, padded: the same numbers up to float summation order."""
 
 from __future__ import annotations
 
@@ -29,13 +31,16 @@ BASE = ["train.strategy=fsdp2", "train.ranks=2", "train.lr=0.01", "train.micro_b
         "train.dist_timeout_s=60"]
 
 
-def pair(cfg: RunConfig, model_dir: Path) -> tuple[MultiRankStrategy, TorchStrategy]:
+def pair(cfg: RunConfig, model_dir: Path, whole: bool = True) -> tuple[MultiRankStrategy, TorchStrategy]:
+    """FSDP2 as ``cfg`` says, and the torch strategy on whole logits (``whole``), padded: with
+    ``micro_batch_tokens`` it groups the samples as FSDP2 does but pads each group (its packing
+    belongs to the chunked path)."""
     torch.manual_seed(0)
     multi = make_strategy(cfg, model_dir)
     assert isinstance(multi, MultiRankStrategy)
     torch.manual_seed(0)
     ref = TorchStrategy(model_dir, **strategy_kwargs(cfg, "cpu"))
-    ref.chunked_head = False  # fsdp2 computes whole logits: compare the sharding, not the logprob path
+    ref.chunked_head = not whole
     return multi, ref
 
 
@@ -130,7 +135,10 @@ def test_kl_reference_and_critic_match_the_torch_strategy(model_dir: Path, tmp_p
                                                           closing: list[MultiRankStrategy]) -> None:
     cfg = parse_config("", [*BASE, "algorithm.adv_estimator=gae", f"algorithm.critic={critic}",
                             "algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.5"])
-    multi, ref = pair(cfg, model_dir)
+    # both chunked: with a value head's and a KL term's gradients, an element of the tied embedding's
+    # gradient cancels to ~1e-8 (Adam's eps), where Adam's first step turns the whole-logits path's
+    # other rounding into a 0.2·lr difference that the second step's metrics show
+    multi, ref = pair(cfg, model_dir, whole=False)
     closing.append(multi)
     start, _ = ref.export_weights(tmp_path / "reference")
     multi.init_reference(start)
@@ -148,10 +156,15 @@ def test_kl_reference_and_critic_match_the_torch_strategy(model_dir: Path, tmp_p
                         terms)
 
 
-def test_one_rank_takes_the_same_path(model_dir: Path, closing: list[MultiRankStrategy]) -> None:
-    cfg = parse_config("", ["train.strategy=fsdp2", "train.ranks=1", "train.lr=0.01", "train.micro_batch_size=3"])
+@pytest.mark.parametrize("sizing", ["train.micro_batch_size=3", "train.micro_batch_tokens=24"])
+def test_one_rank_takes_the_same_path(model_dir: Path, closing: list[MultiRankStrategy], sizing: str) -> None:
+    """Also packed (``micro_batch_tokens``): the torch strategy pads the same groups of samples."""
+    cfg = parse_config("", ["train.strategy=fsdp2", "train.ranks=1", "train.lr=0.01", sizing])
     multi, ref = pair(cfg, model_dir)
     closing.append(multi)
     assert multi._procs == []  # rank 0 alone: no worker process
+    kept: list[int] = []  # positions the head module is called on: none, the logprobs are chunked apart
+    multi.local.model.lm_head.register_forward_hook(lambda _m, args, _o: kept.append(args[0].shape[-2]))
     samples = make_samples(7, seed=8)
     assert_metrics_match(multi.train_step(samples), ref.train_step(samples))
+    assert kept and set(kept) == {0}

@@ -1,17 +1,21 @@
 """Chunked head logprobs and entropy (:func:`trainer.logprobs.head_logprobs`) against the whole-logits
 path (:func:`trainer.logprobs.token_logprobs`, :func:`trainer.losses.entropy_from_logits`): values and
 gradients w.r.t. the hidden states, the head's weight and bias, over chunk sizes that do and do not
-divide the positions."""
+divide the positions; and the vocabulary-sharded twin (:func:`trainer.logprobs.sharded_head_logprobs`,
+Megatron's tensor parallelism) over 1 to 3 shards."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.floats import assert_close
-from trainer.logprobs import head_logprobs, token_logprobs
+from trainer.logprobs import head_logprobs, sharded_head_logprobs, token_logprobs
 from trainer.losses import entropy_from_logits
 
 B, L, H, V = 3, 9, 16, 40
@@ -97,3 +101,45 @@ def test_bf16_within_round_off(chunk: int) -> None:
     for a, b in zip(_grads(loss_c, hidden, head), _grads(loss_f, hidden, head), strict=True):
         # sums of up to B·L (weight) or V (hidden) bf16 products: a few ulps of the largest entry
         assert torch.allclose(a.float(), b.float(), atol=4 * bf * float(b.float().abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("tp,chunk", [(1, 4), (2, 5), (3, 64)])
+def test_vocabulary_sharded_equals_full_logits(tp: int, chunk: int) -> None:
+    """:func:`sharded_head_logprobs` on ``tp`` vocabulary shards (threads joined by a gloo group),
+    the vocabulary padded to a multiple of ``tp`` with rows of noise that must be ignored: every
+    rank's values and hidden-state gradient, and the shards' weight gradients put together, are
+    the whole-logits path's; the padding rows get none."""
+    hidden, head, ids, mask, gl, ge = _setup(3, bias=False)
+    temperature = 0.8
+    lp_f, ent_f, loss_f = _full(hidden, head, ids, mask, gl, ge, temperature)
+    g_h, g_w = _grads(loss_f, hidden, head)
+    v = -(-V // tp)  # rows per shard
+    padded = torch.cat([head.weight.detach(), torch.randn(v * tp - V, H) * 5])  # (v·tp, H)
+    rows, cols = torch.nonzero(mask > 0, as_tuple=True)
+    store, got = dist.HashStore(), {}
+
+    def rank(r: int) -> None:
+        group = dist.ProcessGroupGloo(store, r, tp) if tp > 1 else None
+        h = hidden.detach().clone().requires_grad_()
+        w = padded[r * v : (r + 1) * v].clone().requires_grad_()  # (v, H)
+        lp_m, ent_m = sharded_head_logprobs(h.reshape(-1, H), w, rows * L + cols, ids[rows, cols + 1], temperature,
+                                            chunk, group, r * v, max(0, min(v, V - r * v)))
+        lp, ent = torch.zeros(B, L - 1).index_put((rows, cols), lp_m), torch.zeros(B, L - 1).index_put((rows, cols), ent_m)
+        (mask * (gl * lp + ge * ent)).sum().backward()
+        got[r] = (lp.detach(), ent.detach(), h.grad, w.grad)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(got) == list(range(tp))
+    size = max(float(head(hidden).detach().abs().max() / temperature), 1.0)
+    m = mask > 0
+    for lp, ent, h_grad, _ in got.values():
+        assert_close(lp[m], lp_f[m].detach(), H + V, magnitude=size)
+        assert_close(ent[m], ent_f[m].detach(), H + V, magnitude=size)
+        assert_close(h_grad, g_h, B * L + H + V)  # the sum over the shards' parts
+    w_grad = torch.cat([got[r][3] for r in range(tp)])  # (v·tp, H)
+    assert_close(w_grad[:V], g_w, B * L + H + V)
+    assert bool((w_grad[V:] == 0).all())
