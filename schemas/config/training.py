@@ -144,17 +144,18 @@ class TrainConfig(Section):
     is right-padded to its longest sample (samples are sorted by length first)."""
     micro_batch_tokens: NonNegativeInt = 0
     """Size the micro-batches by tokens instead: each holds consecutive samples (shortest first) whose
-    ``prompt + response`` tokens add up to at most this many (a longer sample runs alone), and with
-    ``strategy: torch`` they are packed into one sequence without padding (position ids restart at
-    every sample, so attention stays within each sample). 0 = off (``micro_batch_size``). Only for
-    ``strategy: torch``."""
+    ``prompt + response`` tokens add up to at most this many (a longer sample runs alone), and
+    they are packed into one sequence without padding (position ids restart at every sample, so
+    attention stays within each sample). 0 = off (``micro_batch_size``). ``strategy: torch`` and
+    ``fsdp2`` (refused with ``megatron``)."""
     logprob_chunk_tokens: Annotated[int, Meta(ge=1, le=1 << 20)] = 1024
     """The token logprobs and entropies of the loss are computed from the last hidden states this
     many positions at a time (forward, and recomputed in backward): the whole-vocabulary logits of
     a micro-batch are never held at once, only ``logprob_chunk_tokens × vocabulary`` floats (fp32:
     200 MB for 1024 positions of a 49,152-token vocabulary). Larger: fewer, bigger matmuls.
-    ``strategy: torch`` with a plain Hugging Face causal LM; ``fsdp2``, ``megatron`` and the exact
-    KL loss (``algorithm.kl_loss_type: full``) still compute whole logits."""
+    Every strategy (``megatron``: per tensor-parallel rank over its vocabulary slice) and the
+    supervised warm-up, with a Hugging Face causal LM whose logits are ``head(last hidden
+    state)``; the exact KL loss (``algorithm.kl_loss_type: full``) still computes whole logits."""
     skip_zero_advantage: bool = True
     """Leave out of the forward/backward passes the samples whose advantage is 0 at every trained
     token (GRPO groups whose samples all got the same reward) when the loss is the policy loss

@@ -9,6 +9,8 @@ Scenarios, in one process group of world 2:
 * ``dp2``: TP=1, DP=2 (the strategy re-initialises megatron-core's groups), KL loss against a reference model
   (``tp2``'s exported step),
   recomputed old logprobs: one ``train_step``, export, then two supervised warm-up steps.
+
+Every logprob (the warm-up's too) is chunked: rank 0 counts the whole-logits calls (``gathered_logits``).
 """
 
 from __future__ import annotations
@@ -75,8 +77,11 @@ def run(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
                             timeout=timedelta(seconds=60))
     from megatron.core import parallel_state as ps
 
-    from trainer.megatron.strategy import MegatronStrategy
+    from trainer.megatron.strategy import CausalLMView, MegatronStrategy
 
+    gathered: list[int] = []  # whole-logits calls: none, the logprobs are chunked from the hidden states
+    whole = CausalLMView.forward
+    CausalLMView.forward = lambda view, *a, **k: (gathered.append(1), whole(view, *a, **k))[1]  # type: ignore[method-assign]
     out = Path(out_dir)
     batch = samples()
     try:
@@ -95,6 +100,7 @@ def run(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
         _save(out, "dp2_step1", d.train_step(batch))
         d.export_weights(out / "dp2_step1")
         _save(out, "dp2_warmup", d.warmup(sft_batches(), lr=1e-3, grad_clip=0.5))
+        _save(out, "gathered_logits", len(gathered))
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()

@@ -134,7 +134,7 @@ def _torch(model_dir: Path, algo: AlgorithmConfig) -> TorchStrategy:
     s = TorchStrategy(model_dir, lr=R.LR, grad_clip=R.GRAD_CLIP, micro_batch_size=R.MICRO, algo=algo,
                       temperature=cfg.rollout.temperature, max_len=cfg.rollout.max_new_tokens,
                       total_steps=cfg.train.steps)
-    s.chunked_head = False  # megatron's GPTModel gives whole logits: compare the parallelism, not the logprob path
+    s.chunked_head = False  # whole logits: megatron's chunked vocabulary-parallel logprobs are compared with them
     return s
 
 
@@ -201,6 +201,7 @@ def test_megatron_tp2_and_dp2_match_the_torch_strategy(model_dir: Path, tmp_path
     # then the supervised warm-up (2 steps: the second loss follows the first step)
     warm = dp.warmup(R.sft_batches(), lr=1e-3, grad_clip=0.5)
     assert json.loads((tmp_path / "dp2_warmup.json").read_text()) == pytest.approx(warm, abs=TOL)
+    assert json.loads((tmp_path / "gathered_logits.json").read_text()) == 0
 
 
 def test_megatron_under_the_multi_rank_driver(model_dir: Path, tmp_path: Path) -> None:

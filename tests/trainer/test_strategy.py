@@ -149,6 +149,27 @@ def test_sft_warmup_learns_a_fixed_set(model_dir: Path) -> None:
     assert losses[-1] < 0.5 * start
 
 
+def test_sft_loss_chunked_equals_whole_logits(model_dir: Path) -> None:
+    """The warm-up's loss from the hidden states in chunks of positions (that do and do not divide
+    the trained positions) against whole logits (``chunk=0``): value and every parameter's gradient."""
+    strategy = TorchStrategy(model_dir)
+    samples = make_samples(5, seed=11)
+    examples = [SFTExample(s.prompt_ids, s.response_ids) for s in samples]
+    batch = sft_batch(examples, strategy.pad_id)
+    named = dict(strategy.model.named_parameters())
+
+    def loss_and_grads(chunk: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss = sft_loss(strategy.model, batch, chunk)
+        return loss.detach(), dict(zip(named, torch.autograd.grad(loss, list(named.values())), strict=True))
+
+    want, g_want = loss_and_grads(0)
+    terms = gradient_terms(strategy.model.config, [len(s.prompt_ids) + len(s.response_ids) for s in samples])
+    for chunk in (1, 5, 1024):
+        got, g_got = loss_and_grads(chunk)
+        assert_close(got, want, hidden_size(strategy) + int(strategy.model.config.vocab_size))
+        assert_same_grads(g_got, g_want, terms)
+
+
 def test_strategy_warmup_trains_its_own_model_and_leaves_it_in_train_mode(model_dir: Path) -> None:
     strategy = TorchStrategy(model_dir)
     examples = [SFTExample([1, 5 + i], [20 + i, 2]) for i in range(4)]

@@ -12,6 +12,10 @@ the ``ranks / tensor_parallel`` replicas are data parallel. What differs from
   (:mod:`trainer.megatron.convert`) and loaded into a ``GPTModel`` (Transformer Engine layers on
   CUDA when importable, the local spec otherwise); :class:`CausalLMView` calls it like an HF causal
   LM with all-gathered logits, so every loss and metric is the torch strategy's own code.
+* **Token logprobs.** From the last hidden states and this rank's vocabulary rows, in chunks of
+  ``train.logprob_chunk_tokens`` positions, the log-normaliser summed over the TP group
+  (:func:`trainer.logprobs.sharded_head_logprobs`): neither whole nor gathered logits are held
+  (the exact KL loss, ``kl_loss_type: full``, still gathers them). The warm-up too.
 * **Step.** DP replica ``d`` runs micro-batches ``d, d + DP, ...`` with the torch strategy's
   shares; gradients are summed over the DP group, the clipping norm counts each TP-replicated
   parameter once, and ``torch.optim.AdamW`` steps every shard.
@@ -43,7 +47,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from schemas.config import ConfigError, RunConfig, resolve_dtype
-from trainer.batch import TrainSample
+from trainer.batch import TokenBatch, TrainSample
+from trainer.logprobs import sharded_head_logprobs
+from trainer.losses import masked_mean
 from trainer.megatron import EXTRA_HINT, check_megatron
 from trainer.megatron.convert import (
     ModelShape,
@@ -80,6 +86,15 @@ class CausalLMView(torch.nn.Module):
         self.gpt = gpt
         self.vocab_size = vocab_size
 
+    def _inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """``GPTModel``'s position ids (b, l) and causal mask (1, 1, l, l) for right-padded rows."""
+        if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+            raise ValueError("train.strategy=megatron needs right-padded batches")
+        b, length = input_ids.shape
+        pos = torch.arange(length, device=input_ids.device).unsqueeze(0).expand(b, length)  # (b, l)
+        causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).triu(1)  # True = masked
+        return input_ids, pos, causal.view(1, 1, length, length)
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 output_hidden_states: bool = False, logits_to_keep: int = 0, **_: Any) -> Any:
         from megatron.core.parallel_state import get_tensor_model_parallel_group
@@ -87,17 +102,32 @@ class CausalLMView(torch.nn.Module):
 
         if output_hidden_states:
             raise NotImplementedError("train.strategy=megatron has no hidden-state output (no critic)")
-        if attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
-            raise ValueError("train.strategy=megatron needs right-padded batches")
-        b, length = input_ids.shape
-        pos = torch.arange(length, device=input_ids.device).unsqueeze(0).expand(b, length)  # (b, l)
-        causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).triu(1)  # True = masked
-        logits = self.gpt(input_ids, pos, causal.view(1, 1, length, length))  # (b, l, Vp / tp)
+        length = input_ids.shape[1]
+        logits = self.gpt(*self._inputs(input_ids, attention_mask))  # (b, l, Vp / tp)
         if logits_to_keep:
             logits = logits[:, length - logits_to_keep:]  # (b, k, Vp / tp)
         group = get_tensor_model_parallel_group()
         full = gather_from_tensor_model_parallel_region(logits.contiguous(), group)  # (b, k, Vp)
         return SimpleNamespace(logits=full[..., : self.vocab_size])  # (b, k, V)
+
+    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The last hidden states (b, l, H), after the final norm, the same on every TP rank: the
+        ``GPTModel`` without its output layer (its ``post_process`` off for the call)."""
+        gpt: Any = self.gpt
+        gpt.post_process = False
+        try:
+            h = gpt(*self._inputs(input_ids, attention_mask))  # (l, b, H)
+        finally:
+            gpt.post_process = True
+        return h.transpose(0, 1)  # type: ignore[no-any-return]
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """This TP rank's rows of the output projection (Vp / tp, H): the output layer's, or the
+        word embeddings' when they are tied."""
+        gpt: Any = self.gpt
+        w = gpt.output_layer.weight
+        return w if w is not None else gpt.shared_embedding_or_output_weight()  # type: ignore[no-any-return]
 
 
 def _ensure_group(cfg: RunConfig, device: torch.device) -> None:
@@ -150,7 +180,8 @@ class MegatronStrategy(TorchStrategy):
         # its weights are converted below and the HF model dropped
         super().__init__(
             model_dir, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-            micro_batch_size=t.micro_rows, temperature=cfg.rollout.temperature, algo=cfg.algorithm,
+            micro_batch_size=t.micro_rows, logprob_chunk_tokens=t.logprob_chunk_tokens,
+            temperature=cfg.rollout.temperature, algo=cfg.algorithm,
             max_len=cfg.rollout.max_new_tokens, dtype=resolve_dtype(cfg.model.dtype, device),
             total_steps=t.steps, min_lr_ratio=t.min_lr_ratio, lr_warmup_steps=t.lr_warmup_steps, device="cpu",
             skip_zero_advantage=t.skip_zero_advantage,
@@ -283,7 +314,12 @@ class MegatronStrategy(TorchStrategy):
         losses = []
         self.model.train()
         for examples in batches:
-            loss = sft_loss(self.model, sft_batch(examples, self.pad_id))
+            batch = sft_batch(examples, self.pad_id)
+            if self.chunked_head:
+                lp = self._sharded_logprobs(self.model, batch, 1.0)[0]  # (B, L - 1), 0 untrained
+                loss = masked_mean(-lp, batch.loss_mask.to(self.device))
+            else:
+                loss = sft_loss(self.model, batch, chunk=0)
             loss.backward()
             if grad_clip > 0:
                 self._clip(params, grad_clip)
@@ -291,6 +327,38 @@ class MegatronStrategy(TorchStrategy):
             optimizer.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))
         return losses
+
+    # ----------------------------------------------------------------- token logprobs
+
+    def _parts(self, model: torch.nn.Module) -> tuple[torch.nn.Module, Any] | None:
+        """Chunked logprobs for the policy and the reference (:meth:`_head_logprobs`)."""
+        return (model, None) if self.chunked_head and isinstance(model, CausalLMView) else None
+
+    def _sharded_logprobs(self, view: CausalLMView, micro: TokenBatch,
+                          temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token logprobs and entropies (b, l - 1) at the trained positions (0 elsewhere) from the
+        last hidden states and this TP rank's vocabulary rows, ``logprob_chunk_tokens`` positions
+        at a time (:func:`trainer.logprobs.sharded_head_logprobs`); and the hidden states (N, H)."""
+        ids, attn = micro.input_ids.to(self.device), micro.attention_mask.to(self.device)  # (b, l)
+        b, width = ids.shape
+        hidden = view.hidden(ids, attn).reshape(b * width, -1)  # (N, H)
+        mask = micro.loss_mask.to(self.device) > 0  # (b, l - 1)
+        rows, cols = torch.nonzero(mask, as_tuple=True)  # (M,) each
+        weight = view.head_weight  # (Vp / tp, H)
+        offset = self.tp_rank * weight.shape[0]
+        lp_m, ent_m = sharded_head_logprobs(
+            hidden, weight, rows * width + cols, ids[rows, cols + 1], temperature, self.logprob_chunk_tokens,
+            self.tp_group if self.tp > 1 else None, offset, max(0, min(weight.shape[0], self.shape.vocab_size - offset)))
+        zeros = torch.zeros(mask.shape, device=self.device)  # (b, l - 1)
+        return zeros.index_put((rows, cols), lp_m), zeros.index_put((rows, cols), ent_m), hidden
+
+    def _head_logprobs(self, parts: tuple[torch.nn.Module, Any], model: torch.nn.Module,
+                       micro: TokenBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_sharded_logprobs` at the rollout temperature, as the torch strategy's."""
+        assert isinstance(model, CausalLMView)
+        lp, ent, hidden = self._sharded_logprobs(model, micro, self.temperature)
+        b, width = micro.input_ids.shape
+        return lp, ent, hidden, torch.arange(b * width, device=self.device).view(b, width)
 
     # ----------------------------------------------------------------- one step
 
