@@ -4,6 +4,10 @@ chunked logprobs and packing, side by side in one run.
     .venv/bin/python bench/train_step.py [--model DIR] [--batch 8] [--micro 4] [--prompt-len 96]
                                          [--response-len 32] [--response-len-max 96] [--steps 3]
                                          [--threads 2] [--variants whole,chunked,packed]
+                                         [--strategy torch|fsdp2]
+
+``--strategy fsdp2``: the same through ``FSDP2Strategy`` on one rank (``train.ranks: 1``, a
+world-1 gloo group in the process): its root unit's forward, the chunked head after it.
 
 Without ``--model`` the model is SmolLM2-135M's shape with random weights (``bench/gpu.py``'s
 ``smollm2-shape``: 30 layers, hidden 576, vocabulary 49,152, tied embeddings). The batch: ``--batch``
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -34,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/gpu.py
@@ -72,8 +78,18 @@ def one(a: argparse.Namespace) -> dict[str, float]:
     data = samples(a.batch, a.prompt_len, a.response_len, a.response_len_max, vocab)
     mean_len = sum(len(s.prompt_ids) + len(s.response_ids) for s in data) / len(data)
     kw: dict[str, int] = {"micro_batch_tokens": round(a.micro * mean_len)} if a.one == "packed" else {}
-    s = TorchStrategy(a.model, lr=1e-6, micro_batch_size=a.micro, **kw)
-    s.chunked_head = a.one != "whole"
+    s: Any
+    if a.strategy == "fsdp2":
+        from schemas.config import parse_config
+        from trainer.factory import make_strategy
+
+        sizing = f"train.micro_batch_tokens={kw['micro_batch_tokens']}" if kw else f"train.micro_batch_size={a.micro}"
+        os.environ["OMP_NUM_THREADS"] = str(a.threads)  # the multi-rank driver's thread budget
+        s = make_strategy(parse_config("", ["train.strategy=fsdp2", "train.ranks=1", "train.lr=1e-6", sizing]), a.model)
+        s.local.chunked_head = a.one != "whole"
+    else:
+        s = TorchStrategy(a.model, lr=1e-6, micro_batch_size=a.micro, **kw)
+        s.chunked_head = a.one != "whole"
     before = rss_mib()
     times = []
     for _ in range(a.steps):
@@ -81,6 +97,8 @@ def one(a: argparse.Namespace) -> dict[str, float]:
         s.train_step(data)
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    if a.strategy == "fsdp2":
+        s.close()
     return {"peak_rss_mib": peak, "rss_before_step_mib": before, "step_s": statistics.median(times[1:] or times),
             "first_step_s": times[0], "tokens": float(sum(len(x.prompt_ids) + len(x.response_ids) for x in data))}
 
@@ -96,6 +114,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--strategy", choices=("torch", "fsdp2"), default="torch")
     ap.add_argument("--one", choices=VARIANTS, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
@@ -111,14 +130,14 @@ def main() -> None:
         for v in a.variants.split(","):
             cmd = [sys.executable, __file__, "--one", v, "--model", model] + [
                 f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
-                ("batch", "micro", "prompt_len", "response_len", "response_len_max", "steps", "threads")]
+                ("batch", "micro", "prompt_len", "response_len", "response_len_max", "steps", "threads", "strategy")]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode:
                 sys.exit(f"error: variant {v} failed: {proc.stderr.strip().splitlines()[-1:]}")
             rows[v] = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"model {a.model or 'SmolLM2-135M shape (random weights)'}, batch {a.batch} x ({a.prompt_len} prompt + "
           f"{a.response_len}..{a.response_len_max} response) tokens = {rows[next(iter(rows))]['tokens']:.0f}, "
-          f"micro-batch {a.micro}, {a.threads} threads, median of steps 2..{a.steps}")
+          f"micro-batch {a.micro}, {a.threads} threads, median of steps 2..{a.steps}, strategy {a.strategy}")
     print(f"  {'variant':10s} {'peak RSS MiB':>13s} {'RSS before step':>16s} {'step peak - before':>19s} {'s/step':>8s}")
     for v, r in rows.items():
         print(f"  {v:10s} {r['peak_rss_mib']:13.0f} {r['rss_before_step_mib']:16.0f} "

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from schemas.config import RunConfig
@@ -102,7 +103,12 @@ class FSDP2Strategy(TorchStrategy):
         trunk are plain models."""
         if model is not self.model:
             return super()._decode(model, decoder, **inputs)
-        return last_hidden(model, decoder, **inputs)
+        hidden = last_hidden(model, decoder, **inputs)
+        head: Any = self.model.get_output_embeddings()  # type: ignore[operator]
+        if isinstance(head.weight, DTensor):  # a torch whose root unit reshards
+            raise RuntimeError(f"fsdp2: torch {torch.__version__} resharded the root FSDP unit after its forward; "
+                               "the chunked token logprobs need its full head weight there")
+        return hidden
 
     def __init__(self, cfg: RunConfig, model_dir: str | Path, *, device: str) -> None:
         if not dist.is_initialized():
