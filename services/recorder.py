@@ -6,7 +6,12 @@ insert per table (``events`` last), and the runtime commits the poll's offsets o
 Every message is recorded: the runtime's dedupe is off, and undecodable bytes are handed over too
 (``handle_undecodable``) and stored as kind ``undecodable``. Ingestion is idempotent on (topic,
 partition, offset): at start it reads the highest stored offset of each partition and skips
-anything at or below it. An insert that fails stops the recorder (nothing of the poll committed).
+anything at or below it. An insert that fails is retried with backoff (1, 2, 4 ... up to
+``store_retry_max_backoff_s``) for up to ``store_retry_for_s``; the poll's offsets are committed
+only once it is stored, so nothing unwritten is committed and the recorder catches up from Kafka
+when the store is back. Past ``store_retry_for_s`` the insert's error stops the recorder.
+While it retries, :attr:`Recorder.outage` says since when and how many messages wait, and with
+``run_dir`` set the same goes to ``<run_dir>/recorder_store.json`` (:func:`write_outage`).
 
 * Lag: every ``lag_report_every_s`` (and at a clean exit) it measures its consumer lag, logs it
   and writes it to the ``recorder_lag`` table.
@@ -52,6 +57,8 @@ from store.tracking import TrackerFeed, make_trackers
 log = logging.getLogger("rollstream.recorder")
 
 SPEC = SERVICES["recorder"]
+OUTAGE_FILE = "recorder_store.json"
+"""The recorder's view of its store, in the run's folder (:class:`StoreOutage`)."""
 
 FETCH_MIN_BYTES = 256 * 1024
 """The recorder's fetches wait for this many bytes (or :data:`FETCH_MAX_WAIT_MS`): a run's events
@@ -96,6 +103,52 @@ class RecorderSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     """The run's config: its ``tracking`` section turns experiment trackers on (needs ``run_id``)."""
     run_dir: str = ""
     """The run's folder, where trackers write; empty = ``<config.run.runs_dir>/<run_id>``."""
+    store_retry_for_s: float = 600.0
+    """How long a failing insert is retried before the recorder stops with its error, seconds."""
+    store_retry_backoff_s: float = 1.0
+    """The first wait between insert attempts, seconds (doubled after each failure)."""
+    store_retry_max_backoff_s: float = 5.0
+    """The longest wait between insert attempts, seconds."""
+
+
+class StoreOutage(msgspec.Struct, kw_only=True):
+    """The store's state as the recorder sees it (``recorder_store.json``)."""
+
+    down_since: float | None = None
+    """Unix seconds of the first failed insert of the current outage; None = the store is up."""
+    attempts: int = 0
+    """Failed insert attempts in the current outage."""
+    behind: int = 0
+    """Messages of the failing poll waiting to be stored."""
+    last_error: str = ""
+    """The last insert error, one line."""
+    last_outage_s: float = 0.0
+    """How long the last ended outage lasted, seconds (0 = none yet)."""
+    outages: int = 0
+    """Outages ended so far."""
+
+
+def backoff_s(attempt: int, first_s: float, max_s: float) -> float:
+    """The wait after failed attempt number ``attempt`` (1-based): first_s, 2x, 4x ... capped at max_s."""
+    return min(max_s, first_s * 2.0 ** min(max(attempt - 1, 0), 30))
+
+
+def write_outage(path: str, outage: StoreOutage) -> None:
+    """Write ``outage`` to ``path`` as JSON, atomically (a reader never sees half a file)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as fh:
+        fh.write(msgspec.json.encode(outage))
+    os.replace(tmp, path)
+
+
+def describe_outage(o: StoreOutage, now: float) -> str:
+    """One line for ``rollstream status``: the store's state as the recorder last published it."""
+    if o.down_since is not None:
+        return (f"store: unreachable for {now - o.down_since:.0f} s (recorder retrying, {o.attempts} attempts; "
+                f"{o.behind} events behind): {o.last_error}")
+    if o.outages:
+        return f"store: up (caught up after {o.outages} outage(s), the last {o.last_outage_s:.0f} s)"
+    return "store: up"
 
 
 class LagReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -142,6 +195,46 @@ class Recorder(BatchService):
         """The experiment trackers fed with this run's train steps and evals (None when off)."""
         self.compacted: tuple[int, int] | None = None
         """``(parts, bytes)`` deleted when the store was compacted at the end (None: it was not)."""
+        self.outage = StoreOutage()
+        """The store's state: up, or down since when (published to ``recorder_store.json``)."""
+        self._sleep = asyncio.sleep  # tests replace it to retry in milliseconds
+
+    def _publish_outage(self) -> None:
+        if not self.settings.run_dir:
+            return
+        try:
+            write_outage(os.path.join(self.settings.run_dir, OUTAGE_FILE), self.outage)
+        except OSError as e:
+            log.warning("could not write %s: %s", OUTAGE_FILE, e)
+
+    async def insert_retrying(self, tables: dict[str, list[list[Any]]]) -> None:
+        """:meth:`insert`, retried with backoff while the store fails, for up to
+        ``store_retry_for_s``; then the last error is raised."""
+        s, o = self.settings, self.outage
+        while True:
+            try:
+                await asyncio.to_thread(self.insert, tables)
+            except Exception as e:
+                now = time.time()
+                if o.down_since is None:
+                    o.down_since, o.attempts = now, 0
+                o.attempts += 1
+                o.behind = len(tables.get("events", []))
+                o.last_error = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+                if now - o.down_since >= s.store_retry_for_s:
+                    log.error("store down for %.0f s, giving up: %s", now - o.down_since, o.last_error)
+                    raise
+                wait = backoff_s(o.attempts, s.store_retry_backoff_s, s.store_retry_max_backoff_s)
+                log.warning("store insert failed (attempt %d, retrying in %.1f s): %s", o.attempts, wait, o.last_error)
+                self._publish_outage()
+                await self._sleep(wait)
+                continue
+            if o.down_since is not None:
+                o.last_outage_s, o.outages = time.time() - o.down_since, o.outages + 1
+                log.warning("store back after %.1f s (%d failed attempts); catching up", o.last_outage_s, o.attempts)
+                o.down_since, o.attempts, o.behind, o.last_error = None, 0, 0, ""
+                self._publish_outage()
+            return
 
     def _load_stored_offsets(self) -> None:
         where = "WHERE run_id = {r:String}" if self.settings.run_id else ""
@@ -198,7 +291,7 @@ class Recorder(BatchService):
         log.info("lag: %d messages not yet recorded on %d partitions (%d recorded, %d skipped)",
                  lag, partitions, self.recorded, self.skipped)
         row = lag_row(self.settings.run_id, self._group_id(), rep.ts, lag, partitions, self.recorded, self.skipped)
-        await asyncio.to_thread(self.insert, {"recorder_lag": [row]})
+        await self.insert_retrying({"recorder_lag": [row]})
         return rep
 
     def _group_id(self) -> str:
@@ -248,7 +341,7 @@ class Recorder(BatchService):
         poll's offsets after this returns)."""
         new = [r.event for r in records if r.offset > self._stored.get((r.topic, r.partition), -1)]
         tables = self.rows_for(records)
-        await asyncio.to_thread(self.insert, tables)
+        await self.insert_retrying(tables)
         self.recorded += len(tables.get("events", []))
         for r in records:
             self._stored[(r.topic, r.partition)] = max(r.offset, self._stored.get((r.topic, r.partition), -1))

@@ -13,7 +13,7 @@ from runtime.bus import Producer, TopicAdmin
 from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import TOPICS, topic_name
-from services.recorder import Recorder, RecorderSettings
+from services.recorder import OUTAGE_FILE, Recorder, RecorderSettings, StoreOutage, backoff_s, describe_outage
 from tests.schemas.examples import example_events
 
 
@@ -130,3 +130,64 @@ async def test_lag_is_measured_and_inserts_are_batched(bootstrap: str, run_id: s
                           "WHERE run_id = {r:String} AND group_id = {g:String} ORDER BY ts",
                           parameters={"r": run_id, "g": f"{run_id}-lag"}).result_rows
     assert [tuple(s) for s in stored] == [(r.lag_records, r.recorded_total, r.partitions) for r in reports]
+
+
+# ----------------------------------------------------------------- store outages (unit: a failing client)
+
+
+class _FlakyClient:
+    """A store client whose first ``failures`` inserts raise, as an unreachable server's do."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures, self.inserted = failures, []
+
+    def insert(self, table, rows, column_names):  # type: ignore[no-untyped-def]
+        if self.failures > 0:
+            self.failures -= 1
+            raise ConnectionError("HTTPConnectionPool(host='127.0.0.1', port=1): Connection refused")
+        self.inserted.append((table, len(rows)))
+
+
+def _outage_recorder(tmp_path: Path, failures: int, retry_for_s: float = 600.0) -> tuple[Recorder, list[float]]:
+    rec = Recorder(RecorderSettings(dsn="http://127.0.0.1:1", run_dir=str(tmp_path), store_retry_for_s=retry_for_s,
+                                    store_retry_backoff_s=1.0, store_retry_max_backoff_s=5.0))
+    rec._client = _FlakyClient(failures)
+    waits: list[float] = []
+
+    async def sleep(s: float) -> None:
+        waits.append(s)
+        published = msgspec.json.decode((tmp_path / OUTAGE_FILE).read_bytes(), type=StoreOutage)
+        assert published.down_since is not None and published.behind == 2  # status sees the outage meanwhile
+
+    rec._sleep = sleep  # type: ignore[method-assign]
+    return rec, waits
+
+
+def test_backoff_doubles_up_to_its_cap() -> None:
+    assert [backoff_s(n, 1.0, 5.0) for n in range(1, 6)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+
+
+async def test_a_failing_insert_is_retried_with_backoff_and_the_recovery_published(tmp_path: Path) -> None:
+    rec, waits = _outage_recorder(tmp_path, failures=4)
+    await rec.insert_retrying({"events": [[1], [2]], "recorder_lag": [[3]]})
+    assert waits == [1.0, 2.0, 4.0, 5.0]
+    assert rec._client.inserted == [("recorder_lag", 1), ("events", 2)]  # events last, once
+    published = msgspec.json.decode((tmp_path / OUTAGE_FILE).read_bytes(), type=StoreOutage)
+    assert published.down_since is None and published.outages == 1 and published.behind == 0
+    assert describe_outage(published, 0.0).startswith("store: up (caught up after 1 outage")
+
+
+async def test_an_outage_longer_than_the_retry_budget_stops_the_recorder(tmp_path: Path) -> None:
+    rec, waits = _outage_recorder(tmp_path, failures=10**6, retry_for_s=0.0)
+    try:
+        await rec.insert_retrying({"events": [[1], [2]]})
+    except ConnectionError as e:
+        assert "Connection refused" in str(e)
+    else:
+        raise AssertionError("the insert should have failed")
+    assert waits == [] and rec.outage.attempts == 1
+
+
+def test_status_line_of_an_ongoing_outage() -> None:
+    line = describe_outage(StoreOutage(down_since=100.0, attempts=7, behind=42, last_error="Connection refused"), 142.4)
+    assert line == "store: unreachable for 42 s (recorder retrying, 7 attempts; 42 events behind): Connection refused"
