@@ -5,7 +5,9 @@
 * per service with a consumer group (:data:`schemas.services.SERVICES`: its ``group_id`` and
   ``lag_topics``): its consumer lag, end offsets minus the group's committed offsets (a partition
   the group never committed counts from its beginning);
-* the feeder's output: how many tasks are on ``tasks`` and when the newest was issued;
+* the feeder's output: how many tasks it issued (its groups are numbered in order, so the newest
+  task of each ``tasks`` partition tells: highest group number + 1, times the tasks per group) and
+  when the newest was issued;
 * the trainer's progress: the newest ``WeightsPublished`` (``weights`` is compacted: its last
   message) and the newest ``TrainStep`` (a bounded look back over ``metrics``);
 * the run's ``control`` history: ``RunStarted``, every ``Drain``, ``RunFinished``, and the
@@ -29,11 +31,12 @@ from runtime.reading import read_to_end
 from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.services import SERVICES, ServiceSpec
-from schemas.topics import TOPICS, decode_all, topic_name
+from schemas.topics import TOPICS, count_events, decode_all, topic_name
 
 EXACT_LAG_MAX = 200
-"""A lag up to this many offsets per partition is counted record by record (transaction markers
-take offsets too); a larger one is the offset difference."""
+"""A lag up to this many offsets per partition is counted event by event (records are read: a
+batched record carries up to ``kafka.samples_per_record`` events, transaction markers take offsets
+and carry none); a larger one is the offset difference (records, a lower bound on events)."""
 METRICS_LOOK_BACK = 2000
 """How many of the newest ``metrics`` messages are searched for the newest ``TrainStep``."""
 
@@ -54,6 +57,9 @@ class RunInfo:
     """Service -> logical topic -> lag of its group (only groups that committed something)."""
     tasks_issued: int = 0
     last_task_ts: float | None = None
+    newest_group: tuple[int, int] | None = None
+    """The highest group number seen on ``tasks`` and its tasks per group (``group_size`` +
+    ``redundancy``, + 1 for ReMax's baseline task)."""
     weights: ev.WeightsPublished | None = None
     train_step: ev.TrainStep | None = None
     started: ev.RunStarted | None = None
@@ -137,12 +143,16 @@ async def _probe(kafka: KafkaSettings, bootstrap: str, run_id: str) -> RunInfo |
                 name = name_of[tp.topic]
                 if name in spec.lag_topics:
                     start = done.get(tp, begins[tp])
-                    gap = (sum(1 for o in present[tp] if o >= start) if tp in present
+                    gap = (sum(n for o, n in present[tp] if o >= start) if tp in present
                            else max(0, ends[tp] - start))
                     per[name] = per.get(name, 0) + gap
             info.lags[spec.name] = per
-        info.tasks_issued = info.messages.get("tasks", 0)
         await _read_tail(consumer, info, run_id, begins, ends)
+        if info.newest_group is not None:
+            k, width = info.newest_group
+            info.tasks_issued = (k + 1) * width
+        else:  # no task of the feeder's naming: count records
+            info.tasks_issued = info.messages.get("tasks", 0)
     finally:
         await consumer.stop()
     return info
@@ -176,17 +186,21 @@ async def _read_tail(consumer: AIOKafkaConsumer, info: RunInfo, run_id: str,
 
 
 async def _record_offsets(consumer: AIOKafkaConsumer, starts: dict[TopicPartition, int],
-                          ends: dict[TopicPartition, int]) -> dict[TopicPartition, list[int]]:
-    """Offsets of the committed records between ``starts[tp]`` and the end of each partition
-    (gives up quietly after two empty polls in a row)."""
-    found: dict[TopicPartition, list[int]] = {tp: [] for tp in starts}
-    await read_to_end(consumer, lambda tp, m: found[tp].append(m.offset), start=starts, ends=ends, idle_polls=2)
+                          ends: dict[TopicPartition, int]) -> dict[TopicPartition, list[tuple[int, int]]]:
+    """``(offset, events)`` of the committed records between ``starts[tp]`` and the end of each
+    partition (gives up quietly after two empty polls in a row)."""
+    found: dict[TopicPartition, list[tuple[int, int]]] = {tp: [] for tp in starts}
+    await read_to_end(consumer, lambda tp, m: found[tp].append((m.offset, count_events(m.value))),
+                      start=starts, ends=ends, idle_polls=2)
     return found
 
 
 def _take(info: RunInfo, event: Any) -> None:
     if isinstance(event, ev.RolloutTask):
         info.last_task_ts = max(info.last_task_ts or 0.0, event.ts)
+        k = ev.group_number(event.group_id)
+        if k is not None and (info.newest_group is None or k > info.newest_group[0]):
+            info.newest_group = (k, event.group_size + event.redundancy + int(event.baseline_index >= 0))
     elif isinstance(event, ev.WeightsPublished):
         if info.weights is None or event.ts >= info.weights.ts:
             info.weights = event

@@ -27,6 +27,17 @@ def new_event_id() -> str:
     return uuid.uuid4().hex
 
 
+def group_id_of(k: int) -> str:
+    """The id of the feeder's group number ``k`` (0, 1, ... in the order they are issued): ``g000042``."""
+    return f"g{k:06d}"
+
+
+def group_number(group_id: str) -> int | None:
+    """``k`` of a group id made by :func:`group_id_of`; ``None`` for any other id."""
+    digits = group_id[1:]
+    return int(digits) if group_id[:1] == "g" and digits.isascii() and digits.isdigit() else None
+
+
 def sample_id_of(group_id: str, index: int) -> str:
     """The id of sample ``index`` of group ``group_id``: ``<group_id>/<index>`` (the feeder names every
     sample of a group so, and the trainer recomputes the ids of a group's members from it)."""
@@ -96,6 +107,17 @@ class RolloutTask(Event, frozen=True, kw_only=True):
     system_prompt: str = ""
     """The prompt's own system turn (a file source's ``system_key``); empty = the domain's
     ``system_prompt``, else ``model.system_prompt``. (Added after v8.)"""
+    baseline_index: int = -1
+    """ReMax (``algorithm.adv_estimator: remax``): the index of the group's greedy baseline task,
+    ``group_size + redundancy`` (one task past the others); every task of the group carries it.
+    The task whose ``index`` equals it is generated greedily, scored like any sample and never
+    trained: its reward is the baseline of the group's samples and its outcome is ``filtered``
+    (reason ``remax baseline: ...``). ``-1``: the group has none. (Added after v10.)"""
+
+    @property
+    def is_baseline(self) -> bool:
+        """This task is its group's greedy ReMax baseline (:attr:`baseline_index`)."""
+        return self.baseline_index >= 0 and self.index == self.baseline_index
 
 
 # --------------------------------------------------------------------------- environments

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Literal
 
 import msgspec
@@ -89,6 +90,21 @@ def split_value(value: bytes | None) -> list[bytes] | None:
     return [bytes(r) for r in _RAW_LIST.decode(value)]
 
 
+def count_events(value: bytes | None) -> int:
+    """How many events a record's ``value`` carries, from the batched array's header alone (1 for a
+    single event, 0 for a tombstone)."""
+    if not value:
+        return 0
+    head = value[0]
+    if 0x90 <= head < 0xA0:
+        return head & 0x0F
+    if head == 0xDC:
+        return int.from_bytes(value[1:3], "big")
+    if head == 0xDD:
+        return int.from_bytes(value[1:5], "big")
+    return 1
+
+
 def decode_all(decoder: msgspec.msgpack.Decoder[Any], value: bytes) -> list[Any]:
     """Every event of a record's ``value``: one for a single event, each element of a batched one.
     The decoder's errors propagate."""
@@ -107,6 +123,7 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
+@lru_cache(maxsize=1024)
 def topic_name(run_id: str, name: str) -> str:
     """Kafka topic for logical ``name`` of ``run_id`` (``rs.<run_id>.<name>``)."""
     if name not in TOPICS:
@@ -114,8 +131,10 @@ def topic_name(run_id: str, name: str) -> str:
     return f"{TOPIC_PREFIX}.{check_run_id(run_id)}.{name}"
 
 
+@lru_cache(maxsize=1024)
 def parse_topic(topic: str) -> tuple[str, str] | None:
-    """``rs.<run_id>.<name>`` -> ``(run_id, name)``; ``None`` for topics that are not ours."""
+    """``rs.<run_id>.<name>`` -> ``(run_id, name)``; ``None`` for topics that are not ours.
+    Cached: every consumed event and every output asks it of one of a few topic names."""
     if not topic.startswith(TOPIC_PREFIX + "."):
         return None
     rest = topic[len(TOPIC_PREFIX) + 1 :]

@@ -110,7 +110,11 @@ def kill_service_run(runs: Path, bootstrap: str, service: str, seed: int = 0, *s
     return FaultResult(inv, recovery, time.time() - t0)
 
 
-@pytest.mark.parametrize("service", list(KILL_AT))
+# the feeder's and the recorder's kills are `make test-bench` (CI time): CI's 3-fault chaos soak
+# (tests/e2e/test_cluster_faults.py) kills both at once; the reward service's too: CI's
+# test_kill_9_of_an_at_least_once_reward_router kills a reward process mid-run
+@pytest.mark.parametrize("service", [pytest.param(s, marks=pytest.mark.bench) if s in ("feeder", "recorder", "reward") else s
+                                     for s in KILL_AT])
 def test_kill_9_of_a_service_mid_run(tmp_path: Path, bootstrap: str, service: str) -> None:
     kill_service_run(tmp_path / "runs", bootstrap, service)
 
@@ -186,6 +190,7 @@ def broker_outage_run(runs: Path, home: Path, bootstrap: str, outage_s: float = 
     return FaultResult(inv, recovery, time.time() - t0)
 
 
+@pytest.mark.bench  # the kill -9 below covers an outage with a restart in CI; this graceful one is `make test-bench`
 def test_broker_down_for_20_s_mid_run(tmp_path: Path, own_broker: tuple[Path, str]) -> None:
     home, bootstrap = own_broker
     broker_outage_run(tmp_path / "runs", home, bootstrap)

@@ -7,6 +7,7 @@ from schemas.topics import (
     TOPICS,
     BadRunId,
     check_run_id,
+    count_events,
     decode_all,
     pack_values,
     parse_topic,
@@ -54,6 +55,7 @@ def test_packed_values_split_back_exactly(n: int) -> None:
     values = [msgspec.msgpack.encode({"i": i} if i < 20 else i) for i in range(n)]
     packed = pack_values(values)
     assert split_value(packed) == values
+    assert count_events(packed) == n  # from the header alone
     assert msgspec.msgpack.decode(packed) == [msgspec.msgpack.decode(v) for v in values]
 
 
@@ -66,3 +68,9 @@ def test_a_single_event_is_not_a_batch_and_decodes_as_before() -> None:
     assert decode_all(dec, pack_values([data, data])) == [task, task]
     with pytest.raises(msgspec.DecodeError):
         split_value(pack_values([data, data])[:-3])  # a damaged array
+
+
+def test_count_events_of_a_single_event_and_a_tombstone() -> None:
+    task = next(e for e in example_events() if type(e).__name__ == "RolloutTask")
+    assert count_events(msgspec.msgpack.encode(task)) == 1
+    assert count_events(b"") == 0 and count_events(None) == 0
