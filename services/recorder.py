@@ -6,10 +6,16 @@ insert per table (``events`` last), and the runtime commits the poll's offsets o
 Every message is recorded: the runtime's dedupe is off, and undecodable bytes are handed over too
 (``handle_undecodable``) and stored as kind ``undecodable``. Ingestion is idempotent on (topic,
 partition, offset): at start it reads the highest stored offset of each partition and skips
-anything at or below it. An insert that fails is retried with backoff (1, 2, 4 ... up to
+anything at or below it. An insert that fails with a connection, timeout or I/O error
+(:func:`is_transient`: the store down) is retried with backoff (1, 2, 4 ... up to
 ``store_retry_max_backoff_s``) for up to ``store_retry_for_s``; the poll's offsets are committed
 only once it is stored, so nothing unwritten is committed and the recorder catches up from Kafka
-when the store is back. Past ``store_retry_for_s`` the insert's error stops the recorder.
+when the store is back. Past ``store_retry_for_s`` the insert's error stops the recorder; any
+other insert error (a bad column, a wrong type) stops it at once. Each insert carries a
+deduplication token of its batch (:func:`batch_token`, ``infra/clickhouse/009_insert_dedup.sql``):
+a retried batch that was stored in part is not stored twice. A stop during an outage ends the
+retries at once: the batch is left uncommitted (:class:`StoreDown`). The runtime keeps the
+recorder in its group while a batch is retried (:class:`runtime.loops.BatchLoop`).
 While it retries, :attr:`Recorder.outage` says since when and how many messages wait, and with
 ``run_dir`` set the same goes to ``<run_dir>/recorder_store.json`` (:func:`write_outage`).
 
@@ -30,8 +36,11 @@ docs/architecture.md, "Services", tells more.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import logging
 import os
+import re
 import threading
 import time
 from collections import defaultdict, deque
@@ -46,6 +55,7 @@ from runtime.runner import BatchContext, BatchService, Runner, ServiceSettings
 from runtime.settings import Consume, Delivery, Handling, Subscription
 from schemas import events as ev
 from schemas.config import KafkaSettings, RunConfig
+from schemas.errors import one_line
 from schemas.services import SERVICES
 from schemas.topics import parse_topic
 from services import ServiceStart
@@ -104,7 +114,8 @@ class RecorderSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     run_dir: str = ""
     """The run's folder, where trackers write; empty = ``<config.run.runs_dir>/<run_id>``."""
     store_retry_for_s: float = 600.0
-    """How long a failing insert is retried before the recorder stops with its error, seconds."""
+    """How long an insert failing with a transient error (:func:`is_transient`) is retried before
+    the recorder stops with that error, seconds (the run's ``store.retry_for_s``)."""
     store_retry_backoff_s: float = 1.0
     """The first wait between insert attempts, seconds (doubled after each failure)."""
     store_retry_max_backoff_s: float = 5.0
@@ -126,6 +137,55 @@ class StoreOutage(msgspec.Struct, kw_only=True):
     """How long the last ended outage lasted, seconds (0 = none yet)."""
     outages: int = 0
     """Outages ended so far."""
+
+
+TRANSIENT_CODES = frozenset({
+    3, 32,  # UNEXPECTED_END_OF_FILE, ATTEMPT_TO_READ_AFTER_EOF (a connection cut mid-answer)
+    74, 75, 76, 77,  # CANNOT_READ_FROM/WRITE_TO_FILE_DESCRIPTOR, CANNOT_OPEN_FILE, CANNOT_CLOSE_FILE
+    159, 209, 210, 279,  # TIMEOUT_EXCEEDED, SOCKET_TIMEOUT, NETWORK_ERROR, ALL_CONNECTION_TRIES_FAILED
+    173, 241, 243,  # CANNOT_ALLOCATE_MEMORY, MEMORY_LIMIT_EXCEEDED, NOT_ENOUGH_SPACE
+    202, 236, 242, 252,  # TOO_MANY_SIMULTANEOUS_QUERIES, ABORTED, TABLE_IS_READ_ONLY, TOO_MANY_PARTS
+    319, 425, 1000,  # UNKNOWN_STATUS_OF_INSERT, SYSTEM_ERROR, POCO_EXCEPTION
+})
+"""ClickHouse error codes of a store that may work again (I/O, network, time, memory, load)."""
+STD_EXCEPTION = 1001
+"""ClickHouse's code for a C++ exception: transient when it is a filesystem error (chDB's I/O)."""
+
+
+class StoreDown(Exception):
+    """The store failed with a transient error while the recorder was stopping: not retried."""
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether an insert that raised ``e`` may succeed when retried (the store down): an ``OSError``
+    (refused, reset, timed out), clickhouse-connect's ``OperationalError`` without a ClickHouse
+    code (its connection failures), a ClickHouse error of :data:`TRANSIENT_CODES`, or chDB's
+    filesystem errors. A bad column, a wrong type or a missing table is not: a retry cannot fix it."""
+    code = getattr(e, "code", None)
+    if not isinstance(code, int):
+        m = re.search(r"\bCode:\s*(\d+)", str(e))
+        code = int(m[1]) if m else None
+    if code is not None:
+        return code in TRANSIENT_CODES or (code == STD_EXCEPTION and "filesystem error" in str(e))
+    if isinstance(e, OSError):
+        return True
+    from clickhouse_connect.driver.exceptions import OperationalError
+
+    return isinstance(e, OperationalError)
+
+
+def batch_token(tables: dict[str, list[list[Any]]]) -> str:
+    """The deduplication token of one batch, the same at every attempt: a digest of its events'
+    ``(topic, partition, offset, record_index)``, or of all its rows when it has no events."""
+    h = hashlib.blake2b(digest_size=16)
+    events = tables.get("events")
+    if events:
+        first, last = COLUMNS["events"].index("offset"), COLUMNS["events"].index("record_index")
+        for row in events:
+            h.update(f"{row[0]}\0{row[1]}\0{row[first]}\0{row[last]}\n".encode())
+    else:
+        h.update(repr(sorted(tables.items())).encode())
+    return h.hexdigest()
 
 
 def backoff_s(attempt: int, first_s: float, max_s: float) -> float:
@@ -195,9 +255,12 @@ class Recorder(BatchService):
         """The experiment trackers fed with this run's train steps and evals (None when off)."""
         self.compacted: tuple[int, int] | None = None
         """``(parts, bytes)`` deleted when the store was compacted at the end (None: it was not)."""
+        if settings.store_retry_for_s < 0 or not 0 < settings.store_retry_backoff_s <= settings.store_retry_max_backoff_s:
+            raise ValueError("store_retry_for_s must be >= 0 and 0 < store_retry_backoff_s <= store_retry_max_backoff_s")
         self.outage = StoreOutage()
         """The store's state: up, or down since when (published to ``recorder_store.json``)."""
-        self._sleep = asyncio.sleep  # tests replace it to retry in milliseconds
+        self._stop: asyncio.Event | None = None  # the runner's: a stop ends the retries
+        self._sleep = self._pause  # tests replace it to retry in milliseconds
 
     def _publish_outage(self) -> None:
         if not self.settings.run_dir:
@@ -207,14 +270,30 @@ class Recorder(BatchService):
         except OSError as e:
             log.warning("could not write %s: %s", OUTAGE_FILE, e)
 
+    async def _pause(self, wait_s: float) -> None:
+        """Wait ``wait_s`` between insert attempts, less when the service is told to stop."""
+        if self._stop is None:
+            await asyncio.sleep(wait_s)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), wait_s)
+
+    def _stopping(self) -> bool:
+        return self._stop is not None and self._stop.is_set()
+
     async def insert_retrying(self, tables: dict[str, list[list[Any]]]) -> None:
-        """:meth:`insert`, retried with backoff while the store fails, for up to
-        ``store_retry_for_s``; then the last error is raised."""
+        """:meth:`insert`, retried with backoff while the store fails transiently
+        (:func:`is_transient`), for up to ``store_retry_for_s``; then the last error is raised.
+        Other errors are raised at once; a stop during the retries raises :class:`StoreDown`."""
         s, o = self.settings, self.outage
         while True:
             try:
                 await asyncio.to_thread(self.insert, tables)
             except Exception as e:
+                if not is_transient(e):
+                    log.error("store insert failed, not retried (a bad row or schema, not the store down): %s",
+                              one_line(e, 300))
+                    raise
                 now = time.time()
                 if o.down_since is None:
                     o.down_since, o.attempts = now, 0
@@ -224,10 +303,14 @@ class Recorder(BatchService):
                 if now - o.down_since >= s.store_retry_for_s:
                     log.error("store down for %.0f s, giving up: %s", now - o.down_since, o.last_error)
                     raise
+                self._publish_outage()
+                if self._stopping():
+                    raise StoreDown(f"store down while stopping ({o.behind} events not stored): {o.last_error}") from e
                 wait = backoff_s(o.attempts, s.store_retry_backoff_s, s.store_retry_max_backoff_s)
                 log.warning("store insert failed (attempt %d, retrying in %.1f s): %s", o.attempts, wait, o.last_error)
-                self._publish_outage()
                 await self._sleep(wait)
+                if self._stopping():
+                    raise StoreDown(f"store down while stopping ({o.behind} events not stored): {o.last_error}") from e
                 continue
             if o.down_since is not None:
                 o.last_outage_s, o.outages = time.time() - o.down_since, o.outages + 1
@@ -265,13 +348,16 @@ class Recorder(BatchService):
         return tables
 
     def insert(self, tables: dict[str, list[list[Any]]]) -> None:
-        """One insert per table (``events`` last), under the store lock."""
+        """One insert per table (``events`` last), under the store lock, each with the batch's
+        deduplication token (:func:`batch_token`): inserting the same batch again adds nothing."""
         # events last: its max(offset) is what marks a batch as stored
+        token = batch_token(tables)
         with self._lock:
             for table in sorted(tables, key=lambda t: t == "events"):
                 rows = tables[table]
                 if rows:
-                    self._client.insert(table, rows, column_names=COLUMNS[table])
+                    self._client.insert(table, rows, column_names=COLUMNS[table],
+                                        settings={"insert_deduplication_token": f"{token}-{table}"})
 
     async def report_lag(self, consumer: Consumer, timeout_s: float | None = None) -> LagReport | None:
         """Measure the lag now, log it, keep it and write it to ``recorder_lag``. A measurement
@@ -291,7 +377,10 @@ class Recorder(BatchService):
         log.info("lag: %d messages not yet recorded on %d partitions (%d recorded, %d skipped)",
                  lag, partitions, self.recorded, self.skipped)
         row = lag_row(self.settings.run_id, self._group_id(), rep.ts, lag, partitions, self.recorded, self.skipped)
-        await self.insert_retrying({"recorder_lag": [row]})
+        try:
+            await self.insert_retrying({"recorder_lag": [row]})
+        except StoreDown as e:
+            log.warning("lag not written: %s", e)
         return rep
 
     def _group_id(self) -> str:
@@ -328,6 +417,7 @@ class Recorder(BatchService):
 
     async def on_start(self, runner: Runner) -> None:
         s = self.settings
+        self._stop = runner.stop
         self._client = st.connect(s.dsn)
         st.apply_ddl(self._client)
         self._load_stored_offsets()
@@ -341,7 +431,11 @@ class Recorder(BatchService):
         poll's offsets after this returns)."""
         new = [r.event for r in records if r.offset > self._stored.get((r.topic, r.partition), -1)]
         tables = self.rows_for(records)
-        await self.insert_retrying(tables)
+        try:
+            await self.insert_retrying(tables)
+        except StoreDown as e:  # stopping during an outage: the batch stays uncommitted, read again later
+            log.warning("%s; the batch is left uncommitted", e)
+            raise asyncio.CancelledError from e
         self.recorded += len(tables.get("events", []))
         for r in records:
             self._stored[(r.topic, r.partition)] = max(r.offset, self._stored.get((r.topic, r.partition), -1))
@@ -433,6 +527,7 @@ def settings_from(start: ServiceStart) -> RecorderSettings:
     return RecorderSettings(
         run_id=start.run_id, dsn=store_dsn_of(cfg, start.run_id), kafka=cfg.kafka, stop_when_finished=True,
         batch_max_records=cfg.store.batch_max_records, lag_report_every_s=cfg.store.lag_report_every_s,
+        store_retry_for_s=cfg.store.retry_for_s,
         config=cfg, run_dir=str(start.run_dir), producers_done_file=str(start.run_dir / PRODUCERS_DONE))
 
 

@@ -71,6 +71,11 @@ class StoreSettings(Section):
     lag_report_every_s: NonNegativeFloat = 10.0
     """How often the recorder logs its consumer lag and writes it to the ``recorder_lag`` table,
     seconds (0 = after every poll)."""
+    retry_for_s: NonNegativeFloat = 600.0
+    """How long the recorder retries an insert that fails with a connection, timeout or I/O error
+    (the store down) before it stops with that error, seconds. Meanwhile training goes on, nothing
+    unstored is committed, ``rollstream status`` shows the outage, and the recorder catches up from
+    Kafka once the store is back. Other insert errors stop the recorder at once."""
 
 
 class TrackingConfig(Section):

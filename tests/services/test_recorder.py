@@ -141,7 +141,7 @@ class _FlakyClient:
     def __init__(self, failures: int) -> None:
         self.failures, self.inserted = failures, []
 
-    def insert(self, table, rows, column_names):  # type: ignore[no-untyped-def]
+    def insert(self, table, rows, column_names, settings):  # type: ignore[no-untyped-def]
         if self.failures > 0:
             self.failures -= 1
             raise ConnectionError("HTTPConnectionPool(host='127.0.0.1', port=1): Connection refused")
@@ -163,13 +163,18 @@ def _outage_recorder(tmp_path: Path, failures: int, retry_for_s: float = 600.0) 
     return rec, waits
 
 
+def _event_rows(n: int) -> list[list[object]]:
+    """``n`` rows of ``events`` (offsets 0..n-1 of one partition)."""
+    return [["rs.t.tasks", 0, i, "t", "tasks", "RolloutTask", None, f"e{i}", 0.0, 0, "{}", 0] for i in range(n)]
+
+
 def test_backoff_doubles_up_to_its_cap() -> None:
     assert [backoff_s(n, 1.0, 5.0) for n in range(1, 6)] == [1.0, 2.0, 4.0, 5.0, 5.0]
 
 
 async def test_a_failing_insert_is_retried_with_backoff_and_the_recovery_published(tmp_path: Path) -> None:
     rec, waits = _outage_recorder(tmp_path, failures=4)
-    await rec.insert_retrying({"events": [[1], [2]], "recorder_lag": [[3]]})
+    await rec.insert_retrying({"events": _event_rows(2), "recorder_lag": [[3]]})
     assert waits == [1.0, 2.0, 4.0, 5.0]
     assert rec._client.inserted == [("recorder_lag", 1), ("events", 2)]  # events last, once
     published = msgspec.json.decode((tmp_path / OUTAGE_FILE).read_bytes(), type=StoreOutage)
@@ -180,7 +185,7 @@ async def test_a_failing_insert_is_retried_with_backoff_and_the_recovery_publish
 async def test_an_outage_longer_than_the_retry_budget_stops_the_recorder(tmp_path: Path) -> None:
     rec, waits = _outage_recorder(tmp_path, failures=10**6, retry_for_s=0.0)
     try:
-        await rec.insert_retrying({"events": [[1], [2]]})
+        await rec.insert_retrying({"events": _event_rows(2)})
     except ConnectionError as e:
         assert "Connection refused" in str(e)
     else:
