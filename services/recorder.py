@@ -377,11 +377,18 @@ class Recorder(BatchService):
         log.info("lag: %d messages not yet recorded on %d partitions (%d recorded, %d skipped)",
                  lag, partitions, self.recorded, self.skipped)
         row = lag_row(self.settings.run_id, self._group_id(), rep.ts, lag, partitions, self.recorded, self.skipped)
-        try:
-            await self.insert_retrying({"recorder_lag": [row]})
-        except StoreDown as e:
-            log.warning("lag not written: %s", e)
+        await self._insert_lag(row)
         return rep
+
+    async def _insert_lag(self, row: list[Any]) -> None:
+        """Write one lag row, once: with the store down it is left out (logged), not retried, so that
+        the loop goes on to the batches, which wait for the store."""
+        try:
+            await asyncio.to_thread(self.insert, {"recorder_lag": [row]})
+        except Exception as e:
+            if not is_transient(e):
+                raise
+            log.warning("lag not written, the store is down: %s", one_line(e, 200))
 
     def _group_id(self) -> str:
         return group_id(self.settings)
