@@ -44,6 +44,7 @@ import re
 import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -260,7 +261,7 @@ class Recorder(BatchService):
         self.outage = StoreOutage()
         """The store's state: up, or down since when (published to ``recorder_store.json``)."""
         self._stop: asyncio.Event | None = None  # the runner's: a stop ends the retries
-        self._sleep = self._pause  # tests replace it to retry in milliseconds
+        self._sleep: Callable[[float], Awaitable[None]] = self._pause  # tests replace it to retry in milliseconds
 
     def _publish_outage(self) -> None:
         if not self.settings.run_dir:

@@ -92,8 +92,6 @@ async def test_lag_is_measured_and_inserts_are_batched(bootstrap: str, run_id: s
     """N messages wait on the bus before the recorder starts: every lag report accounts for all
     of them (lag + recorded = N), the first sees about N, the last 0; polls are bounded by
     ``batch_max_records`` and written with one insert per table; the reports reach the store."""
-    from typing import Any
-
     from tests.store.recorded_run import publish
 
     n, batch = 300, 40
@@ -140,7 +138,8 @@ class _FlakyClient:
     """A store client whose first ``failures`` inserts raise, as an unreachable server's do."""
 
     def __init__(self, failures: int) -> None:
-        self.failures, self.inserted = failures, []
+        self.failures = failures
+        self.inserted: list[tuple[str, int]] = []
 
     def insert(self, table, rows, column_names, settings):  # type: ignore[no-untyped-def]
         if self.failures > 0:
