@@ -49,7 +49,7 @@ import msgspec
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.recorder import OUTAGE_FILE, StoreOutage  # noqa: E402
+from store.outage import OUTAGE_FILE, StoreOutage  # noqa: E402
 from tests.e2e.faults import SHORT, RunProc, Watch, check_invariants, invariants  # noqa: E402
 from tests.e2e.test_cluster_faults import FAULTS as CLUSTER_FAULTS  # noqa: E402
 from tests.e2e.test_faults import store_down_env  # noqa: E402

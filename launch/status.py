@@ -204,7 +204,7 @@ async def gather(run_id: str, run_dir: Path, *, bootstrap: str | None, kafka: Ka
 def store_line(run_dir: Path, now: float) -> str:
     """The recorder's word on its store (``recorder_store.json``): ``store: unreachable for 42 s
     (recorder retrying ...)`` or ``store: up ...``; empty when the recorder published nothing."""
-    from services.recorder import OUTAGE_FILE, StoreOutage, describe_outage
+    from store.outage import OUTAGE_FILE, StoreOutage, describe_outage
 
     try:
         outage = msgspec.json.decode((run_dir / OUTAGE_FILE).read_bytes(), type=StoreOutage)

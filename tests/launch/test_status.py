@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from launch.status import store_line
-from services.recorder import OUTAGE_FILE, StoreOutage, write_outage
+from store.outage import OUTAGE_FILE, StoreOutage, write_outage
 
 
 def test_the_store_line_names_an_ongoing_outage_and_then_the_catch_up(tmp_path: Path) -> None:

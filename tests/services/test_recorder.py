@@ -14,7 +14,8 @@ from runtime.bus import Producer, Record, TopicAdmin
 from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import TOPICS, topic_name
-from services.recorder import OUTAGE_FILE, Recorder, RecorderSettings, StoreOutage, backoff_s, describe_outage
+from services.recorder import Recorder, RecorderSettings
+from store.outage import OUTAGE_FILE, StoreOutage, describe_outage
 from tests.schemas.examples import example_events
 
 
@@ -170,10 +171,6 @@ def _event_rows(n: int) -> list[list[object]]:
     return [["rs.t.tasks", 0, i, "t", "tasks", "RolloutTask", None, f"e{i}", 0.0, 0, "{}", 0] for i in range(n)]
 
 
-def test_backoff_doubles_up_to_its_cap() -> None:
-    assert [backoff_s(n, 1.0, 5.0) for n in range(1, 6)] == [1.0, 2.0, 4.0, 5.0, 5.0]
-
-
 async def test_a_failing_insert_is_retried_with_backoff_and_the_recovery_published(tmp_path: Path) -> None:
     rec, waits = _outage_recorder(tmp_path, failures=4)
     await rec.insert_retrying({"events": _event_rows(2), "recorder_lag": [[3]]})
@@ -195,9 +192,6 @@ async def test_an_outage_longer_than_the_retry_budget_stops_the_recorder(tmp_pat
     assert waits == [] and rec.outage.attempts == 1
 
 
-def test_status_line_of_an_ongoing_outage() -> None:
-    line = describe_outage(StoreOutage(down_since=100.0, attempts=7, behind=42, last_error="Connection refused"), 142.4)
-    assert line == "store: unreachable for 42 s (recorder retrying, 7 attempts; 42 events behind): Connection refused"
 
 
 # ----------------------------------------------------------------- which errors are an outage; idempotent retries
@@ -212,28 +206,6 @@ def _disk_error() -> Exception:
     from clickhouse_connect.driver.exceptions import DatabaseError
 
     return DatabaseError(CHDB_DISK_ERROR, code=1001, name="STD_EXCEPTION")
-
-
-def test_only_connection_timeout_and_io_errors_count_as_the_store_down() -> None:
-    from clickhouse_connect.driver.exceptions import DatabaseError, OperationalError, ProgrammingError
-
-    from services.recorder import is_transient
-
-    down = [ConnectionRefusedError(111, "Connection refused"), TimeoutError("timed out"), _disk_error(),
-            OperationalError("Error HTTPConnectionPool(host='127.0.0.1', port=1): Max retries exceeded executing "
-                             "HTTP request attempt 1 (http://127.0.0.1:1)"),
-            DatabaseError("Code: 243. DB::Exception: Cannot reserve 1.00 MiB, not enough space. (NOT_ENOUGH_SPACE)",
-                          code=243),
-            DatabaseError("Received ClickHouse exception, code: 210, server response: Code: 210. DB::NetException: "
-                          "Connection reset by peer. (NETWORK_ERROR)")]  # the code only in the text
-    bugs = [ProgrammingError("Unrecognized column 'zz' in table events"),
-            ValueError("invalid literal for int() with base 10: 'x'"), TypeError("'NoneType' object is not iterable"),
-            DatabaseError("Code: 60. DB::Exception: Table default.nope does not exist. (UNKNOWN_TABLE)", code=60),
-            OperationalError("HTTP driver received HTTP status 404 ... (UNKNOWN_TABLE)", code=60),  # retried by the client
-            DatabaseError("Code: 1001. DB::Exception: std::bad_cast (STD_EXCEPTION)", code=1001),
-            st.StoreError("bad store DSN 'x'")]
-    assert [is_transient(e) for e in down] == [True] * len(down)
-    assert [is_transient(e) for e in bugs] == [False] * len(bugs)
 
 
 def _batch(run_id: str) -> list[Record]:
