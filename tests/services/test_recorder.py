@@ -168,7 +168,7 @@ def _outage_recorder(tmp_path: Path, failures: int, retry_for_s: float = 600.0,
 
 def _event_rows(n: int) -> list[list[object]]:
     """``n`` rows of ``events`` (offsets 0..n-1 of one partition)."""
-    return [["rs.t.tasks", 0, i, "t", "tasks", "RolloutTask", None, f"e{i}", 0.0, 0, "{}", 0] for i in range(n)]
+    return [["rs.t.tasks", 0, i, "t", "tasks", "RolloutTask", "", f"e{i}", 0.0, 0, "{}", 0] for i in range(n)]
 
 
 async def test_a_failing_insert_is_retried_with_backoff_and_the_recovery_published(tmp_path: Path) -> None:
