@@ -18,6 +18,8 @@ anything at or below it. An insert that fails stops the recorder (nothing of the
   parts merges made obsolete are deleted from disk (:mod:`store.compact`).
 * Experiment trackers (``tracking``, :mod:`store.tracking`) get each newly stored ``TrainStep`` /
   ``EvalResult`` of its run after the insert.
+* ``rollstream record`` (:mod:`launch.record`) builds a run's record later from its retained
+  topics through :meth:`Recorder.open_store` and :meth:`Recorder.record`: the same rows.
 
 docs/architecture.md, "Services", tells more.
 """
@@ -293,6 +295,25 @@ class Recorder(BatchService):
         with self._lock:
             parts, n_bytes = self.compacted = drop_outdated_parts(self._client, st.chdb_path(self.settings.dsn))
         log.info("record compacted: %d merged-away parts deleted (%.1f MB)", parts, n_bytes / 1e6)
+
+    # ----------------------------------------------------------------- the record built later
+
+    def open_store(self) -> None:
+        """Open the store, apply the DDL and read what it holds already (what :meth:`on_start` does
+        first): ``rollstream record`` (:mod:`launch.record`) records with this instance, no service."""
+        self._client = st.connect(self.settings.dsn)
+        st.apply_ddl(self._client)
+        self._load_stored_offsets()
+
+    def record(self, records: list[Record]) -> dict[str, int]:
+        """Store ``records`` as :meth:`handle_batch` does (:meth:`rows_for`, one insert per table),
+        outside the runtime; table -> rows written."""
+        tables = self.rows_for(records)
+        self.insert(tables)
+        self.recorded += len(tables.get("events", []))
+        for r in records:
+            self._stored[(r.topic, r.partition)] = max(r.offset, self._stored.get((r.topic, r.partition), -1))
+        return {table: len(rows) for table, rows in tables.items()}
 
     async def run(self, stop: asyncio.Event | None = None) -> int:
         """Record until ``stop`` (or SIGTERM/SIGINT, or the run finished with
