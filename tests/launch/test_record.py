@@ -27,7 +27,14 @@ from schemas.config import KafkaSettings
 from schemas.topics import pack_values, topic_name
 from services.recorder import Recorder, RecorderSettings
 from tests.schemas.examples import example_events
-from tests.store.record_tables import COLUMNS_QUERY, SKIPPED_COLUMNS, SKIPPED_TABLES, by_table, columns_of, dump_query
+from tests.store.record_tables import (
+    COLUMNS_QUERY,
+    SKIPPED_COLUMNS,
+    SKIPPED_TABLES,
+    by_table,
+    columns_of,
+    dump_query,
+)
 from tests.store.recorded_run import publish, run_events, topic_of
 
 REPO = Path(__file__).resolve().parents[2]
