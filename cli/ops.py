@@ -176,35 +176,40 @@ def stop_cmd(
 def record_cmd(
     run: str = typer.Argument(..., help="Run id."),
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Directory of run folders (where the default store is)."),
+    from_log: Path | None = typer.Option(None, "--from-log", help="Read the run's topics from a copy of the broker's log directory (log.dirs; a local stack's <home>/kafka/data), or from an archive of `rollstream runs export-log`, instead of from a broker: on a machine with no broker and no Java."),
     fmt: str = typer.Option("table", "--format", help="table or json."),
 ) -> None:
     """Build a run's record (the ClickHouse store) from its topics, as the live recorder would have: for a run with store.record_live=false, or to complete a record. Reads every topic of the run to its end with the recorder's own code and stops; running it again adds only what the store lacks.
 
-    The store is --store / ROLLSTREAM_STORE when given, else store.dsn of the run's config, else <runs-dir>/<run>/store (made when missing, also on a machine without the run's folder). Kafka is found as for `rollstream status`. Topics keep their events for 7 days (retention.ms): record before that.
+    The store is --store / ROLLSTREAM_STORE when given, else store.dsn of the run's config, else <runs-dir>/<run>/store (made when missing, also on a machine without the run's folder). Kafka is found as for `rollstream status`. Topics keep their events for 7 days (retention.ms): record before that. With --from-log no broker is asked: the segment files are read as a read_committed consumer reads them (aborted transactions left out).
     """
     import asyncio
     import json
 
-    from launch.record import record_run
+    from launch.record import record_log, record_run
     from runtime.probe import NO_BROKER
     from store.runs import record_dsn
 
     if fmt not in ("table", "json"):
         raise UserError(f"--format {fmt!r}: one of table, json")
     _, cfg, state = _run_files(run, runs_dir)
-    bootstrap = _bootstrap(cfg, state)
-    if not bootstrap:
-        raise UserError(NO_BROKER)
-    from infra.kafka import broker as stack
-
-    if not stack.kafka_reachable(bootstrap, timeout_s=5):
-        raise UserError(f"no Kafka broker answers at {bootstrap} (the broker that holds the run's topics: --bootstrap)")
-    dsn = record_dsn(runs_dir, run, opt("store"))
 
     def progress(line: str) -> None:
         console.print(f"recording {run}: {line}")
 
-    result = asyncio.run(record_run(_kafka(cfg), bootstrap, run, dsn, progress=progress))
+    if from_log is not None:
+        dsn = record_dsn(runs_dir, run, opt("store"))
+        result = asyncio.run(record_log(from_log, run, dsn, progress=progress))
+    else:
+        bootstrap = _bootstrap(cfg, state)
+        if not bootstrap:
+            raise UserError(NO_BROKER)
+        from infra.kafka import broker as stack
+
+        if not stack.kafka_reachable(bootstrap, timeout_s=5):
+            raise UserError(f"no Kafka broker answers at {bootstrap} (the broker that holds the run's topics: --bootstrap)")
+        dsn = record_dsn(runs_dir, run, opt("store"))
+        result = asyncio.run(record_run(_kafka(cfg), bootstrap, run, dsn, progress=progress))
     if fmt == "json":
         out.print(json.dumps(result.to_dict()), markup=False, soft_wrap=True)
     else:

@@ -13,23 +13,31 @@ store from them, on the same machine or on another one that reaches the broker.
   (:meth:`services.recorder.Recorder.open_store`, :meth:`~services.recorder.Recorder.record`):
   the rows a live recorder writes. Idempotent as the recorder is: offsets the store holds already
   are skipped, so running it twice, or over a live record, adds only what is missing.
+* :func:`record_log` does the same on a machine with no broker, from a copy of the broker's log
+  directory or an archive of ``rollstream runs export-log`` (:mod:`infra.kafka.logdir`): the same
+  records, read from the segment files.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from runtime.bus import BusError, Consumer, Record, TopicAdmin, TopicPartition
+from runtime.clients import records_of
 from runtime.reading import behind
 from schemas.config import KafkaSettings
-from schemas.topics import check_run_id, topic_name
+from schemas.topics import check_run_id, spec_for_topic, topic_name
 
-__all__ = ["RecordError", "RecordResult", "RunTopics", "read_run", "record_run", "run_topics"]
+__all__ = ["RecordError", "RecordResult", "RunTopics", "read_run", "record_log", "record_run", "run_topics"]
 
 STALL_S = 60.0
 """A read that gets no record for this long before the topics' ends fails, seconds."""
@@ -139,32 +147,80 @@ async def record_run(kafka: KafkaSettings, bootstrap: str, run_id: str, dsn: str
                      batch_max_records: int = 2000) -> RecordResult:
     """Build (or complete) the record of ``run_id`` in store ``dsn`` from its topics on ``bootstrap``
     with the recorder's code; ``progress`` gets a line every ``every_s``."""
+    topics = await run_topics(kafka, bootstrap, run_id)  # an unknown run is said before a store is made
+
+    async def read(take: Take, ready: Callable[[RunTopics], None]) -> None:
+        await read_run(kafka, bootstrap, topics, take, batch_max_records=batch_max_records, on_ready=ready)
+
+    return await _record(kafka, run_id, dsn, read, progress, every_s, batch_max_records)
+
+
+async def record_log(src: Path, run_id: str, dsn: str, *, progress: Callable[[str], None] | None = None,
+                     every_s: float = 5.0, batch_max_records: int = 2000) -> RecordResult:
+    """:func:`record_run` from a copy of the broker's log directory instead of a broker: ``src`` is the
+    directory (or a local stack's home, or an archive of ``rollstream runs export-log``), read partition
+    by partition as a ``read_committed`` consumer reads it (:mod:`infra.kafka.logdir`)."""
+    from infra.kafka.home import StackError
+    from infra.kafka.logdir import read_partition, run_log, run_partitions, split_partition
+
+    with contextlib.ExitStack() as stack:
+        try:
+            log_dir = stack.enter_context(run_log(src, run_id, progress))
+        except StackError as e:
+            raise RecordError(str(e)) from None
+
+        async def read(take: Take, ready: Callable[[RunTopics], None]) -> None:
+            parts = run_partitions(log_dir, run_id)
+            logs = {}
+            for part in parts:
+                try:
+                    logs[TopicPartition(*split_partition(part.name))] = await asyncio.to_thread(read_partition, part)
+                except StackError as e:
+                    raise RecordError(str(e)) from None
+            ready(RunTopics(begins={tp: p.begin for tp, p in logs.items()}, ends={tp: p.end for tp, p in logs.items()}))
+            for tp, plog in logs.items():
+                dec = msgspec.msgpack.Decoder(spec.event_type) if (spec := spec_for_topic(tp.topic)) else None
+                for i in range(0, len(plog.messages), batch_max_records):
+                    res = take(records_of(tp.topic, tp.partition, plog.messages[i:i + batch_max_records], dec))
+                    if inspect.isawaitable(res):
+                        await res
+            torn = sum(p.torn for p in logs.values())
+            if torn and progress is not None:
+                progress(f"cut {torn} bytes of a batch being written when the log was copied (as the broker would)")
+
+        return await _record(KafkaSettings(), run_id, dsn, read, progress, every_s, batch_max_records)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def _record(kafka: KafkaSettings, run_id: str, dsn: str,
+                  read: Callable[[Take, Callable[[RunTopics], None]], Awaitable[None]],
+                  progress: Callable[[str], None] | None, every_s: float, batch_max_records: int) -> RecordResult:
+    """Open the store as the recorder does and store what ``read`` hands to its ``take``."""
     import store as st
     from services.recorder import Recorder, RecorderSettings
     from store.client import redact
 
     t0 = time.monotonic()
-    topics = await run_topics(kafka, bootstrap, run_id)  # an unknown run is said before a store is made
     recorder = Recorder(RecorderSettings(run_id=run_id, dsn=dsn, kafka=kafka, serve_queries=False,
                                          batch_max_records=batch_max_records))
     await asyncio.to_thread(recorder.open_store)
     result = RecordResult(run_id=run_id, dsn=redact(dsn))
-    read, shown = 0, time.monotonic()
+    read_n, shown = 0, time.monotonic()
 
     def ready(span: RunTopics) -> None:
         result.messages, result.trimmed = span.messages, span.trimmed
 
     async def take(records: list[Record]) -> None:
-        nonlocal read, shown
+        nonlocal read_n, shown
         for table, n in (await asyncio.to_thread(recorder.record, records)).items():
             result.tables[table] = result.tables.get(table, 0) + n
-        read += sum(r.index == 0 for r in records)
+        read_n += sum(r.index == 0 for r in records)
         if progress is not None and time.monotonic() - shown >= every_s:
             shown = time.monotonic()
             total = f"/{result.messages}" if result.messages else ""
-            progress(f"{read}{total} records read, {recorder.recorded} events stored, {recorder.skipped} already there")
+            progress(f"{read_n}{total} records read, {recorder.recorded} events stored, {recorder.skipped} already there")
 
-    await read_run(kafka, bootstrap, topics, take, batch_max_records=batch_max_records, on_ready=ready)
+    await read(take, ready)
     result.events, result.skipped, result.finished = recorder.recorded, recorder.skipped, recorder.finished_seen
     if recorder.finished_seen and st.check_dsn(dsn) == "chdb":
         await asyncio.to_thread(recorder.compact)
