@@ -2,11 +2,13 @@
 the real ClickHouse engine: one small run (every event type, batched records, an undecodable
 message) recorded live by the recorder, then again from its topics into another store by the CLI;
 the two records are equal table by table, the later one adds nothing to the live one, and the
-summary counted from the topics is the one counted in SQL."""
+summary counted from the topics is the one counted in SQL; and the run exported from the broker's log
+directory is recorded elsewhere with no broker (`record --from-log`), equal to the live record too."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -19,6 +21,7 @@ import msgspec
 import pytest
 
 import store as st
+from infra.kafka.home import read_properties
 from launch.progress import tallies_of_store, tallies_of_topics
 from launch.record import RecordError, record_run
 from runtime.bus import Producer, TopicAdmin
@@ -66,6 +69,15 @@ async def _publish_and_record(bootstrap: str, run_id: str, dsn: str) -> int:
         for name, batch in (("tasks", tasks), ("metrics", outcomes)):
             await producer.raw.send_and_wait(topic_name(run_id, name), pack_values([enc.encode(e) for e in batch]),
                                              key=b"b/0")
+    # a transaction aborted (its event is in the log, not in the record) and one committed
+    async with Producer(kafka, bootstrap, transactional_id=f"tx-{run_id}") as txp:
+        with contextlib.suppress(ZeroDivisionError):
+            async with txp.transaction():
+                await txp.send(topic_name(run_id, "control"), ev.Pause(run_id=run_id, reason="aborted"))
+                await txp.flush()
+                raise ZeroDivisionError
+        async with txp.transaction():
+            await txp.send(topic_name(run_id, "control"), ev.Resume(run_id=run_id))
     await publish(bootstrap, run_id, run_events(run_id))  # the run of tests/store/recorded_run.py, RunFinished last
     settings = RecorderSettings(run_id=run_id, dsn=dsn, kafka=KafkaSettings(bootstrap=bootstrap),
                                 stop_when_finished=True, idle_exit_s=0.5, lag_report_every_s=0)
@@ -91,7 +103,13 @@ def test_a_record_built_later_equals_the_live_one_table_by_table(live: Live, tmp
     assert res.returncode == 0, res.stderr
     done = json.loads(res.stdout)
     assert done["events"] == live.recorded and done["skipped"] == 0 and done["finished"], done
-    assert done["messages"] == live.recorded - 4  # two batched records carry 3 events each
+    # two batched records carry 3 events each; two transactions left an event and a marker each (one aborted)
+    assert done["messages"] == live.recorded - 4 + 3
+    assert_same_record(live, later)
+
+
+def assert_same_record(live: Live, later: str) -> None:
+    """The record in store ``later`` equals the live one, table by table."""
     # the live record, in this process; the later one through `rollstream sql` (one chDB store a process)
     client = st.connect(live.dsn)
     columns = columns_of(client.query(COLUMNS_QUERY).result_rows)
@@ -110,7 +128,42 @@ def test_a_record_built_later_equals_the_live_one_table_by_table(live: Live, tmp
         "events", "sample_tasks", "sample_generations", "sample_rewards", "sample_outcomes", "train_steps", "evals",
         "weights", "dlq", "env_events", "service_events", "schema_migrations"}
     assert '"record_index":2' in "".join(mine["events"])
+    assert '"Resume"' in "".join(mine["events"]) and '"aborted"' not in "".join(mine["events"])
     assert set(SKIPPED_COLUMNS) <= {(t, c) for t, cols in columns.items() for c in cols}
+
+
+def broker_log_dir(bootstrap: str) -> Path:
+    """The log directory of the local broker listening at ``bootstrap`` (its server.properties, found
+    through its command line): the broker the tests use is one `rollstream stack up` started."""
+    port = bootstrap.rsplit(":", 1)[1]
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if "kafka.Kafka" in argv and argv.index("kafka.Kafka") + 1 < len(argv):
+            props = read_properties(Path(argv[argv.index("kafka.Kafka") + 1]))
+            if any(item.endswith(f":{port}") for item in props.get("listeners", "").split(",")):
+                return Path(props["log.dirs"])
+    pytest.fail(f"no local broker process listens at {bootstrap}: the test reads its log directory")
+
+
+def test_a_record_built_elsewhere_from_the_exported_log_equals_the_live_one(live: Live, tmp_path: Path) -> None:
+    archive = tmp_path / "out" / f"{live.run_id}.tar.xz"
+    res = rollstream("runs", "export-log", live.run_id, str(archive), "--log-dir", str(broker_log_dir(live.bootstrap)),
+                     "--format", "json", bootstrap=live.bootstrap)
+    assert res.returncode == 0, res.stderr
+    exported = json.loads(res.stdout)
+    assert exported["partitions"] >= 10 and 0 < exported["bytes"] == archive.stat().st_size < exported["bytes_unpacked"]
+    later = f"chdb://{tmp_path / 'elsewhere'}"
+    # no broker there: a bootstrap nothing answers at, and the record built all the same
+    res = rollstream("record", live.run_id, "--from-log", str(archive), "--store", later, "--runs-dir",
+                     str(tmp_path / "runs"), "--format", "json", bootstrap="127.0.0.1:9")
+    assert res.returncode == 0, res.stderr
+    done = json.loads(res.stdout)
+    assert (done["events"], done["skipped"], done["finished"], done["trimmed"]) == (live.recorded, 0, True, 0), done
+    assert done["messages"] == live.recorded - 4 + 3
+    assert_same_record(live, later)
 
 
 async def test_recording_over_the_live_record_adds_nothing(live: Live) -> None:
