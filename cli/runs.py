@@ -134,13 +134,19 @@ def runs_export_log(
     import json
 
     from cli.app import home
-    from infra.kafka.logdir import export_log
+    from infra.kafka.logdir import archive_mode, export_log
     from schemas.topics import check_run_id
 
     if fmt not in ("table", "json"):
         raise UserError(f"--format {fmt!r}: one of table, json")
     check_run_id(run)
-    done = export_log(log_dir if log_dir is not None else home(), run, archive)
+    archive_mode(archive)
+    if log_dir is None:
+        log_dir = home() / "kafka" / "data"
+        if not (log_dir / "meta.properties").is_file():
+            raise UserError(f"no Kafka log directory in the local stack of {home()} ({log_dir}): name the broker's "
+                            "with --log-dir (its log.dirs), or the stack's home with --home")
+    done = export_log(log_dir, run, archive)
     if fmt == "json":
         out.print(json.dumps({"run_id": run, "archive": str(done.path), "partitions": done.partitions,
                               "files": done.files, "bytes": done.bytes_out, "bytes_unpacked": done.bytes_in}),

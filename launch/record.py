@@ -165,7 +165,7 @@ async def record_log(src: Path, run_id: str, dsn: str, *, progress: Callable[[st
 
     with contextlib.ExitStack() as stack:
         try:
-            log_dir = stack.enter_context(run_log(src, run_id, progress))
+            log_dir = stack.enter_context(run_log(src, run_id))
         except StackError as e:
             raise RecordError(str(e)) from None
 

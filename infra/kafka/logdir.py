@@ -39,7 +39,7 @@ from typing import Any
 
 from infra.kafka.home import KAFKA_VERSION, StackError, kafka_dir, read_properties
 
-__all__ = ["ARCHIVE_SUFFIXES", "Exported", "PartitionLog", "export_log", "find_log_dir", "read_partition", "run_log",
+__all__ = ["ARCHIVE_SUFFIXES", "Exported", "PartitionLog", "archive_mode", "export_log", "find_log_dir", "read_partition", "run_log",
            "run_partitions", "split_partition"]
 
 ARCHIVE_SUFFIXES = {".tar.xz": "w:xz", ".txz": "w:xz", ".tar.gz": "w:gz", ".tgz": "w:gz", ".tar": "w"}
@@ -264,7 +264,7 @@ def split_partition(name: str) -> tuple[str, int]:
 
 
 @contextlib.contextmanager
-def run_log(src: Path, run_id: str, progress: Callable[[str], None] | None = None) -> Iterator[Path]:
+def run_log(src: Path, run_id: str) -> Iterator[Path]:
     """The Kafka log directory holding ``run_id``'s partitions from ``src``: ``src`` itself (a log
     directory, or a local stack's home) or, for an archive of :func:`export_log`, a temporary
     directory it is unpacked into (deleted on the way out). :class:`StackError` when ``src`` is
@@ -280,8 +280,6 @@ def run_log(src: Path, run_id: str, progress: Callable[[str], None] | None = Non
     archive_mode(src)
     tmp = Path(tempfile.mkdtemp(prefix=f"rollstream-log-{run_id}-"))
     try:
-        if progress:
-            progress(f"unpacking {src}")
         try:
             with tarfile.open(src, "r:*") as tar:
                 tar.extractall(tmp, filter="data")
