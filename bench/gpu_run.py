@@ -28,6 +28,7 @@ back from the broker's log directory (``infra/kafka/logdir.py``), and the run is
 (``rollstream runs export-log``) as ``<run>.tar.xz`` under ``--out``: on the CPU machine
 ``rollstream record RUN --from-log DIR/<run>.tar.xz`` builds its record. ``--out`` gets at most 8
 flat files of at most 16 MiB (an archive over that is left out and said so in results.json).
+A shape not started within ``--budget-s`` (300) is skipped and named in results.json.
 ``--smoke``: the main example's tiny model for both parts, 2 steps, small batches (minutes on a CPU).
 bench/README.md ("gpu_run.py") keeps the measured runs.
 """
@@ -341,6 +342,7 @@ def main() -> None:
     ap.add_argument("--shape-steps", type=int, default=4, help="shapes: training steps through Kafka")
     ap.add_argument("--shapes", default="smollm2-shape,qwen2.5-0.5b-shape", help="bench/gpu.py model names")
     ap.add_argument("--run-timeout-s", type=float, default=240, help="the longest one run may take")
+    ap.add_argument("--budget-s", type=float, default=300, help="a part not started by then is skipped (said so)")
     a = ap.parse_args()
     if a.smoke:
         a.steps, a.shape_steps, a.shapes = 2, 2, "tiny"
@@ -368,6 +370,9 @@ def main() -> None:
         models = gpu.make_models(work / "models", a.shapes.split(","))
         results["shapes"] = []
         for name, model_dir in models.items():
+            if time.time() - t_start > a.budget_s and not a.smoke:
+                results.setdefault("skipped", []).append(f"{name}: --budget-s {a.budget_s:g} spent")
+                continue
             row = shape(a, name, model_dir, env, work, sampler, a.out, results)
             results["shapes"].append(row)
             print(json.dumps(row), flush=True)
