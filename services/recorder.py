@@ -29,6 +29,8 @@ While it retries, :attr:`Recorder.outage` says since when and how many messages 
   parts merges made obsolete are deleted from disk (:mod:`store.compact`).
 * Experiment trackers (``tracking``, :mod:`store.tracking`) get each newly stored ``TrainStep`` /
   ``EvalResult`` of its run after the insert.
+* ``rollstream record`` (:mod:`launch.record`) builds a run's record later from its retained
+  topics through :meth:`Recorder.open_store` and :meth:`Recorder.record`: the same rows.
 
 docs/architecture.md, "Services", tells more.
 """
@@ -340,11 +342,8 @@ class Recorder(BatchService):
         return service_settings(self.settings)
 
     async def on_start(self, runner: Runner) -> None:
-        s = self.settings
         self._stop = runner.stop
-        self._client = st.connect(s.dsn)
-        st.apply_ddl(self._client)
-        self._load_stored_offsets()
+        self.open_store()
         self._start_server()
         self._start_trackers()
         self._quiet_since = None
@@ -360,9 +359,7 @@ class Recorder(BatchService):
         except StoreDown as e:  # stopping during an outage: the batch stays uncommitted, read again later
             log.warning("%s; the batch is left uncommitted", e)
             raise asyncio.CancelledError from e
-        self.recorded += len(tables.get("events", []))
-        for r in records:
-            self._stored[(r.topic, r.partition)] = max(r.offset, self._stored.get((r.topic, r.partition), -1))
+        self._stored_now(records, tables)
         if self.tracking is not None:  # after the insert: trackers see what the record holds
             await asyncio.to_thread(self.tracking.feed, new)
 
@@ -404,6 +401,29 @@ class Recorder(BatchService):
         with self._lock:
             parts, n_bytes = self.compacted = drop_outdated_parts(self._client, st.chdb_path(self.settings.dsn))
         log.info("record compacted: %d merged-away parts deleted (%.1f MB)", parts, n_bytes / 1e6)
+
+    # ----------------------------------------------------------------- the record built later
+
+    def open_store(self) -> None:
+        """Open the store, apply the DDL and read what it holds already (:meth:`on_start` begins
+        with it; ``rollstream record`` (:mod:`launch.record`) records with this instance, no service)."""
+        self._client = st.connect(self.settings.dsn)
+        st.apply_ddl(self._client)
+        self._load_stored_offsets()
+
+    def record(self, records: list[Record]) -> dict[str, int]:
+        """Store ``records`` as :meth:`handle_batch` does (:meth:`rows_for`, one insert per table),
+        outside the runtime; table -> rows written."""
+        tables = self.rows_for(records)
+        self.insert(tables)
+        self._stored_now(records, tables)
+        return {table: len(rows) for table, rows in tables.items()}
+
+    def _stored_now(self, records: list[Record], tables: dict[str, list[list[Any]]]) -> None:
+        """Count ``tables``' events as recorded and ``records``' offsets as stored."""
+        self.recorded += len(tables.get("events", []))
+        for r in records:
+            self._stored[(r.topic, r.partition)] = max(r.offset, self._stored.get((r.topic, r.partition), -1))
 
     async def run(self, stop: asyncio.Event | None = None) -> int:
         """Record until ``stop`` (or SIGTERM/SIGINT, or the run finished with

@@ -76,6 +76,13 @@ class StoreSettings(Section):
     (the store down) before it stops with that error, seconds. Meanwhile training goes on, nothing
     unstored is committed, ``rollstream status`` shows the outage, and the recorder catches up from
     Kafka once the store is back. Other insert errors stop the recorder at once."""
+    record_live: bool = True
+    """Record the run while it goes: ``rollstream run`` starts the recorder. ``false``: no recorder
+    (no chDB needed on the node, its CPU saved); the run's topics are its record until
+    ``rollstream record RUN`` builds the store from them, on this machine or another one
+    (docs/analytics.md, "The record built later"). Topics keep their events 7 days
+    (``retention.ms``): build the record before that. ``summary.json`` then comes from the topics;
+    ``tracking`` (fed by the recorder) is refused."""
 
 
 class TrackingConfig(Section):

@@ -347,6 +347,15 @@ def wandb_project(cfg: RunConfig) -> str | None:
 
 
 @rule
+def trackers_need_the_recorder(cfg: RunConfig) -> str | None:
+    """Experiment trackers are fed by the live recorder."""
+    if not cfg.store.record_live and (cfg.tracking.tensorboard or cfg.tracking.wandb):
+        return ("tracking.tensorboard/tracking.wandb need the live recorder, but store.record_live=false "
+                "(turn the trackers off, or record live)")
+    return None
+
+
+@rule
 def simulated_latency(cfg: RunConfig) -> str | None:
     """A simulated latency (``reward``, ``env``) needs a mean, and a finite one for ``pareto``."""
     for key, s in (("reward", cfg.reward), ("env", cfg.env)):

@@ -256,6 +256,7 @@ RULE_CASES = [
     (["train.strategy=fsdp2", "train.ranks=2", "train.micro_batch_tokens=4096"],
      "train.micro_batch_tokens=4096 works with train.strategy='torch' only"),
     (["tracking.wandb=true", "tracking.wandb_project="], "tracking.wandb_project must not be empty"),
+    (["store.record_live=false", "tracking.tensorboard=true"], "need the live recorder, but store.record_live=false"),
     (["reward.latency=lognormal"], "reward.latency='lognormal' needs reward.latency_mean_s > 0, got 0"),
     (["env.latency=pareto", "env.latency_mean_s=1", "env.latency_sigma=1"], "env.latency_sigma=1 must be > 0 (> 1 for pareto"),
     (["judge.models={'': {path: m}}"], "judge.models: a judge needs a non-empty name"),
