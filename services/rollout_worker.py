@@ -155,7 +155,8 @@ class RolloutWorker(Service):
                      "(shared with an identical prompt or a common prefix of the same admission)", self.worker_id,
                      e.tokens_generated, e.prompt_tokens, e.prompt_tokens_reused,
                      100 * e.prompt_tokens_reused / e.prompt_tokens)
-        releases = f"; engine memory released {self.engine.releases} time(s) ({self.release})" if self.release != "off" else ""
+        releases = (f"; engine memory released {self.engine.releases} time(s) ({self.release})"
+                    if isinstance(self.engine, TorchEngine) and self.release != "off" else "")
         log.info("rollout %s: peak memory %.2f GiB on %s%s", self.worker_id, peak_memory_gib(self.device), self.device,
                  releases)
 

@@ -99,7 +99,7 @@ class RolloutConfig(Section):
     eagerly (debugging). Nothing to replay on the CPU or with other models, which run eagerly either
     way. ``false`` is refused with a generation server (use ``rollstream serve --no-cuda-graphs``)."""
     release_between_steps: Literal["off", "kv", "kv_and_weights"] = "off"
-    """One device shared by rollout and trainer (``docs/scaling.md``, "One GPU for both"): what the
+    """One device shared by rollout and trainer (``docs/models.md``, "One GPU for both"): what the
     engine gives back while it has nothing to generate, waiting for the next weights version, so the
     trainer's step has that memory. ``kv``: its KV cache (and CUDA graphs), reallocated at the next
     generation; ``kv_and_weights``: also its weights, moved to host memory and back (the new version
