@@ -115,7 +115,10 @@ async def test_an_idle_worker_releases_its_engine_and_reports_its_peak_memory(mo
     cfg = parse_config("rollout: {async_ratio: 0, release_between_steps: kv_and_weights, device: cpu, "
                        "max_new_tokens: 4}")
     worker = RolloutWorker(RolloutSettings(run_id="r", config=cfg, model_dir=str(model_dir), weights_timeout_s=0.2))
+    from rollout.engine import TorchEngine
+
     engine = worker.engine
+    assert isinstance(engine, TorchEngine)
     emitted: list[ev.Event] = []
     ctx = SimpleNamespace(emit=lambda topic, event, key=None: emitted.append(event))
     domain = cfg.data.domains[0].name
