@@ -15,6 +15,8 @@ copies a published weight set into the live parameters between two steps
 (:func:`weights.copy_weights_`); requests in flight continue with the new weights, and each
 :class:`Completion` reports the version it started and ended with. All torch work runs on one
 thread of the engine's own, so the event loop stays responsive. Sampling is seeded per engine.
+:meth:`TorchEngine.release` gives back an idle engine's KV cache, and its weights to host memory,
+which the next step takes back (``rollout.release_between_steps``: one device for rollout and trainer).
 
 How admission, padding, prefix sharing and the swap work, and why not transformers' own
 continuous batching: docs/architecture.md, "Engines and strategies".

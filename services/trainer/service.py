@@ -315,7 +315,7 @@ class Trainer(BatchService):
         metrics["perf/train_tokens_per_s"] = metrics.get("train/tokens", 0.0) / max(1e-9, metrics["perf/step_s"])
         # peak memory per process (runtime.memory): this trainer's, and the highest its batch's rollout workers reported
         metrics["perf/peak_memory_gib"] = peak_memory_gib(self.device)
-        metrics["perf/rollout_peak_memory_gib"] = max(s.generation.peak_memory_gib for s in batch)
+        metrics["perf/rollout_peak_memory_gib"] = max((s.generation.peak_memory_gib for s in batch), default=0.0)
         return metrics
 
     async def train_once(self, group_ids: list[str], ctx: BatchContext) -> dict[str, float]:
