@@ -331,6 +331,9 @@ async def test_release_frees_memory_and_generation_is_unchanged(
     assert freed.released  # the swap went into the released engine's copy without taking it back
     second = {e: await generate_all(e, requests(e, params)) for e in (kept, freed)}
     assert freed.released == ""
+    for e in (kept, freed):  # a swap into the weights that came back, as into weights that stayed
+        await e.load_weights(model_dir, version=2)
+        second[e] += await generate_all(e, requests(e, params))
     assert [(c.token_ids, c.policy_version) for c in second[freed]] == [
         (c.token_ids, c.policy_version) for c in second[kept]]
     assert any(c.token_ids for c in second[freed])
