@@ -483,7 +483,7 @@ def sharing_rows(a: argparse.Namespace, models: dict[str, Path]) -> list[dict[st
         for dtype in a.dtypes.split(","):
             eng = TorchEngine(model_dir, max_batch=a.max_batch, device=a.device, dtype=dtype, chat_template=False)
 
-            def timed_pass(eng: Any = eng) -> float:
+            def timed_pass(eng: Any = eng, reqs: list[Any] = reqs, model: str = model) -> float:
                 t0 = time.perf_counter()
                 done = asyncio.run(generate_all(eng, reqs))
                 if cuda:
