@@ -231,6 +231,22 @@ def weights_handoff(cfg: RunConfig) -> str | None:
 
 
 @rule
+def release_between_steps(cfg: RunConfig) -> str | None:
+    """``rollout.release_between_steps`` frees the engine's memory only where it waits for the trainer
+    (the devices are compared once resolved: :func:`schemas.devices.placement`)."""
+    r, key = cfg.rollout, "rollout.release_between_steps"
+    if r.release_between_steps == "off":
+        return None
+    if r.async_ratio > 0:
+        return (f"{key}={r.release_between_steps} needs rollout.async_ratio=0 (got {r.async_ratio:g}: the engine "
+                "generates while the trainer steps); set one of them")
+    if r.engine != "torch":
+        return (f"{key}={r.release_between_steps} needs rollout.engine=torch (got {r.engine}: a generation server "
+                "manages its own memory); set it to off")
+    return None
+
+
+@rule
 def restart_backoff(cfg: RunConfig) -> str | None:
     r = cfg.run
     if r.restart_backoff_max_s < r.restart_backoff_s:

@@ -46,8 +46,10 @@ def test_short_run_accounts_for_every_sample(tmp_path: Path, bootstrap: str, rep
     sampled = ["train.eval_samples=2"] if async_ratio == "0" else []  # mean@2 beside the greedy accuracy
     handoff = "disk" if async_ratio == "1" else "auto"  # auto: shared memory (one node)
     live = async_ratio == "1"
+    # on-policy, one device: the engine gives back its KV cache and weights while the trainer steps
+    release = ["rollout.release_between_steps=kv_and_weights"] if async_ratio == "0" else []
     res = rollstream("run", str(repo_root / "examples" / "main.yaml"), "--run-id", run_id,
-                     *[a for kv in [*SHORT, *sampled, f"rollout.async_ratio={async_ratio}", f"run.runs_dir={runs}",
+                     *[a for kv in [*SHORT, *sampled, *release, f"rollout.async_ratio={async_ratio}", f"run.runs_dir={runs}",
                                     f"train.weights_handoff={handoff}", f"store.record_live={str(live).lower()}"]
                        for a in ("--set", kv)], env=env)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -133,7 +135,14 @@ def test_short_run_accounts_for_every_sample(tmp_path: Path, bootstrap: str, rep
         assert lag[0]["n"] == 0
         ratio = sql(f"SELECT max(abs(metrics['actor/ratio_mean'] - 1)) AS d FROM train_steps FINAL "
                     f"WHERE run_id = '{run_id}'", runs, run_id, env)
-        assert ratio[0]["d"] < 1e-3
+        assert ratio[0]["d"] < 1e-3  # the weights the engine took back are the trainer's
+        released = [int(n) for log in (runs / run_id / "logs").glob("rollout*.log")
+                    for n in re.findall(r"engine memory released (\d+) time", log.read_text())]
+        assert released and sum(released) >= 4, released  # at least once per version
+    peaks = sql(f"SELECT min(metrics['perf/peak_memory_gib']) AS trainer, "
+                f"min(metrics['perf/rollout_peak_memory_gib']) AS rollout FROM train_steps FINAL "
+                f"WHERE run_id = '{run_id}'", runs, run_id, env)
+    assert peaks[0]["trainer"] > 0 and peaks[0]["rollout"] > 0  # peak RSS of each process (CPU)
 
 
 CHAT_DOMAINS = (
