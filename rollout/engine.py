@@ -6,7 +6,8 @@ slots (one batched prefill) and runs one decode step for every row, and a row th
 a stop string or ``max_new_tokens``) leaves right after it. Llama-family models
 (:func:`rollout.slot_decoder.slot_support`) run through :class:`SlotDecoder`, any other causal LM
 through :class:`HFDecoder` (transformers' forward over a ``DynamicCache`` whose rows we edit;
-``decoder="hf"`` forces it).
+``decoder="hf"`` forces it). :class:`VLMDecoder` is the same for a Qwen2-VL-family model, its
+prefill fed each row's images.
 
 Each generated token reports its behaviour logprob ``log_softmax(logits / T)[token]`` at the
 request's temperature, untruncated by ``top_p`` (:mod:`rollout.sampling`): the trainer's
@@ -41,6 +42,7 @@ from transformers.cache_utils import DynamicLayer
 from rollout.model_init import encode_prompt, eos_token_ids, load_model, load_tokenizer, use_chat_template
 from rollout.sampling import SamplingParams, sample_next
 from rollout.slot_decoder import SlotDecoder, slot_support
+from rollout.vlm import ImageInputs
 from weights import copy_weights_, read_weights
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -286,6 +288,41 @@ class HFDecoder:
             select_cache(self.cache, idx, first_col)
         self.next_pos = self.next_pos[idx]
         return keep
+
+
+class VLMDecoder(HFDecoder):
+    """:class:`HFDecoder` for a vision-language model (Qwen2-VL / Qwen2.5-VL): the prefill feeds each
+    row's images (their features replace the row's ``<|image_pad|>`` tokens) at the model's
+    multimodal RoPE positions (``get_rope_index``); each row then decodes text from one past its
+    largest position (all three RoPE axes alike), so the KV-cache rows edit as for text."""
+
+    def prefill(self, prompts: list[list[int]], images: list[ImageInputs | None] | None = None) -> torch.Tensor:
+        """Append rows for ``prompts`` with ``images[i]`` for row i (None: text only); logits (b, V)."""
+        ids, mask, _ = left_padded(prompts, self.device)  # (b, P) each
+        given = [im for im in (images or []) if im is not None]
+        pixels = torch.cat([im.pixel_values for im in given]).to(self.device) if given else None  # (patches, F)
+        grid = torch.cat([im.grid_thw for im in given]).to(self.device) if given else None  # (images, 3)
+        mm = (ids == self.model.config.image_token_id).int()  # (b, P)
+        pos, _ = self.model.model.get_rope_index(ids, mm_token_type_ids=mm, image_grid_thw=grid,
+                                                 attention_mask=mask)  # (3, b, P)
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+            pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=mm, **self.prefill_kwargs,
+        ).logits[:, -1]  # (b, V)
+        start = len(self.next_pos)
+        self.append(cache, mask)
+        self.next_pos[start:] = pos.amax(dim=(0, 2)) + 1  # (b,) one past each row's largest position
+        return logits
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row (B,); the next logits (B, V)."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.rows, 1)], dim=1)  # (B, L + 1)
+        pos = self.next_pos.view(1, -1, 1).expand(3, -1, 1)  # (3, B, 1)
+        logits = self.model(input_ids=tokens.unsqueeze(1), attention_mask=self.mask, position_ids=pos,
+                            past_key_values=self.cache, use_cache=True).logits[:, -1]  # (B, V)
+        self.next_pos = self.next_pos + 1
+        return logits
 
 
 Decoder = HFDecoder | SlotDecoder
