@@ -84,7 +84,7 @@ def init_tiny_vlm(out_dir: str | Path, spec: TinyModelSpec | None = None, seed: 
     tokenizer = build_char_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
     tokenizer.chat_template = VLM_CHAT_TEMPLATE
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    ids: dict[str, int] = {t: int(tokenizer.convert_tokens_to_ids(t)) for t in VISION_TOKENS}  # type: ignore[arg-type]
     pad, bos, eos = (SPECIAL_TOKENS.index(t) for t in ("<pad>", "<s>", "</s>"))
     config = Qwen2VLConfig(
         text_config=dict(
