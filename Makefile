@@ -1,5 +1,5 @@
 # rollstream — `make demo` runs the main example, `make test` runs the tests.
-# Both set up what is missing first (.venv, Python packages, Kafka jars) and are fast when set up.
+# Both set up what is missing first (.venv, Python packages, Kafka jars, a Java runtime if none) and are fast when set up.
 
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml requirements.lock
 	@touch $(STAMP)
 
 setup: $(STAMP)
-	@$(BIN)/python -c "from infra.kafka.broker import ensure_kafka_jars; ensure_kafka_jars(progress=print)"
+	@$(BIN)/python -c "from infra.kafka.jars import ensure_kafka_jars; from infra.kafka.java import find_java; ensure_kafka_jars(progress=print); find_java(progress=print)"
 
 demo: setup
 	$(BIN)/rollstream run examples/main.yaml

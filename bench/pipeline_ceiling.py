@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/pipeline_ceiling.py [--bootstrap HOST:PORT] [--seconds 75] [--steps N] [--rate 50]
                                                [--set KEY=VALUE ...] [--no-profile] [--profile-out FILE]
-                                               [--samples-per-record N] [--top 8]
+                                               [--samples-per-record N] [--after-only] [--top 8]
 
 Every service of ``examples/main.yaml`` (feeder, rollout, reward, trainer, recorder) runs as in
 ``rollstream run``: the real supervisor starts each one's real ``run(settings)`` in its own process,
@@ -391,6 +391,8 @@ def parse_args() -> argparse.Namespace:
                     help="the 'after' row's kafka.samples_per_record (default: the config's default)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="another run config override for every row (e.g. rollout.async_ratio=3)")
+    ap.add_argument("--after-only", action="store_true",
+                    help="run the 'after' row alone (side-by-side runs of two checkouts, alternating)")
     ap.add_argument("--no-profile", action="store_true", help="skip the py-spy run")
     ap.add_argument("--rate", type=int, default=50, help="py-spy samples per second")
     ap.add_argument("--profile-out", type=Path, default=None, help="keep the raw py-spy profile here")
@@ -447,6 +449,8 @@ def main() -> int:
         print("kafka.samples_per_record is not in this version's run config: measuring today's path only "
               "(one sample per Kafka record)", flush=True)
     rows = rows_to_run(default, args.samples_per_record)
+    if args.after_only:
+        rows = rows[-1:]
     env = dict(os.environ, PYTHONHASHSEED="0", ROLLSTREAM_BOOTSTRAP=args.bootstrap)
     work = Path(tempfile.mkdtemp(prefix="pipeline-ceiling-"))
     results = []

@@ -84,6 +84,11 @@ def stack_up(
         help="--sasl-ssl: file whose first line is the user's password (default: $ROLLSTREAM_SASL_PASSWORD, "
              "else a generated one in <home>/kafka/sasl.password). Read at the home's first start only.",
     ),
+    from_dir: str = typer.Option(
+        "", "--from",
+        help="A bundle written by `rollstream stack bundle DIR`: unpack its Java runtime and Kafka jars into the "
+             "cache ($ROLLSTREAM_CACHE) first, so that nothing is downloaded (an offline node).",
+    ),
     brokers: int = typer.Option(
         1, "--brokers",
         help="Brokers of the local Kafka: 1, or a local KRaft cluster of N broker+controller JVMs on this machine "
@@ -96,6 +101,16 @@ def stack_up(
     from runtime.probe import find_bootstrap
 
     explicit = find_bootstrap(opt("bootstrap"))  # the rule's steps before the local broker (no config here)
+    if from_dir:
+        from pathlib import Path
+
+        from infra.kafka.bundle import install_bundle
+
+        if explicit:
+            raise UserError("--from unpacks a bundle for a local broker; leave out --bootstrap / ROLLSTREAM_BOOTSTRAP")
+        with console.status("unpacking the bundle...") as status:
+            manifest = install_bundle(Path(from_dir), progress=lambda m: status.update(m))
+        out.print(f"bundle: {from_dir} unpacked (Java {manifest.get('java_version')}, {manifest.get('jars')} jars)")
     if brokers != 1 and (sasl_ssl or port):
         raise UserError(f"--brokers {brokers} starts a PLAINTEXT cluster on ports of its own; leave out "
                         f"{'--sasl-ssl' if sasl_ssl else '--port'}")
@@ -122,7 +137,7 @@ def stack_up(
         from infra.kafka.local_security import SaslSslOptions
 
         options = SaslSslOptions(sasl_user, sasl_mechanism, sasl_password_file) if sasl_ssl else None
-        with console.status("resolving Kafka jars from Maven Central...") as status:
+        with console.status("resolving the Kafka jars...") as status:
             stack.ensure_kafka_jars(progress=lambda m: status.update(m))
             status.update("starting the local Kafka broker...")
             proc, started = stack.start_local_kafka(home(), port=port or None, progress=lambda m: status.update(m),
@@ -184,3 +199,32 @@ def stack_status() -> None:
     out.print(f"store: {desc} — {'up' if store_ok else 'DOWN'}")
     if not (kafka_ok and store_ok):
         raise typer.Exit(1)
+
+
+@stack_app.command("bundle")
+@friendly
+def stack_bundle(
+    out_dir: str = typer.Argument(..., help="A new (or empty) directory to write the bundle into."),
+    jdk: str = typer.Option("", "--jdk", help="The JDK home to jlink the runtime from (default: the Java that runs "
+                                              "the broker here)."),
+    wheels: bool = typer.Option(True, "--wheels/--no-wheels",
+                                help="Also download the wheels a plain PyTorch image lacks (from PyPI)."),
+) -> None:
+    """Write what an offline Linux x86-64 node needs for `stack up --from DIR`: a jlink'd Java runtime, the
+    broker's jars trimmed, our wheels (infra/kafka/README.md, "A stack that travels")."""
+    from pathlib import Path
+
+    from infra.kafka.bundle import write_bundle
+
+    with console.status("writing the bundle...") as status:
+        manifest = write_bundle(Path(out_dir), progress=lambda m: status.update(m), jdk=Path(jdk) if jdk else None,
+                                wheels=wheels)
+    files = manifest["files"]
+    assert isinstance(files, dict)
+    for name, size in files.items():
+        out.print(f"  {size / 2**20:7.2f} MiB  {name}", markup=False, highlight=False)
+    total = manifest["total_bytes"]
+    assert isinstance(total, int)
+    out.print(f"bundle: {out_dir}, {total / 2**20:.1f} MiB (Java {manifest['java_version']} by {manifest['runtime']}, "
+              f"{manifest['jars']} jars); on the node: pip install --no-deps {out_dir}/wheels/*.whl, then "
+              f"rollstream stack up --from {out_dir}")

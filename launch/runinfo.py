@@ -59,7 +59,7 @@ class RunInfo:
     last_task_ts: float | None = None
     newest_group: tuple[int, int] | None = None
     """The highest group number seen on ``tasks`` and its tasks per group (``group_size`` +
-    ``redundancy``)."""
+    ``redundancy``, + 1 for ReMax's baseline task)."""
     weights: ev.WeightsPublished | None = None
     train_step: ev.TrainStep | None = None
     started: ev.RunStarted | None = None
@@ -200,7 +200,7 @@ def _take(info: RunInfo, event: Any) -> None:
         info.last_task_ts = max(info.last_task_ts or 0.0, event.ts)
         k = ev.group_number(event.group_id)
         if k is not None and (info.newest_group is None or k > info.newest_group[0]):
-            info.newest_group = (k, event.group_size + event.redundancy)
+            info.newest_group = (k, event.group_size + event.redundancy + int(event.baseline_index >= 0))
     elif isinstance(event, ev.WeightsPublished):
         if info.weights is None or event.ts >= info.weights.ts:
             info.weights = event

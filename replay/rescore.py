@@ -59,15 +59,18 @@ def _same(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 
 
-def _advantages(cfg: RunConfig, rewards: list[float], groups: list[str]) -> list[float]:
-    """Per-sample advantages of one batch under ``cfg.algorithm`` (the trainer's estimator)."""
+def _advantages(cfg: RunConfig, rewards: list[float], groups: list[str],
+                baselines: list[float] | None = None) -> list[float]:
+    """Per-sample advantages of one batch under ``cfg.algorithm`` (the trainer's estimator);
+    ``baselines``: each sample's ReMax greedy reward, when its group has one."""
     import torch
 
     from trainer.algorithm import sample_advantages
 
     index = {g: i for i, g in enumerate(dict.fromkeys(groups))}
     adv = sample_advantages(cfg.algorithm, torch.tensor(rewards, dtype=torch.float),
-                            torch.tensor([index[g] for g in groups]))
+                            torch.tensor([index[g] for g in groups]),
+                            None if baselines is None else torch.tensor(baselines, dtype=torch.float))
     return [float(a) for a in adv]
 
 
@@ -208,8 +211,14 @@ def rescore(s: ReplaySettings, progress: Progress = no_progress, examples: int =
         if not batch:
             continue
         gids = [r.scored.generation.task.group_id for r in batch]
-        old = _advantages(old_cfg, [r.scored.reward for r in batch], gids)
-        new = _advantages(new_cfg, [r.new.reward for r in batch], gids)
+        tasks = [r.scored.generation.task for r in batch]
+        greedy = [items.get(ev.sample_id_of(t.group_id, t.baseline_index)) if t.baseline_index >= 0 else None
+                  for t in tasks]  # ReMax: each sample's greedy baseline, as recorded and rescored
+        has = all(b is not None for b in greedy)
+        old = _advantages(old_cfg, [r.scored.reward for r in batch], gids,
+                          [b.scored.reward for b in greedy if b is not None] if has else None)
+        new = _advantages(new_cfg, [r.new.reward for r in batch], gids,
+                          [b.new.reward for b in greedy if b is not None] if has else None)
         for r, g, a_old, a_new in zip(batch, gids, old, new, strict=True):
             r.step, r.adv_old, r.adv_new = step, a_old, a_new
             groups[r.scored.generation.task.domain].setdefault((step, g), []).append(r)

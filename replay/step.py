@@ -101,6 +101,7 @@ def replay_train_step(cfg: RunConfig, run_id: str, step: int, *, dsn: str = "", 
     from launch.prepare import model_dir_of
     from launch.supervisor import run_dir_of, store_dsn_of
     from services.trainer import Trainer, TrainerSettings
+    from services.trainer.groups import baseline_ids
 
     run_dir = run_dir_of(cfg, run_id)
     say = progress or (lambda msg: None)
@@ -124,6 +125,9 @@ def replay_train_step(cfg: RunConfig, run_id: str, step: int, *, dsn: str = "", 
             raise ReplayError(f"run {run_id} has no recorded training step {step}"
                               + (f" (last step: {last})" if last is not None else ""))
         batches = {k: recorded_batch(client, run_id, list(steps[k].sample_ids)) for k in range(start, step + 1)}
+        baselines = {k: recorded_batch(client, run_id, ids) if (ids := baseline_ids(steps[k].sample_ids,
+                                                                                   trainer.baseline_index)) else []
+                     for k in range(start, step + 1)}  # ReMax: the groups' greedy baselines
     finally:
         client.close()
     say(f"restoring the checkpoint of step {start}")
@@ -133,7 +137,7 @@ def replay_train_step(cfg: RunConfig, run_id: str, step: int, *, dsn: str = "", 
         for k in range(start, step + 1):
             say(f"{'re-running' if k < step else 'recomputing'} step {k} ({len(batches[k])} samples)")
             trainer.state.version = steps[k].policy_version
-            replayed = trainer.train_batch(batches[k])
+            replayed = trainer.train_batch(batches[k], baselines[k])
     finally:
         trainer.close()  # a multi-rank strategy's processes
     recorded = dict(steps[step].metrics)

@@ -37,7 +37,7 @@ from runtime.connection import (
     resolve_bootstrap,
     start_bounded,
 )
-from runtime.records import KeyLike, Record, encode_key, key_for
+from runtime.records import KeyLike, KeyPartitioner, Record, encode_key, key_for
 from schemas.config import KafkaSettings
 from schemas.errors import one_line
 from schemas.events import Event
@@ -172,7 +172,8 @@ class Producer(_Client[AIOKafkaProducer]):
         self._encoder = msgspec.msgpack.Encoder()
 
     def _make_raw(self) -> AIOKafkaProducer:
-        return AIOKafkaProducer(**self._kwargs)
+        # Kafka's default partitioning, as aiokafka's DefaultPartitioner, with a faster murmur2
+        return AIOKafkaProducer(**self._kwargs, partitioner=KeyPartitioner())
 
     # -- encoding
 
@@ -373,7 +374,11 @@ class Consumer(_Client[AIOKafkaConsumer]):
         Besides ``DecodeError`` / ``ValidationError``, msgspec raises ``UnicodeDecodeError`` for a
         string that is not UTF-8 and ``RecursionError`` for deeply nested containers: bytes from
         the wire are untrusted, so any failure is a reason, not an exception."""
-        dec = self.decoder_for(topic)
+        return self._decode_with(self.decoder_for(topic), topic, value)
+
+    @staticmethod
+    def _decode_with(dec: msgspec.msgpack.Decoder[Any] | None, topic: str, value: bytes | None) -> tuple[Any, str | None]:
+        """:meth:`decode` with ``topic``'s decoder looked up already (once per partition of a poll)."""
         if dec is None:
             return None, f"topic {topic!r} is not a rollstream topic (rs.<run_id>.<name>)"
         if value is None:
@@ -396,6 +401,8 @@ class Consumer(_Client[AIOKafkaConsumer]):
         out: list[Record] = []
         for tp, msgs in batches.items():
             topic, partition = tp.topic, tp.partition
+            dec, spec = self.decoder_for(topic), spec_for_topic(topic)  # once per partition, not per event
+            decode = self._decode_with
             for m in msgs:
                 ts = m.timestamp / 1000.0
                 try:
@@ -405,16 +412,16 @@ class Consumer(_Client[AIOKafkaConsumer]):
                                       f"damaged batched record: {one_line(e)}", ts))
                     continue
                 if parts is None:
-                    event, error = self.decode(topic, m.value)
+                    event, error = decode(dec, topic, m.value)
                     out.append(Record(topic, partition, m.offset, m.key, m.value, event, error, ts))
                     continue
                 if not parts:
                     out.append(Record(topic, partition, m.offset, m.key, m.value, None,
                                       "batched record with no events", ts))
                     continue
-                n, spec = len(parts), spec_for_topic(topic)
+                n = len(parts)
                 for i, part in enumerate(parts):
-                    event, error = self.decode(topic, part)
+                    event, error = decode(dec, topic, part)
                     # the record is keyed by its first event: each event gets its own registry key back
                     key = key_for(spec, event) if event is not None and spec is not None else None
                     out.append(Record(topic, partition, m.offset, key or m.key, part, event, error, ts, i, n))

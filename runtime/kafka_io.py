@@ -6,7 +6,8 @@ through a Kafka outage (:mod:`runtime.outage`):
 * :meth:`KafkaIO.poll` / :meth:`KafkaIO.keepalive` — records, or a poll that keeps a busy
   instance in its group;
 * :meth:`KafkaIO.send_outputs` — outputs sent and acknowledged, again through a new producer
-  when the broker no longer accepts the old one (:meth:`KafkaIO.renew_producer`);
+  when the broker no longer accepts the old one (:meth:`KafkaIO.renew_producer`); a failed one
+  already on its topic (its acknowledgement lost) is not sent again (:meth:`KafkaIO._landed`);
 * :meth:`KafkaIO.send_together` — the outputs of handler calls that finish at the same moment,
   sent as one :meth:`KafkaIO.send_outputs`;
 * :meth:`KafkaIO.commit` — consumed offsets (a commit refused by a rebalance is logged);
@@ -25,7 +26,6 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from aiokafka.errors import CommitFailedError, KafkaConnectionError, KafkaError, ProducerFenced
-from aiokafka.partitioner import DefaultPartitioner
 
 from runtime.bus import (
     BusError,
@@ -40,6 +40,8 @@ from runtime.bus import (
 )
 from runtime.deadletter import dead_letter_for
 from runtime.outage import Outage, Retry, is_outage, needs_new_producer, producer_dead
+from runtime.reading import ReadTimeout, read_to_end
+from runtime.records import KeyPartitioner
 from runtime.service import Counters, Output, derive_event_id
 from runtime.settings import ServiceSettings, resolve_topic
 from schemas.errors import one_line
@@ -47,7 +49,11 @@ from schemas.topics import BATCHED_TOPICS, pack_values, parse_topic, topic_name
 
 log = logging.getLogger("rollstream.runtime")
 
-__all__ = ["KafkaIO"]
+__all__ = ["LANDED_MARGIN_MS", "KafkaIO"]
+
+LANDED_MARGIN_MS = 1000
+"""How far before a send's first attempt :meth:`KafkaIO._landed` looks for its records, ms (the
+records' create time is the producer's clock at ``send``, never earlier than that attempt)."""
 
 
 class KafkaIO:
@@ -73,6 +79,7 @@ class KafkaIO:
         self._renew_lock = asyncio.Lock()
         self._closing: set[asyncio.Task[Any]] = set()
         self._partitions: dict[str, list[int]] = {}
+        self._partitioner = KeyPartitioner()
         self._together: tuple[list[Output], list[str], asyncio.Future[None]] | None = None
         self.producer = self._new_producer()
         grace_ms = int(s.handling.shutdown_grace_s * 1000)
@@ -214,13 +221,21 @@ class KafkaIO:
             return outs, [[i] for i in range(len(outs))]
         groups: dict[tuple[str, int | None], list[int]] = {}
         alone: list[int] = []
+        known: dict[str, list[int] | None] = {}  # a topic's partitions, None: sent alone
         for i, o in enumerate(outs):
-            parsed = None if o.dead_letter else parse_topic(o.topic)
-            parts = await self._partitions_of(o.topic) if parsed and parsed[1] in BATCHED_TOPICS else None
+            if o.dead_letter:
+                alone.append(i)
+                continue
+            if o.topic in known:
+                parts = known[o.topic]
+            else:
+                parsed = parse_topic(o.topic)
+                batched = parsed is not None and parsed[1] in BATCHED_TOPICS
+                parts = known[o.topic] = await self._partitions_of(o.topic) if batched else None
             if parts is None:
                 alone.append(i)
                 continue
-            part = None if o.key is None else DefaultPartitioner()(o.key, parts, parts)
+            part = None if o.key is None else self._partitioner(o.key, parts, parts)
             groups.setdefault((o.topic, part), []).append(i)
         limit = self.producer.max_request_bytes - 64 * 1024  # room for the batch's own overhead
         records: list[Output] = [outs[i] for i in alone]
@@ -287,7 +302,9 @@ class KafkaIO:
         while the broker is away (waited for, not sent again: that could duplicate it); outputs
         that failed are sent again (0.5 s doubling to 5 s apart); a producer whose state the broker
         no longer accepts after a restart (out-of-order sequence, unknown producer id) is replaced
-        and what it had not delivered goes through the new one. Raises :class:`BusError` with one
+        and what it had not delivered goes through the new one. A failed output may be on its topic
+        all the same (written, its acknowledgement lost): it is looked for there first and not sent
+        again when found (:meth:`_landed`). Raises :class:`BusError` with one
         line when that has gone on for ``kafka.outage_timeout_s``, or at once when Kafka refuses
         the outputs for another reason."""
         if not outs:
@@ -297,6 +314,8 @@ class KafkaIO:
         mds: list[RecordMetadata | None] = [None] * len(outs)
         todo = list(range(len(outs)))
         retry = self.outage.retry(f"{what} not acknowledged")
+        since_ms = int(time.time() * 1000) - LANDED_MARGIN_MS  # no record of this call is older
+        unsure: set[int] = set()  # handed to a producer and failed: may be on the topic all the same
         while todo:
             producer = self.producer
             queued: list[tuple[int, asyncio.Future[RecordMetadata]]] = []
@@ -322,6 +341,7 @@ class KafkaIO:
                 # unresolved: its producer stopped delivering (or was replaced meanwhile)
                 renew = renew or exc is None or needs_new_producer(exc)
                 error = error or exc or KafkaConnectionError("the producer stopped delivering")
+            unsure.update(i for i, _ in queued if i in failed)
             if not failed:
                 break
             assert error is not None
@@ -329,6 +349,13 @@ class KafkaIO:
             if renew:
                 await self.renew_producer(producer, retry)
             todo = sorted(failed)
+            if unsure.intersection(todo):  # sending those again blindly would duplicate the written ones
+                try:
+                    landed = await self._landed([outs[i] for i in todo if i in unsure], since_ms)
+                except (KafkaError, BusError, ReadTimeout, TimeoutError) as e:
+                    await retry.failed(e, transient=True)
+                    continue  # checked again before they are sent
+                todo = [i for i in todo if not (i in unsure and (outs[i].topic, outs[i].key, outs[i].value) in landed)]
         retry.done()
         if count:
             for o in originals:
@@ -341,6 +368,40 @@ class KafkaIO:
             for i in carried:
                 per_output[i] = md
         return [md for md in per_output if md is not None]
+
+    async def _landed(self, outs: list[Output], since_ms: int) -> set[tuple[str, bytes | None, bytes]]:
+        """``(topic, key, value)`` of the records of ``outs``' topics written since ``since_ms``
+        (epoch ms, the records' create time) that equal one of ``outs``: records a producer sent
+        whose acknowledgement was lost (a broker killed after writing it, a batch aiokafka expired
+        while no leader was known) are on the topic although their send failed. Reads those topics'
+        partitions from ``since_ms`` to their current end, uncommitted records included."""
+        wanted = {(o.topic, o.key, o.value) for o in outs}
+        found: set[tuple[str, bytes | None, bytes]] = set()
+        topics = sorted({o.topic for o in outs})
+        async with Consumer(self.settings.kafka, group_id=None, topics=topics, isolation_level="read_uncommitted",
+                            client_suffix=f"{self.service_name}-landed") as consumer:
+            raw = consumer.raw
+            raw.unsubscribe()  # read_to_end assigns the partitions itself
+            tps: list[TopicPartition] = []
+            for t in topics:
+                parts = await self._partitions_of(t)
+                if parts is None:
+                    raise KafkaConnectionError(f"the partitions of {t} are not known now")
+                tps += [TopicPartition(t, p) for p in parts]
+            at = await asyncio.wait_for(raw.offsets_for_times({tp: since_ms for tp in tps}),
+                                        self.settings.kafka.request_timeout_s)
+            start = {tp: ts.offset for tp, ts in at.items() if ts is not None}  # None: nothing since
+
+            def take(tp: TopicPartition, record: Any) -> None:
+                if (tp.topic, record.key, record.value) in wanted:
+                    found.add((tp.topic, record.key, record.value))
+
+            await read_to_end(raw, take, start=start, timeout_s=self.settings.kafka.request_timeout_s,
+                              poll_ms=200, what=f"what {self.service_name} sent to {', '.join(topics)}")
+        if found:
+            log.warning("%s: %d record(s) whose send failed were written all the same; not sent again",
+                        self.service_name, len(found))
+        return found
 
     async def _acknowledged(self, pending: set[asyncio.Future[RecordMetadata]], producer: Producer, retry: Retry,
                             what: str) -> None:

@@ -4,12 +4,15 @@
 * :class:`Record` — one consumed message, decoded (or with the reason it did not decode).
 * :func:`next_offsets` — per partition, the offset to commit after some records.
 * :class:`Deduper` — a bounded LRU (optionally TTL) set of ids seen.
+* :func:`murmur2` / :class:`KeyPartitioner` — Kafka's default key partitioning, faster than aiokafka's.
 
 Importing this module has no side effects.
 """
 
 from __future__ import annotations
 
+import random
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -21,7 +24,7 @@ from aiokafka.structs import TopicPartition
 from schemas.events import Event
 from schemas.topics import TopicSpec, parse_topic
 
-__all__ = ["Deduper", "KeyLike", "Record", "encode_key", "key_for", "next_offsets"]
+__all__ = ["Deduper", "KeyLike", "KeyPartitioner", "Record", "encode_key", "key_for", "murmur2", "next_offsets"]
 
 KeyLike = str | bytes | None
 """What a message key may be given as."""
@@ -163,3 +166,53 @@ class Deduper:
 
     def clear(self) -> None:
         self._seen.clear()
+
+
+_M = 0x5BD1E995
+_MASK = 0xFFFFFFFF
+_WORDS: dict[int, Any] = {}
+
+
+def murmur2(data: bytes) -> int:
+    """Kafka's murmur2 of ``data`` (the Java client's ``Utils.murmur2``, as aiokafka's pure-Python
+    ``murmur2`` computes it), about twice as fast: the 4-byte words are read in one ``struct`` call."""
+    n = len(data)
+    h = 0x9747B28C ^ n
+    words = _WORDS.get(n >> 2)
+    if words is None:
+        words = _WORDS[n >> 2] = struct.Struct(f"<{n >> 2}I").unpack_from
+    for k in words(data):
+        k = (k * _M) & _MASK
+        k ^= k >> 24
+        h = ((h * _M) & _MASK) ^ ((k * _M) & _MASK)
+    rest, tail = n & 3, n & ~3
+    if rest >= 3:
+        h ^= data[tail + 2] << 16
+    if rest >= 2:
+        h ^= data[tail + 1] << 8
+    if rest:
+        h = ((h ^ data[tail]) * _M) & _MASK
+    h ^= h >> 13
+    h = (h * _M) & _MASK
+    return h ^ (h >> 15)
+
+
+class KeyPartitioner:
+    """Kafka's default partitioner (the partition of a key is ``murmur2(key) & 0x7fffffff`` modulo
+    the partition count; no key: a random available one), with the hashes of recent keys kept
+    (a group's eight samples share one key): what the producer and record batching use."""
+
+    CACHE_MAX = 65536
+
+    def __init__(self) -> None:
+        self._hashes: dict[bytes, int] = {}
+
+    def __call__(self, key: bytes | None, all_partitions: list[int], available: list[int]) -> int:
+        if key is None:
+            return random.choice(available or all_partitions)
+        h = self._hashes.get(key)
+        if h is None:
+            if len(self._hashes) >= self.CACHE_MAX:
+                self._hashes.clear()
+            h = self._hashes[key] = murmur2(key) & 0x7FFFFFFF
+        return all_partitions[h % len(all_partitions)]

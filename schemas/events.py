@@ -107,6 +107,17 @@ class RolloutTask(Event, frozen=True, kw_only=True):
     system_prompt: str = ""
     """The prompt's own system turn (a file source's ``system_key``); empty = the domain's
     ``system_prompt``, else ``model.system_prompt``. (Added after v8.)"""
+    baseline_index: int = -1
+    """ReMax (``algorithm.adv_estimator: remax``): the index of the group's greedy baseline task,
+    ``group_size + redundancy`` (one task past the others); every task of the group carries it.
+    The task whose ``index`` equals it is generated greedily, scored like any sample and never
+    trained: its reward is the baseline of the group's samples and its outcome is ``filtered``
+    (reason ``remax baseline: ...``). ``-1``: the group has none. (Added after v10.)"""
+
+    @property
+    def is_baseline(self) -> bool:
+        """This task is its group's greedy ReMax baseline (:attr:`baseline_index`)."""
+        return self.baseline_index >= 0 and self.index == self.baseline_index
 
 
 # --------------------------------------------------------------------------- environments

@@ -32,16 +32,20 @@ def _first_bad(values: Iterable[float]) -> float | None:
 
 
 def check_task(task: ev.RolloutTask, domains: Collection[str] = ()) -> str | None:
-    """A task's group must be possible (``0 <= index < group_size + redundancy <= MAX_GROUP_SIZE``), its token
+    """A task's group must be possible (``0 <= index < group_size + redundancy <= MAX_GROUP_SIZE``, or
+    ``index == baseline_index == group_size + redundancy``: a ReMax baseline), its token
     cap positive and sane, its ids non-empty, its policy version >= 0, and (when ``domains`` is given
     and the task names no ``env``) its domain one of the run's."""
     sid = task.sample_id
     if not sid or not task.group_id:
         return f"task {sid!r}: sample_id and group_id must not be empty"
     if task.redundancy < 0 or task.group_size < 1 or task.group_size + task.redundancy > MAX_GROUP_SIZE \
-            or not 0 <= task.index < task.group_size + task.redundancy:
+            or not (0 <= task.index < task.group_size + task.redundancy or task.is_baseline):
         extra = f" + {task.redundancy} redundant" if task.redundancy else ""
         return f"task {sid}: index {task.index} impossible in a group of {task.group_size}{extra}"
+    if task.baseline_index not in (-1, task.group_size + task.redundancy):
+        return (f"task {sid}: baseline_index {task.baseline_index} must be -1 or "
+                f"{task.group_size + task.redundancy} (one past the group's samples)")
     if task.max_new_tokens is not None and not 1 <= task.max_new_tokens <= MAX_TOKENS:
         return f"task {sid}: max_new_tokens {task.max_new_tokens} not in [1, {MAX_TOKENS}]"
     if task.policy_version < 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Literal
 
 import msgspec
@@ -122,6 +123,7 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
+@lru_cache(maxsize=1024)
 def topic_name(run_id: str, name: str) -> str:
     """Kafka topic for logical ``name`` of ``run_id`` (``rs.<run_id>.<name>``)."""
     if name not in TOPICS:
@@ -129,8 +131,10 @@ def topic_name(run_id: str, name: str) -> str:
     return f"{TOPIC_PREFIX}.{check_run_id(run_id)}.{name}"
 
 
+@lru_cache(maxsize=1024)
 def parse_topic(topic: str) -> tuple[str, str] | None:
-    """``rs.<run_id>.<name>`` -> ``(run_id, name)``; ``None`` for topics that are not ours."""
+    """``rs.<run_id>.<name>`` -> ``(run_id, name)``; ``None`` for topics that are not ours.
+    Cached: every consumed event and every output asks it of one of a few topic names."""
     if not topic.startswith(TOPIC_PREFIX + "."):
         return None
     rest = topic[len(TOPIC_PREFIX) + 1 :]

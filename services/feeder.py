@@ -74,6 +74,8 @@ class Feeder(BatchService):
         leaves it short: the next instance sends the rest, :meth:`short_groups`)."""
         self.next_index = 0
         """Index of the next group (one past the highest issued)."""
+        self.baseline = int(self.cfg.algorithm.adv_estimator == "remax")
+        """1 when every group gets a greedy baseline task (ReMax), else 0."""
         self.stopped_by = ""
         """Reason of the first ``Drain`` a trainer did not publish (``rollstream stop``)."""
         self.done: set[str] = set()
@@ -132,8 +134,8 @@ class Feeder(BatchService):
 
     @property
     def group_width(self) -> int:
-        """Tasks per group: ``group_size`` plus the redundant ones."""
-        return self.cfg.rollout.group_size + self.cfg.rollout.group_size_redundancy
+        """Tasks per group: ``group_size`` plus the redundant ones, plus ReMax's greedy baseline."""
+        return self.cfg.rollout.group_size + self.cfg.rollout.group_size_redundancy + self.baseline
 
     def next_group(self) -> list[ev.RolloutTask]:
         """The tasks of the next group (deterministic in the group's index)."""
@@ -147,15 +149,16 @@ class Feeder(BatchService):
         problem = self.sources[i].sample(rng)
         group_id = ev.group_id_of(k)
         n, r = self.cfg.rollout.group_size, self.cfg.rollout.group_size_redundancy
+        baseline = n + r if self.baseline else -1  # ReMax: one more task, greedy, its reward the group's baseline
         env = episode_spec(problem.reference) if envs.is_episodic(domains[i].source) else None
         return [
             ev.RolloutTask(
                 run_id=self.s.run_id, sample_id=ev.sample_id_of(group_id, j), group_id=group_id, index=j, group_size=n,
                 prompt_id=problem.prompt_id, domain=domains[i].name, prompt=problem.prompt,
                 reference=problem.reference, policy_version=self.version, env=env, redundancy=r,
-                system_prompt=problem.system_prompt,
+                system_prompt=problem.system_prompt, baseline_index=baseline,
             )
-            for j in range(n + r)
+            for j in range(n + r + self.baseline)
         ]
 
     def short_groups(self) -> list[ev.RolloutTask]:

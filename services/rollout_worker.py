@@ -12,6 +12,8 @@ for any weights, like an engine error or a weights timeout, naming its sample an
 * Weights: a background consumer (no group) follows the compacted ``weights`` topic and hot-swaps
   every new ``WeightsPublished`` into the engine; a task starts only once the engine holds a
   version at least as new as its ``policy_version`` (on-policy with ``async_ratio: 0``).
+* ReMax: a group's baseline task (``task.is_baseline``) is generated greedily (argmax tokens, the
+  logprobs still at the rollout temperature); it is otherwise an ordinary generation.
 * With ``rollout.group_size_redundancy`` a second one follows ``metrics`` for the samples the
   trainer cancelled: they are not started, and an episode stops before its next turn.
 
@@ -224,6 +226,8 @@ class RolloutWorker(Service):
         """Until the engine holds ``version`` or newer (``TimeoutError`` after ``weights_timeout_s``,
         except for version 0: see the setting)."""
         need = max(0, version)
+        if self.engine.policy_version >= need:  # the usual case: no lock, no timer, no task per sample
+            return
         async with self._version_changed:
             await asyncio.wait_for(
                 self._version_changed.wait_for(lambda: self.engine.policy_version >= need),
@@ -251,6 +255,8 @@ class RolloutWorker(Service):
         params = self.params
         if task.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=task.max_new_tokens)
+        if task.is_baseline:  # ReMax: the group's greedy response (argmax tokens), only its reward is used
+            params = dataclasses.replace(params, greedy=True)
         prompt_ids = self.engine.encode(task.prompt, task.system_prompt or self.system_prompts.get(task.domain))
         req = GenerationRequest(task.sample_id, prompt_ids, params)
         completion = None
@@ -281,6 +287,8 @@ class RolloutWorker(Service):
         params = self.params
         if task.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=task.max_new_tokens)
+        if task.is_baseline:  # ReMax: the group's greedy episode
+            params = dataclasses.replace(params, greedy=True)
         limits = dataclasses.replace(self.limits, max_tokens_per_turn=params.max_new_tokens)
         episode_id = f"{task.sample_id}@{uuid.uuid4().hex[:8]}"
         started = time.time()

@@ -623,3 +623,30 @@ def pass_at_k_advantages_reference(
         else:
             out.append((1.0 - mean - math.comb(n - c - 1, kk - 1) / math.comb(n - 1, kk - 1)) / (std + eps))
     return out
+
+
+def remax_advantages(rewards: torch.Tensor, baselines: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """ReMax (Li et al. 2023, *ReMax: A Simple, Effective, and Efficient Reinforcement Learning
+    Method for Large Language Models*): ``A_i = r_i − r(ȳ_{g(i)})``, the reward of the greedy
+    response ``ȳ`` to the sample's prompt as baseline (the greedy response is never trained).
+
+    rewards, baselines, group_ids (B,) -> (B,): ``baselines`` holds each sample's group baseline;
+    samples of one group must agree on it (it is one greedy response), else ``ValueError``.
+    """
+    r, b = rewards.float(), baselines.float()  # (B,)
+    inv, k = _group_index(group_ids)
+    hi = torch.full((k,), -math.inf).scatter_reduce(0, inv, b, "amax")  # (K,)
+    lo = torch.full((k,), math.inf).scatter_reduce(0, inv, b, "amin")  # (K,)
+    if bool((hi != lo).any()):
+        raise ValueError("remax: samples of one group carry different greedy baselines")
+    return r - b
+
+
+def remax_advantages_reference(rewards: list[float], baselines: list[float], group_ids: list[int]) -> list[float]:
+    first: dict[int, float] = {}
+    out = []
+    for r, b, g in zip(rewards, baselines, group_ids, strict=True):
+        if first.setdefault(g, b) != b:
+            raise ValueError("remax: samples of one group carry different greedy baselines")
+        out.append(r - b)
+    return out

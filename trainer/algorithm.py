@@ -224,12 +224,14 @@ def compute_advantages(
     kl: torch.Tensor | None = None,
     step_rewards: list[tuple[float, ...]] | None = None,
     state_hashes: list[tuple[str, ...]] | None = None,
+    baselines: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
     """Steps 1–5 of the module doc.
 
     rewards, group_ids (B,); mask (B, T); values (B, T) for ``gae``; kl (B, T) the per-token
     KL(π ‖ π_ref) estimate when ``add_token_level_kl`` is on; ``step_rewards`` / ``state_hashes``
-    per sample (multi-turn: one per agent turn; GiGPO's anchors, :func:`step_anchors`). Returns
+    per sample (multi-turn: one per agent turn; GiGPO's anchors, :func:`step_anchors`); ``baselines``
+    (B,) ReMax's greedy rewards, shaped here as the rewards (step 1). Returns
     ``(advantages (B, T), returns (B, T) or None, metrics)``; advantages are 0 on masked positions.
     """
     est = registry.estimator(cfg.adv_estimator)
@@ -253,7 +255,8 @@ def compute_advantages(
         r = A.whiten(r, torch.ones_like(r))
     out = est.fn(cfg, EstimatorInput(r=r, group_ids=group_ids, mask=m, kl=kl if cfg.add_token_level_kl else None,
                                      kl_coef=beta, values=values, step_rewards=step_rewards,
-                                     state_hashes=state_hashes))
+                                     state_hashes=state_hashes,
+                                     baselines=None if baselines is None else shape_rewards(cfg, baselines)))
     metrics.update(out.metrics)
     adv = out.advantages  # (B, T)
     if cfg.whiten_advantages:
@@ -377,14 +380,16 @@ def policy_loss(
     return registry.loss(cfg.pg_variant)(cfg, logprobs, old_logprobs, advantages, mask, max_len)
 
 
-def sample_advantages(cfg: AlgorithmConfig, rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+def sample_advantages(cfg: AlgorithmConfig, rewards: torch.Tensor, group_ids: torch.Tensor,
+                      baselines: torch.Tensor | None = None) -> torch.Tensor:
     """One advantage per sample from rewards alone (B,) -> (B,), for reports such as
     ``replay rescore``: the outcome estimators exactly; for token-level estimators the value of
-    the sample's last token with no KL and no critic (``gae``: values 0)."""
+    the sample's last token with no KL and no critic (``gae``: values 0). ``baselines`` (B,):
+    ReMax's greedy rewards."""
     mask = torch.ones(rewards.shape[0], 1)
     state = initial_state(cfg)
     zeros = torch.zeros_like(mask)  # (B, 1) the critic's values and the KL, for the estimators that read them
-    adv, _, _ = compute_advantages(cfg, state, rewards, group_ids, mask, values=zeros, kl=zeros)
+    adv, _, _ = compute_advantages(cfg, state, rewards, group_ids, mask, values=zeros, kl=zeros, baselines=baselines)
     return adv[:, 0]
 
 
@@ -503,7 +508,7 @@ def _pg(cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advantages
 
 
 # --------------------------------------------------------------------------- newer objectives (issue 37)
-# Estimators gpg, opo, pass_at_k (remax: refused by the config); losses sapo, gmpo, clip_cov, kl_cov (the last two choose
+# Estimators gpg, opo, pass_at_k, remax; losses sapo, gmpo, clip_cov, kl_cov (the last two choose
 # their tokens over the whole batch: :func:`select_tokens` before micro-batching).
 
 
@@ -528,10 +533,12 @@ def _pass_at_k(cfg: AlgorithmConfig, x: EstimatorInput) -> Estimate:
 
 @registry.advantage_estimator("remax")
 def _remax(cfg: AlgorithmConfig, x: EstimatorInput) -> Estimate:
-    """ReMax (Li et al. 2023): ``A = r − r_greedy``, the reward of a greedy response to the same
-    prompt as baseline. No service generates that response yet: the run config refuses ``remax``
-    before anything starts, so this is never reached from a run."""
-    raise ValueError("adv_estimator=remax is not supported yet (no greedy baseline rollouts)")
+    """ReMax (Li et al. 2023): ``A = r − r_greedy``, the reward of the group's greedy response (the
+    feeder's extra task, never trained) as baseline. Metric ``remax/baseline_mean``: its mean."""
+    if x.baselines is None:
+        raise ValueError("adv_estimator=remax needs each sample's greedy baseline reward")
+    adv = A.remax_advantages(x.r, x.baselines, x.group_ids)  # (B,)
+    return Estimate(adv.unsqueeze(1) * x.mask, metrics={"remax/baseline_mean": float(x.baselines.mean())})  # (B, T)
 
 
 @registry.policy_loss("sapo")

@@ -54,6 +54,8 @@ class TrainSample:
     """Multi-turn with history windows: where each later turn's own prompt starts in
     ``response_ids``; ``prompt + response`` is then independent sequences (:func:`segment_layout`).
     Empty = one sequence."""
+    baseline: float | None = None
+    """ReMax: the reward of the group's greedy response (the baseline); ``None`` = none."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,10 @@ def collate(samples: list[TrainSample], pad_id: int) -> TokenBatch:
         "truncated": torch.tensor([s.truncated for s in samples], dtype=torch.bool),  # (B,)
         "response_len": torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float),  # (B,)
     }
+    if any(s.baseline is not None for s in samples):  # ReMax
+        if (lost := next((s for s in samples if s.baseline is None), None)) is not None:
+            raise ValueError(f"sample {lost.sample_id}: no greedy baseline while others have one")
+        extras["baselines"] = torch.tensor([s.baseline for s in samples], dtype=torch.float)  # (B,)
     return TokenBatch(ids, attn, loss_mask, old_lp, rewards.clone(), extras)
 
 
@@ -212,8 +218,14 @@ def merge_rows(x: torch.Tensor, layout: Sequence[Segment], samples: int, width: 
 # --------------------------------------------------------------------------- tensors
 
 
-def samples_from_scored(scored: list[ScoredSample]) -> list[TrainSample]:
-    """Training samples from scored generations, in order (advantages come later, per batch)."""
+def samples_from_scored(scored: list[ScoredSample], baselines: Sequence[ScoredSample] = ()) -> list[TrainSample]:
+    """Training samples from scored generations, in order (advantages come later, per batch).
+    ``baselines``: ReMax's greedy responses of their groups, whose rewards become the samples'
+    ``baseline`` (a sample whose group has none is an error when any is given)."""
+    by_group = {b.generation.task.group_id: float(b.reward) for b in baselines}
+    if by_group and (lost := [s.generation.task.sample_id for s in scored
+                              if s.generation.task.group_id not in by_group]):
+        raise ValueError(f"sample {lost[0]}: its group has no greedy baseline (remax)")
     return [
         TrainSample(
             prompt_ids=list(s.generation.prompt_ids),
@@ -228,6 +240,7 @@ def samples_from_scored(scored: list[ScoredSample]) -> list[TrainSample]:
             policy_version=s.generation.policy_version,
             state_hashes=tuple(s.generation.state_hashes),
             segment_starts=tuple(s.generation.segment_starts),
+            baseline=by_group.get(s.generation.task.group_id),
         )
         for s in scored
     ]

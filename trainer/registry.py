@@ -45,6 +45,9 @@ class EstimatorInput:
     """Per sample: one reward per agent turn (multi-turn), or empty."""
     state_hashes: list[tuple[str, ...]] | None = None
     """Per sample: the environment state each agent turn acted from (GiGPO's anchors), or empty."""
+    baselines: torch.Tensor | None = None
+    """(B,) ReMax: the reward of each sample's greedy group baseline, shaped as ``r`` (clip, scale,
+    shift), else None."""
 
 
 @dataclass(frozen=True)

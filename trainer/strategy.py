@@ -623,7 +623,8 @@ class TorchStrategy:
                 kl = L.where_mask(L.kl_penalty(current, ref, cfg.kl_penalty), mask)  # (B, T)
         adv, returns, m = alg.compute_advantages(
             cfg, self.algo_state, ex["rewards"], ex["group_ids"], mask, values=values, kl=kl,
-            step_rewards=[s.step_rewards for s in samples], state_hashes=[s.state_hashes for s in samples])
+            step_rewards=[s.step_rewards for s in samples], state_hashes=[s.state_hashes for s in samples],
+            baselines=ex.get("baselines"))
         metrics.update(m)
         mask, m = alg.data_masks(cfg, mask, ex["rewards"], ex["group_ids"], ex["truncated"])
         metrics.update(m)

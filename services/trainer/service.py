@@ -25,7 +25,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -41,7 +41,7 @@ from schemas.sanity import check_scored
 from schemas.services import SERVICES
 from services.trainer.checkpoint import Checkpoints, export_final, weights_dir
 from services.trainer.evaluation import Evaluation
-from services.trainer.groups import Groups
+from services.trainer.groups import BASELINE_REASON, Groups
 from services.trainer.history import History, Replay, read_history
 from services.trainer.publish import WeightsPublisher, resolve_handoff
 from services.trainer.state import TrainerState, position_key
@@ -99,6 +99,9 @@ class Trainer(BatchService):
         self.publisher = WeightsPublisher(settings.run_id, self.run_dir, resolve_handoff(cfg))
         self.state = TrainerState()
         self.groups = Groups(self.state, cfg.algorithm, settings.run_id)
+        r = cfg.rollout
+        self.baseline_index = r.group_size + r.group_size_redundancy if cfg.algorithm.adv_estimator == "remax" else -1
+        """The ReMax baseline's index in every group (``-1``: none; the feeder's rule)."""
         self.history = History()
         """What earlier instances of this run's trainer published (read on a resume)."""
         self.replay = Replay()
@@ -210,7 +213,7 @@ class Trainer(BatchService):
         st = self.state
         for s in st.pool.values():  # an earlier re-run's: sorted out again below, with the buffer
             self.groups.add(s)
-        self.replay = Replay.of(history, st.step)
+        self.replay = Replay.of(history, st.step, self.baseline_index)
         decided = {sid for sid in history.outcomes if sid not in self.replay.ids}
         waiting = self.groups.remove(self.replay.ids | decided)
         st.pool = {s.generation.task.sample_id: s for s in waiting if s.generation.task.sample_id in self.replay.ids}
@@ -288,14 +291,16 @@ class Trainer(BatchService):
         if self.state.step >= train.steps or self.stop_reason:
             await self._finish(ctx)
 
-    def train_batch(self, batch: list[ev.ScoredSample]) -> dict[str, float]:
+    def train_batch(self, batch: list[ev.ScoredSample],
+                    baselines: Sequence[ev.ScoredSample] = ()) -> dict[str, float]:
         """One optimizer step on an assembled batch (no Kafka): every metric of the step.
+        ``baselines``: the ReMax baselines of its groups (their rewards only; never trained).
 
         ``replay step`` calls this on a batch rebuilt from the record after restoring the
         checkpoint the step started from, so it must depend only on the batch and that state.
         """
         t0 = time.perf_counter()
-        metrics = self.strategy.train_step(samples_from_scored(batch))
+        metrics = self.strategy.train_step(samples_from_scored(batch, baselines))
         self.state.step = self.strategy.step
         metrics["perf/step_s"] = time.perf_counter() - t0
         rewards = torch.tensor([s.reward for s in batch])
@@ -312,12 +317,12 @@ class Trainer(BatchService):
         """Assemble the batch of these groups, train one step, send its outputs (acknowledged)."""
         st = self.state
         step = st.step
-        batch, outcomes = self.groups.assemble(group_ids, self.cfg.train.max_staleness)
+        batch, baselines, outcomes = self.groups.assemble(group_ids, self.cfg.train.max_staleness)
         metrics: dict[str, float] = {}
         weights: ev.WeightsPublished | None = None
         if batch:
             hist = Counter(st.version - smp.generation.policy_version for smp in batch)
-            metrics = await asyncio.to_thread(self.train_batch, batch)
+            metrics = await asyncio.to_thread(self.train_batch, batch, baselines)
             outcomes += [self.groups.outcome(s, "trained", step=step) for s in batch]
             trained_version = st.version
             st.version += 1
@@ -342,15 +347,18 @@ class Trainer(BatchService):
         earlier instance did not get out); once caught up, the current weights are published
         unless the topic's newest already are them."""
         st = self.state
-        while (ids := self.replay.steps.get(st.step)) is not None and all(i in st.pool for i in ids):
+        while (ids := self.replay.steps.get(st.step)) is not None and all(
+                i in st.pool for i in ids + self.replay.baselines.get(st.step, [])):
             step = st.step
             recorded = self.history.steps[step]
             if recorded.policy_version != st.version:
                 log.warning("step %d trained version %d on the record, re-run at version %d", step,
                             recorded.policy_version, st.version)
             batch = [st.pool.pop(i) for i in ids]
-            await asyncio.to_thread(self.train_batch, batch)
+            baselines = [st.pool.pop(i) for i in self.replay.baselines.get(step, [])]
+            await asyncio.to_thread(self.train_batch, batch, baselines)
             outcomes = [self.groups.outcome(s, "trained", step=step) for s in batch]
+            outcomes += [self.groups.outcome(b, "filtered", BASELINE_REASON) for b in baselines]
             st.version += 1
             self._emit(ctx, [o for o in outcomes if o.sample_id not in self.history.outcomes], key=str(step))
             self.replay.finish(step)

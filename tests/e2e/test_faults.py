@@ -110,8 +110,10 @@ def kill_service_run(runs: Path, bootstrap: str, service: str, seed: int = 0, *s
     return FaultResult(inv, recovery, time.time() - t0)
 
 
-# the feeder's kill is `make test-bench` (CI time): its restart path is the supervisor's, as for the others
-@pytest.mark.parametrize("service", [pytest.param(s, marks=pytest.mark.bench) if s == "feeder" else s
+# the feeder's and the recorder's kills are `make test-bench` (CI time): CI's 3-fault chaos soak
+# (tests/e2e/test_cluster_faults.py) kills both at once; the reward service's too: CI's
+# test_kill_9_of_an_at_least_once_reward_router kills a reward process mid-run
+@pytest.mark.parametrize("service", [pytest.param(s, marks=pytest.mark.bench) if s in ("feeder", "recorder", "reward") else s
                                      for s in KILL_AT])
 def test_kill_9_of_a_service_mid_run(tmp_path: Path, bootstrap: str, service: str) -> None:
     kill_service_run(tmp_path / "runs", bootstrap, service)

@@ -84,6 +84,7 @@ def accounted(runs: Path, run_id: str) -> dict[str, int]:
     return s
 
 
+@pytest.mark.bench  # CI time: CI's service kills (tests/e2e/test_faults.py) cover a kill -9 mid-run
 def test_a_killed_judge_worker_loses_and_doubles_no_sample(tmp_path: Path, bootstrap: str, repo_root: Path,
                                                            model_dir: Path) -> None:
     env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=bootstrap)

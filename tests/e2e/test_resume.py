@@ -92,7 +92,9 @@ def resume_run(runs: Path, bootstrap: str, point: str) -> FaultResult:
     return FaultResult(inv, recovery, time.time() - t0)
 
 
-# the warm-up case (a 150-step warm-up, about a minute) is `make test-bench`, for CI time
-@pytest.mark.parametrize("point", [pytest.param(p, marks=pytest.mark.bench) if p == "warmup" else p for p in CASES])
+# the warm-up case (a 150-step warm-up, about a minute) and the end case (resuming a run that had
+# trained its last step; start and middle cover a resume in CI) are `make test-bench`, for CI time
+@pytest.mark.parametrize("point", [pytest.param(p, marks=pytest.mark.bench) if p in ("warmup", "end") else p
+                                   for p in CASES])
 def test_resume_after_the_whole_run_died(tmp_path: Path, bootstrap: str, point: str) -> None:
     resume_run(tmp_path / "runs", bootstrap, point)

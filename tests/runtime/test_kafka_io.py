@@ -84,3 +84,42 @@ async def test_events_that_finish_at_the_same_moment_are_sent_together(
     assert len(got) == 6 and len({(r.partition, r.offset) for r in got}) == 1  # one record of six events
     assert [r.event.sample_id for r in got] == [e.sample_id for e in same]  # in the order they were sent
     assert TopicPartition(got[0].topic, got[0].partition) == got[0].tp
+
+
+async def test_outputs_written_though_their_send_failed_are_not_sent_again(
+        kafka: KafkaSettings, run_id: str, topics: list[str]) -> None:
+    """A record on the topic whose acknowledgement was lost (its brokers killed after writing it, or a
+    batch aiokafka expired while no leader was known) fails its send; sending it again would put a
+    second copy on the topic (issue 38: a whole-cluster kill trained 16 samples twice)."""
+    from aiokafka.errors import LeaderNotAvailableError
+
+    io = KafkaIO("test", ServiceSettings(run_id=run_id, kafka=kafka, subscription=Subscription(group_id=None, topics=["tasks"])),
+                 Counters())
+    await io.start()
+    real_send, lost = io.producer.send_raw, 0
+
+    async def written_but_unacknowledged(topic: str, value: bytes | None, key: bytes | None = None) -> asyncio.Future:
+        nonlocal lost
+        acked = await (await real_send(topic, value, key))  # on the topic...
+        fut = asyncio.get_running_loop().create_future()
+        if lost < 3:  # ...but the first three sends hear only an error
+            lost += 1
+            fut.set_exception(LeaderNotAvailableError())
+        else:
+            fut.set_result(acked)
+        return fut
+
+    io.producer.send_raw = written_but_unacknowledged  # type: ignore[method-assign]
+    try:
+        events = tasks(run_id, 5)
+        outs = [make_output(io, topic_name(run_id, "tasks"), e, None) for e in events]
+        outs.append(make_output(io, topic_name(run_id, "control"), Drain(run_id=run_id, reason="x", origin="user"), None))
+        await io.send_outputs(outs, "test")
+    finally:
+        await io.close()
+    assert lost == 3
+    got = await read_all(kafka, topic_name(run_id, "tasks"), 5)
+    assert sorted(r.event.sample_id for r in got) == sorted(e.sample_id for e in events)
+    tasks_t, control_t = topic_name(run_id, "tasks"), topic_name(run_id, "control")
+    records = await message_counts(kafka, kafka.bootstrap, {tasks_t: 4, control_t: 1})
+    assert records == {tasks_t: len({(r.partition, r.offset) for r in got}), control_t: 1}  # no second copy

@@ -329,7 +329,10 @@ NEWER_RULE_CASES = [
     (["algorithm.adv_estimator=opo", "algorithm.norm_mean_type=group"],
      "algorithm.adv_estimator=opo subtracts its own baseline"),
     (["algorithm.clip_cov_ratio=0"], "algorithm.clip_cov_ratio=0"),
-    (["algorithm.adv_estimator=remax"], "algorithm.adv_estimator=remax is not supported yet"),
+    (["algorithm.adv_estimator=remax", "algorithm.norm_std_type=group"],
+     "algorithm.norm_std_type=group does not apply to adv_estimator=remax"),
+    (["algorithm.adv_estimator=remax", "algorithm.whiten_rewards=true"],
+     "algorithm.whiten_rewards does not apply to adv_estimator=remax"),
 ]
 
 

@@ -202,3 +202,14 @@ def test_group_ids_carry_their_number(k: int) -> None:
 @pytest.mark.parametrize("other", ["", "g", "gx1", "h000001", "g-1", "job/3", "g①"])
 def test_other_group_ids_have_no_number(other: str) -> None:
     assert ev.group_number(other) is None
+
+
+def test_task_baseline_index_added_after_v10_defaults_to_none_in_old_payloads() -> None:
+    """RolloutTask.baseline_index (ReMax's greedy baseline task): a v10 task's group has none, a v11
+    one names it (one past the group's samples); only the task with that index is the baseline."""
+    dec = msgspec.msgpack.Decoder(TOPICS["tasks"].event_type)
+    old = dec.decode((FIXTURES / "v10" / "RolloutTask.msgpack").read_bytes())
+    assert isinstance(old, ev.RolloutTask) and old.baseline_index == -1 and not old.is_baseline
+    new = dec.decode((FIXTURES / "v11" / "RolloutTask.msgpack").read_bytes())
+    assert isinstance(new, ev.RolloutTask) and new.baseline_index == 5 and not new.is_baseline
+    assert msgspec.structs.replace(new, index=5).is_baseline

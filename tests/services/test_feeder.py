@@ -58,6 +58,20 @@ def test_outstanding_counts_each_sample_once_whatever_the_order_of_events() -> N
     assert f.outstanding == len(tasks) - 2
 
 
+def test_remax_groups_carry_one_greedy_baseline_task_past_the_others() -> None:
+    cfg = parse_config("rollout: {group_size: 4, group_size_redundancy: 1, async_ratio: 1.0}\n"
+                       "train: {batch_size: 8}\nalgorithm: {adv_estimator: remax}")
+    f = Feeder(FeederSettings(run_id="r", config=cfg))
+    group = f.group_tasks(3)
+    assert [t.index for t in group] == [0, 1, 2, 3, 4, 5] and f.group_width == 6
+    assert {t.baseline_index for t in group} == {5}  # every task names it: the trainer waits for it
+    assert [t.is_baseline for t in group] == [False] * 5 + [True]
+    assert len({(t.prompt, t.reference) for t in group}) == 1  # the same prompt
+    # the in-flight bound counts the baseline, so two batches of samples still fit
+    assert cfg.max_inflight == 8 * 2 * 6 // 4 and len(issue_all(f)) == 24
+    assert all(t.baseline_index == -1 for t in feeder(1.0).group_tasks(0))
+
+
 async def test_a_failed_send_issues_nothing_and_the_next_tick_sends_the_same_groups() -> None:
     from aiokafka.errors import KafkaConnectionError
 

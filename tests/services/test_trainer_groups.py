@@ -11,9 +11,11 @@ import msgspec
 from schemas.config import AlgorithmConfig
 from schemas.events import ScoredSample
 from services.trainer.groups import (
+    BASELINE_REASON,
     Groups,
     Rejection,
     assemble,
+    baseline_ids,
     group_complete,
     group_reject_reason,
     select_groups,
@@ -96,7 +98,7 @@ def test_assemble_drops_stale_samples_and_filters_small_groups_with_reasons() ->
     fresh = group("f", [1, 0, 1, 0], version=5)
     mixed = [scored("m", 0, 1, 3, 4), scored("m", 1, 0, 4, 4), scored("m", 2, 1, 5, 4), scored("m", 3, 0, 5, 4)]
     lone = [scored("l", 0, 1, 1, 4), scored("l", 1, 0, 1, 4), scored("l", 2, 1, 1, 4), scored("l", 3, 0, 5, 4)]
-    batch, rejected = assemble([fresh, mixed, lone], version=5, max_staleness=1)
+    batch, rejected, _ = assemble([fresh, mixed, lone], version=5, max_staleness=1)
     assert ids(batch) == ["f/0", "f/1", "f/2", "f/3", "m/1", "m/2", "m/3"]
     by_id = {r.sample.generation.task.sample_id: (r.status, r.reason) for r in rejected}
     assert by_id["m/0"] == ("dropped_stale", "stale: gap 2 > 1")
@@ -107,19 +109,19 @@ def test_assemble_drops_stale_samples_and_filters_small_groups_with_reasons() ->
 
 
 def test_assemble_keeps_an_on_policy_batch_whole() -> None:
-    batch, rejected = assemble([group("g", [1, 0, 1, 0], version=7)], version=7, max_staleness=0)
-    assert len(batch) == 4 and rejected == []
+    batch, rejected, baselines = assemble([group("g", [1, 0, 1, 0], version=7)], version=7, max_staleness=0)
+    assert len(batch) == 4 and rejected == [] and baselines == []
 
 
 def test_assemble_applies_the_dynamic_filter_and_names_dead_members() -> None:
     algo = AlgorithmConfig(dynamic_filter="all_equal")
-    batch, rejected = assemble([group("a", [1, 1, 1, 1]), group("b", [1, 0, 0, 1])], version=0, max_staleness=0,
+    batch, rejected, _ = assemble([group("a", [1, 1, 1, 1]), group("b", [1, 0, 0, 1])], version=0, max_staleness=0,
                                algo=algo)
     assert {s.generation.task.group_id for s in batch} == {"b"} and len(batch) == 4
     assert {(r.sample.generation.task.group_id, r.status) for r in rejected} == {("a", "filtered")}
     assert all("all 4 rewards equal" in r.reason for r in rejected)
     # a group that lost 3 of 4 members to dead letters is filtered, and the reason says why
-    _, rejected = assemble([group("d", [1], size=4)], version=0, max_staleness=0, dead={"d": 3})
+    _, rejected, _ = assemble([group("d", [1], size=4)], version=0, max_staleness=0, dead={"d": 3})
     assert [(r.status, r.reason) for r in rejected] == [
         ("filtered", "group too small: 1 member(s) left (3 dead-lettered), a group baseline needs 2")]
 
@@ -160,8 +162,8 @@ def test_every_decision_is_one_outcome_and_marks_the_sample_decided() -> None:
     assert all("all 4 rewards equal" in o.reason and o.trained_version == 3 for o in filtered)
     assert buf.filter_complete() == [] and buf.kept == {"mixed"}  # a kept group is not checked again
     assert buf.next_batch(8) is None and buf.next_batch(4) == ["mixed"]
-    batch, rejected = buf.assemble(["mixed"], max_staleness=1)
-    assert ids(batch) == ["mixed/1", "mixed/2", "mixed/3"]
+    batch, baselines, rejected = buf.assemble(["mixed"], max_staleness=1)
+    assert ids(batch) == ["mixed/1", "mixed/2", "mixed/3"] and baselines == []
     assert [(o.sample_id, o.status, o.reason, o.policy_version) for o in rejected] == [
         ("mixed/0", "dropped_stale", "stale: gap 2 > 1", 1)]
     assert "mixed" not in buf.state.groups and "mixed" not in buf.kept
@@ -189,3 +191,62 @@ def test_a_redundant_group_keeps_its_first_finishers_and_cancels_the_rest() -> N
     assert all(o.status == "filtered" and o.reason.startswith("cancelled: 4 of the group's 6") for o in cancelled)
     assert ids(buf.state.groups["a"]) == ["a/5", "a/0", "a/3", "a/1"] and buf.complete("a")
     assert not buf.add(red(4))  # the cancelled one arriving late
+
+
+# --------------------------------------------------------------------------- ReMax's greedy baseline
+
+
+def remax(gid: str, index: int, reward: float, size: int = 2, version: int = 0) -> ScoredSample:
+    """A member of a ReMax group of ``size`` samples; index ``size`` is its greedy baseline."""
+    s = scored(gid, index, reward, version, size)
+    task = msgspec.structs.replace(s.generation.task, baseline_index=size)
+    return msgspec.structs.replace(s, generation=msgspec.structs.replace(s.generation, task=task))
+
+
+def test_a_remax_group_waits_for_its_baseline_which_counts_towards_nothing() -> None:
+    a, b, greedy = remax("g", 0, 1.0), remax("g", 1, 0.0), remax("g", 2, 1.0)
+    assert greedy.generation.task.is_baseline and not a.generation.task.is_baseline
+    assert not group_complete([a, b], dead=())  # both samples, no baseline yet
+    assert not group_complete([a, greedy], dead=())  # the baseline is not a sample
+    assert group_complete([a, b, greedy], dead=())
+    assert group_complete([a, b], dead={"g/2"})  # baseline dead-lettered: complete, and then filtered
+    assert group_complete([a, greedy], dead={"g/1"})
+    assert select_groups(OrderedDict(g=[a, b, greedy]), {"g"}, 3) is None  # 2 samples to train, not 3
+    assert baseline_ids(["g/0", "h/1", "g/1"], 2) == ["g/2", "h/2"] and baseline_ids(["g/0"], -1) == []
+
+
+def test_assemble_hands_out_the_baseline_beside_the_batch_and_filters_groups_without_one() -> None:
+    kept = [remax("k", 0, 1.0, version=0), remax("k", 1, 0.0, version=3), remax("k", 2, 0.5, version=0)]
+    lost = [remax("l", 0, 1.0, version=3), remax("l", 1, 0.0, version=3)]
+    lone = [remax("o", 1, 1.0, version=3), remax("o", 2, 0.0, version=0)]  # one sample left: enough
+    batch, rejected, baselines = assemble([kept, lost, lone], version=3, max_staleness=1)
+    assert ids(batch) == ["k/1", "o/1"] and ids(baselines) == ["k/2", "o/2"]  # a stale baseline is no matter
+    by_id = {r.sample.generation.task.sample_id: (r.status, r.reason) for r in rejected}
+    assert by_id["k/0"] == ("dropped_stale", "stale: gap 3 > 1")
+    assert by_id["l/0"][0] == by_id["l/1"][0] == "filtered" and "greedy baseline was lost" in by_id["l/0"][1]
+    assert len(batch) + len(rejected) + len(baselines) == 7  # every sample exactly once
+
+
+def test_the_baseline_of_a_trained_group_is_decided_filtered_once() -> None:
+    buf = groups()
+    for s in (remax("g", 0, 1.0), remax("g", 1, 0.0), remax("g", 2, 1.0)):
+        assert buf.add(s)
+    assert buf.filter_complete() == [] and buf.next_batch(2) == ["g"]
+    batch, baselines, outcomes = buf.assemble(["g"], max_staleness=0)
+    assert ids(batch) == ["g/0", "g/1"] and ids(baselines) == ["g/2"]
+    assert [(o.sample_id, o.status, o.reason) for o in outcomes] == [("g/2", "filtered", BASELINE_REASON)]
+    assert "g/2" in buf.state.decided and not buf.add(remax("g", 2, 1.0))  # a redelivery is ignored
+
+
+def test_a_redundant_remax_group_never_cancels_its_baseline() -> None:
+    buf = groups()
+    members = []
+    for i in (0, 3, 1):  # 2 samples + 1 redundant (indices 0..2), the baseline is index 3
+        s = remax("r", i, float(i), size=2)
+        task = msgspec.structs.replace(s.generation.task, redundancy=1, baseline_index=3)
+        members.append(msgspec.structs.replace(s, generation=msgspec.structs.replace(s.generation, task=task)))
+    for s in members:
+        buf.add(s)
+        cancelled = buf.cancel_surplus("r")
+    assert [(o.sample_id, o.status) for o in cancelled] == [("r/2", "filtered")]
+    assert ids(buf.state.groups["r"]) == ["r/0", "r/1", "r/3"] and buf.complete("r")

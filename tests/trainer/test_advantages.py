@@ -30,6 +30,8 @@ from trainer.advantages import (
     raft_mask_reference,
     reinforce_plus_plus_advantages,
     reinforce_plus_plus_advantages_reference,
+    remax_advantages,
+    remax_advantages_reference,
     rloo_advantages,
     rloo_advantages_reference,
     scale_shift,
@@ -347,3 +349,25 @@ def test_pass_at_k_by_hand_and_pass_at_1_is_grpo_on_correctness() -> None:
     assert pass_at_k_advantages(torch.ones(3), torch.zeros(3, dtype=torch.long), k=2).tolist() == [0.0] * 3
     k_big = pass_at_k_advantages(r, torch.zeros(4, dtype=torch.long), k=9)
     assert torch.equal(k_big, pass_at_k_advantages(r, torch.zeros(4, dtype=torch.long), k=3))
+
+
+@settings(max_examples=40, deadline=None)
+@given(grouped(), st.data())
+def test_remax_vectorised_equals_loop(batch: tuple[list[float], list[int]], data: st.DataObject) -> None:
+    rewards, ids = batch
+    per_group = {g: data.draw(REWARD) for g in sorted(set(ids))}  # one greedy response per group
+    baselines = [per_group[g] for g in ids]
+    got = remax_advantages(torch.tensor(rewards), torch.tensor(baselines), torch.tensor(ids))
+    # one float32 subtraction of values bounded by max |r|, |b|
+    scale = max(abs(x) for x in rewards + baselines) + 1.0
+    assert close(got, remax_advantages_reference(rewards, baselines, ids), atol=4 * torch.finfo(torch.float).eps * scale)
+
+
+def test_remax_subtracts_the_greedy_reward_and_refuses_two_baselines_in_a_group() -> None:
+    adv = remax_advantages(torch.tensor([1.0, 0.0, 1.0, 0.5]), torch.tensor([0.0, 0.0, 1.0, 1.0]),
+                           torch.tensor([4, 4, 9, 9]))
+    assert adv.tolist() == [1.0, 0.0, 0.0, -0.5]  # beating the greedy answer is the only signal
+    with pytest.raises(ValueError, match="different greedy baselines"):
+        remax_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), torch.tensor([3, 3]))
+    with pytest.raises(ValueError, match="different greedy baselines"):
+        remax_advantages_reference([1.0, 0.0], [0.0, 1.0], [3, 3])

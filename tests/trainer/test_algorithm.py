@@ -4,6 +4,7 @@ the reference model and critic exist only when the config needs them."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from pathlib import Path
@@ -51,20 +52,22 @@ def samples(n_groups: int = 3, n: int = 4, seed: int = 0, turns: int = 1) -> lis
     return out
 
 
+def with_greedy(batch: list[TrainSample]) -> list[TrainSample]:
+    """ReMax's input: every sample carries its group's greedy reward (0 or 1 by group)."""
+    return [dataclasses.replace(s, baseline=float(int(s.group_id[1:]) % 2)) for s in batch]
+
+
 ESTIMATORS = sorted(config_choices("adv_estimator"))  # every one the config accepts (= the registry's)
 
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 def test_every_estimator_takes_a_finite_step(model_dir: Path, estimator: str) -> None:
-    if estimator == "remax":  # refused until the rollout generates the greedy baselines
-        with pytest.raises(ConfigError, match="adv_estimator=remax is not supported yet"):
-            RunConfig(algorithm=algo(adv_estimator="remax"))
-        return
     cfg = algo(adv_estimator=estimator, critic="value_head" if estimator == "gae" else "none")
     s = TorchStrategy(model_dir, lr=1e-3, micro_batch_size=5, algo=cfg, max_len=16)
     s.init_critic()
     before = {k: v.detach().clone() for k, v in s.model.named_parameters()}
-    metrics = s.train_step(samples(turns=2 if estimator in ("step_reinforce", "gigpo") else 1))
+    batch = samples(turns=2 if estimator in ("step_reinforce", "gigpo") else 1)
+    metrics = s.train_step(with_greedy(batch) if estimator == "remax" else batch)
     assert s.step == 1
     assert all(math.isfinite(v) for v in metrics.values()), metrics
     assert metrics["rollout/advantage_abs_mean"] > 0
@@ -91,7 +94,8 @@ def test_every_algos_example_takes_a_step_of_its_own_config(model_dir: Path, nam
     if cfg.algorithm.uses_reference:
         s.init_reference()
     s.init_critic()
-    metrics = s.train_step(samples(n=cfg.rollout.group_size, turns=2 if name in ("step_reinforce", "gigpo") else 1))
+    batch = samples(n=cfg.rollout.group_size, turns=2 if name in ("step_reinforce", "gigpo") else 1)
+    metrics = s.train_step(with_greedy(batch) if name == "remax" else batch)
     assert s.step == 1
     assert all(math.isfinite(v) for v in metrics.values()), metrics
     assert "loss/policy" in metrics and "rollout/advantage_abs_mean" in metrics

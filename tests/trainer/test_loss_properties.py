@@ -242,10 +242,7 @@ def test_token_estimators_are_finite_blind_to_masked_positions_and_match_their_t
     assert torch.isfinite(w1).all() and torch.equal(w1, w2)
 
 
-NOT_SUPPORTED = {"remax"}  # registered so the config names it, refused before anything starts (test_algorithm)
-
-
-@pytest.mark.parametrize("name", sorted(set(registry.ESTIMATORS) - NOT_SUPPORTED))
+@pytest.mark.parametrize("name", sorted(registry.ESTIMATORS))
 @SETTINGS
 @given(masked_fields(ADV, ADV), st.integers(0, 10_000))
 def test_every_registered_estimator_is_finite_and_blind_to_masked_positions(name: str, data: tuple,
@@ -257,12 +254,13 @@ def test_every_registered_estimator_is_finite_and_blind_to_masked_positions(name
     g = torch.Generator().manual_seed(seed)
     rewards = torch.randint(0, 2, (b,), generator=g).float()
     group_ids = torch.randint(0, 2, (b,), generator=g)
+    greedy = torch.randint(0, 2, (2,), generator=g).float()[group_ids] if name == "remax" else None  # (B,)
     cfg = msgspec.convert({"adv_estimator": name, "critic": "value_head" if name == "gae" else "none",
                            "add_token_level_kl": True, "init_kl_coef": 1.5}, AlgorithmConfig)
     outs = []
     for kl, v in ((kl1, v1), (kl2, v2)):
         adv, ret, metrics = alg.compute_advantages(cfg, alg.initial_state(cfg), rewards, group_ids, mask,
-                                                   values=v, kl=kl)
+                                                   values=v, kl=kl, baselines=greedy)
         assert torch.isfinite(adv).all() and finite(metrics) and (adv[mask == 0] == 0).all()
         outs.append((adv, ret))
     assert torch.equal(outs[0][0], outs[1][0])
