@@ -12,6 +12,7 @@ from envs import (
     sokoban,
     tool_use,
     verifiers,
+    vision,
     webshop,
 )
 from envs.base import Env, Problem, StepResult, TaskSource, Verifier, VerifyResult
@@ -59,5 +60,6 @@ __all__ = [
     "sokoban",
     "tool_use",
     "verifiers",
+    "vision",
     "webshop",
 ]

@@ -213,3 +213,15 @@ def test_task_baseline_index_added_after_v10_defaults_to_none_in_old_payloads() 
     new = dec.decode((FIXTURES / "v11" / "RolloutTask.msgpack").read_bytes())
     assert isinstance(new, ev.RolloutTask) and new.baseline_index == 5 and not new.is_baseline
     assert msgspec.structs.replace(new, index=5).is_baseline
+
+
+def test_task_image_hashes_added_after_v11_default_to_none_in_old_payloads() -> None:
+    """RolloutTask.image_hashes (a visual task's images in the blob store): a v11 task is a text task,
+    a v12 one names its image's digest; both decode, and a Generation carries its task's hashes."""
+    dec = msgspec.msgpack.Decoder(TOPICS["tasks"].event_type)
+    old = dec.decode((FIXTURES / "v11" / "RolloutTask.msgpack").read_bytes())
+    assert isinstance(old, ev.RolloutTask) and old.image_hashes == []
+    new = dec.decode((FIXTURES / "v12" / "RolloutTask.msgpack").read_bytes())
+    assert isinstance(new, ev.RolloutTask) and new.image_hashes == ["ab" * 32]
+    gen = msgspec.msgpack.decode((FIXTURES / "v12" / "Generation.msgpack").read_bytes(), type=ev.Generation)
+    assert gen.task.image_hashes == ["ab" * 32]
