@@ -24,6 +24,7 @@ import io
 import itertools
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -140,7 +141,7 @@ class ShapesSource:
 
 
 @register_source("shapes")
-def make_shapes(**kwargs: str | int | float | list[str]) -> ShapesSource:
+def make_shapes(**kwargs: Any) -> ShapesSource:
     """Build a :class:`ShapesSource` from domain kwargs (unknown keys are an error)."""
     reject_unknown("shapes", kwargs, set(ShapesSource.__dataclass_fields__) - {"name", "default_verifier"})
     if "colours" in kwargs:

@@ -28,6 +28,8 @@ class SFTExample:
     target_mask: list[int] | None = None
     """Which target tokens are trained on (1) or context only (0: a multi-turn demonstration's
     environment turns); ``None`` = all of them."""
+    images: tuple[bytes, ...] = ()
+    """A visual problem's images (PNG bytes) whose image tokens ``prompt_ids`` hold (a VLM policy)."""
 
 
 def sft_batch(examples: list[SFTExample], pad_id: int) -> TokenBatch:
@@ -42,11 +44,13 @@ def sft_batch(examples: list[SFTExample], pad_id: int) -> TokenBatch:
     )
 
 
-def sft_loss(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
-    """Token-mean negative log-likelihood of the target tokens of ``batch``."""
+def sft_loss(model: torch.nn.Module, batch: TokenBatch, logits: torch.Tensor | None = None) -> torch.Tensor:
+    """Token-mean negative log-likelihood of the target tokens of ``batch`` (``logits``: the model's
+    (B, L, V) on it when the caller ran the forward, e.g. with images)."""
     device = next(model.parameters()).device
     ids = batch.input_ids.to(device)
-    logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(device)).logits  # (B, L, V)
+    if logits is None:
+        logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(device)).logits  # (B, L, V)
     nll = -token_logprobs(logits, ids)  # (B, L - 1)
     return masked_mean(nll, batch.loss_mask.to(device))
 
@@ -60,17 +64,20 @@ def sft_warmup(
     grad_clip: float = 1.0,
     weight_decay: float = 0.0,
     on_step: Callable[[int, float], None] | None = None,
+    forward: Callable[[list[SFTExample], TokenBatch], torch.Tensor] | None = None,
 ) -> list[float]:
     """Train ``model`` in place, one AdamW step per batch; return the loss of every step.
 
     ``on_step(step, loss)`` is called after each step (progress output). ``batches`` must be
-    finite: its length is the number of steps.
+    finite: its length is the number of steps. ``forward(examples, batch)``: the logits (B, L, V)
+    when the model needs more than the token ids (a VLM's images).
     """
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     losses = []
     for step, examples in enumerate(batches, start=1):
-        loss = sft_loss(model, sft_batch(examples, pad_id))
+        batch = sft_batch(examples, pad_id)
+        loss = sft_loss(model, batch, forward(examples, batch) if forward is not None else None)
         loss.backward()
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)

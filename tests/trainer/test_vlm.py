@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from PIL import Image
 
@@ -67,3 +68,46 @@ def test_engine_and_trainer_logprobs_agree_on_image_prompts(vlm_dir: Path) -> No
     swapped = vlm_token_logprobs(model, ids, mask, torch.cat([other.pixel_values, given[1].pixel_values]),
                                  torch.cat([other.grid_thw, given[1].grid_thw]), temperature)
     assert float((swapped[0] - lp[0]).abs().max()) > 1e-4
+
+
+async def test_the_strategy_trains_a_vlm_on_samples_whose_images_are_in_the_blob_store(
+        vlm_dir: Path, model_dir: Path, tmp_path: Path) -> None:
+    """TorchStrategy on a Qwen2-VL: the samples' images come from the blob store by digest, its
+    recomputed logprobs (rows reordered and split into micro-batches) are the engine's behaviour ones,
+    a step and a warm-up step on image prompts run, and a sample with images for a text policy is refused."""
+    import envs
+    from blobs import BlobStore
+    from rollout.engine import GenerationRequest, TorchEngine, generate_all
+    from rollout.sampling import SamplingParams
+    from trainer.batch import TrainSample
+    from trainer.sft import SFTExample
+    from trainer.strategy import TorchStrategy
+
+    store = BlobStore(tmp_path / "blobs")
+    src = envs.make_source("shapes")
+    problems = [src.problem(seed) for seed in (1, 2, 3)]
+    hashes = [store.put(p.images[0]) for p in problems]
+    eng = TorchEngine(vlm_dir, max_batch=4, seed=1)
+    inputs = [eng.image_inputs([store.get(h)]) for h in hashes]
+    params = SamplingParams(max_new_tokens=5, temperature=1.0)
+    done = await generate_all(eng, [GenerationRequest(f"r{i}", eng.encode(p.prompt, images=im), params, images=im)
+                                    for i, (p, im) in enumerate(zip(problems, inputs, strict=True))])
+    samples = [TrainSample(c.prompt_ids, c.token_ids, c.logprobs, [1] * len(c.token_ids), reward=float(i == 0),
+                           sample_id=f"g0/{i}", group_id="g0", image_hashes=(h,))
+               for i, (c, h) in enumerate(zip(done, hashes, strict=True))]
+    strat = TorchStrategy(vlm_dir, micro_batch_size=2, blob_dir=store.root, lr=1e-3)
+    batch, _ = strat.prepare(samples)
+    lp = strat.logprobs(batch.by_length())  # (B, L - 1), rows reordered
+    order = torch.argsort(batch.attention_mask.sum(dim=1), stable=True)
+    mask = batch.loss_mask[order] > 0
+    assert_close(lp[mask], batch.old_logprobs[order][mask], strat.hf_model.config.text_config.hidden_size)
+    before = strat.hf_model.model.visual.patch_embed.proj.weight.clone()
+    metrics = strat.train_step(samples)
+    assert metrics["train/samples"] == 3.0
+    assert not torch.equal(before, strat.hf_model.model.visual.patch_embed.proj.weight)  # the vision tower learns
+    target = strat.tokenizer(problems[0].reference, add_special_tokens=False)["input_ids"]
+    losses = strat.warmup([[SFTExample(done[0].prompt_ids, target, images=problems[0].images)]], lr=1e-3,
+                          grad_clip=1.0)
+    assert len(losses) == 1 and losses[0] > 0
+    with pytest.raises(ValueError, match="a sample has images but the policy is not a vision-language model"):
+        TorchStrategy(model_dir).prepare(samples)
