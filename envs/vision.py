@@ -37,7 +37,7 @@ from envs.base import (
     reject_unknown,
     seed_of,
 )
-from envs.registry import register_source
+from envs.registry import VISUAL_SOURCES, register_source
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30), "green": (30, 170, 50), "blue": (30, 60, 220),
@@ -138,6 +138,9 @@ class ShapesSource:
     def demonstration(self, problem: Problem, rng: random.Random) -> str:
         """The bare answer."""
         return problem.reference
+
+
+VISUAL_SOURCES.add("shapes")
 
 
 @register_source("shapes")

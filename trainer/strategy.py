@@ -898,6 +898,8 @@ class TorchStrategy:
         else:
             self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
+        if self.images is not None:  # a VLM's directory is complete with its image processor
+            self.images.processor.save_pretrained(path)
 
     def export_weights(self, path: str | Path) -> tuple[Path, str]:
         """Write the current weights as a complete HF model dir at ``path``; return it and the
