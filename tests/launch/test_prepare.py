@@ -36,3 +36,6 @@ def test_a_visual_run_creates_the_tiny_vlm(tmp_path: Path) -> None:
     path = prepare_model(cfg, tmp_path)
     assert (path / "preprocessor_config.json").is_file()
     check_vision(cfg, path)  # agrees: no error
+    text = parse_config(SHAPES + "model: {init: {hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64}}")
+    with pytest.raises(RunError, match=r"data.domains\[0\] \(shapes\) shows images"):
+        prepare_model(text, tmp_path / "text")  # the run's preparation refuses before any service starts
