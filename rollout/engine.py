@@ -43,7 +43,15 @@ from blobs import decode_image, pixel_inputs
 from rollout.model_init import encode_prompt, eos_token_ids, load_model, load_tokenizer, use_chat_template
 from rollout.sampling import SamplingParams, sample_next
 from rollout.slot_decoder import SlotDecoder, slot_support
-from rollout.vlm import ImageInputs, encode_vlm_prompt, is_vlm_dir, load_image_processor, load_vlm
+from rollout.vlm import (
+    ImageInputs,
+    encode_vlm_prompt,
+    is_vlm_dir,
+    load_image_processor,
+    load_vlm,
+    suppress_vision_markers,
+    vision_marker_ids,
+)
 from weights import copy_weights_, read_weights
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -298,7 +306,13 @@ class VLMDecoder(HFDecoder):
     """:class:`HFDecoder` for a vision-language model (Qwen2-VL / Qwen2.5-VL): the prefill feeds each
     row's images (their features replace the row's ``<|image_pad|>`` tokens) at the model's
     multimodal RoPE positions (``get_rope_index``); each row then decodes text from one past its
-    largest position (all three RoPE axes alike), so the KV-cache rows edit as for text."""
+    largest position (all three RoPE axes alike), so the KV-cache rows edit as for text. The vision
+    markers are never sampled (:func:`rollout.vlm.suppress_vision_markers`): they belong to prompts."""
+
+    def __init__(self, model: Any, device: torch.device | str = "cpu", prefill_kwargs: dict[str, Any] | None = None
+                 ) -> None:
+        super().__init__(model, device, prefill_kwargs)
+        self.markers = vision_marker_ids(model.config)
 
     def prefill(self, prompts: list[list[int]], images: list[ImageInputs | None] | None = None) -> torch.Tensor:
         """Append rows for ``prompts`` with ``images[i]`` for row i (None: text only); logits (b, V)."""
@@ -317,7 +331,7 @@ class VLMDecoder(HFDecoder):
         start = len(self.next_pos)
         self.append(cache, mask)
         self.next_pos[start:] = pos.amax(dim=(0, 2)) + 1  # (b,) one past each row's largest position
-        return logits
+        return suppress_vision_markers(logits, self.markers)
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (B,); the next logits (B, V)."""
@@ -326,7 +340,7 @@ class VLMDecoder(HFDecoder):
         logits = self.model(input_ids=tokens.unsqueeze(1), attention_mask=self.mask, position_ids=pos,
                             past_key_values=self.cache, use_cache=True).logits[:, -1]  # (B, V)
         self.next_pos = self.next_pos + 1
-        return logits
+        return suppress_vision_markers(logits, self.markers)
 
 
 Decoder = HFDecoder | SlotDecoder

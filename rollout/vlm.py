@@ -119,6 +119,25 @@ def tiny_image_processor() -> Any:
                                     merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH)
 
 
+SUPPRESSED_LOGIT = -1e9
+"""The logit a vision-language policy's vision markers get: never sampled, and finite (an entropy
+over the logits stays a number). The trainer (:mod:`trainer.vlm`) applies the same."""
+
+
+def vision_marker_ids(config: Any) -> list[int]:
+    """Token ids of a VLM's image / video placeholders and vision start / end markers: they belong to
+    prompts only (a generated one would be taken for an image), so the policy never emits them."""
+    keys = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return [int(v) for v in (getattr(config, k, None) for k in keys) if v is not None]
+
+
+def suppress_vision_markers(logits: torch.Tensor, marker_ids: list[int]) -> torch.Tensor:
+    """``logits`` (..., V) with the vision markers' set to :data:`SUPPRESSED_LOGIT` (a new tensor)."""
+    banned = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)  # (V,)
+    banned[marker_ids] = True
+    return logits.masked_fill(banned, SUPPRESSED_LOGIT)
+
+
 def model_type_of(model_dir: str | Path) -> str:
     """``model_type`` of the HF model in ``model_dir`` ("" when there is no readable config.json)."""
     try:

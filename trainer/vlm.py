@@ -7,7 +7,8 @@ from the largest). :func:`vlm_token_logprobs` gives the same ``(B, L - 1)`` as
 :func:`trainer.logprobs.token_logprobs` on a text model; the engine's behaviour logprobs of the
 same tokens agree within the text tolerance (``tests/trainer/test_vlm.py``).
 :class:`ImageSource` gives the trainer a sample's pixels (from the run's blob store, or a warm-up
-problem's bytes) and :func:`vlm_forward` runs a batch whose rows show them.
+problem's bytes) and :func:`vlm_forward` runs a batch whose rows show them. Both passes see the
+policy the engine samples from: the vision markers' logits suppressed (:func:`suppress_vision_markers`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,22 @@ def vlm_token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torc
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
                    pixel_values=pixel_values, image_grid_thw=grid_thw,
                    mm_token_type_ids=(input_ids == model.config.image_token_id).int()).logits  # (B, L, V)
-    return token_logprobs(logits, input_ids, temperature)
+    return token_logprobs(suppress_vision_markers(logits, model.config), input_ids, temperature)
+
+
+SUPPRESSED_LOGIT = -1e9
+"""The logit of a vision marker (as :data:`rollout.vlm.SUPPRESSED_LOGIT`: the engine never samples one)."""
+
+
+def suppress_vision_markers(logits: torch.Tensor, config: Any) -> torch.Tensor:
+    """``logits`` (..., V) with the image / video placeholders' and vision start / end markers' set to
+    :data:`SUPPRESSED_LOGIT` (a new tensor): the policy the engine samples from
+    (:func:`rollout.vlm.suppress_vision_markers`; this package may not import it)."""
+    keys = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    ids = [int(v) for v in (getattr(config, k, None) for k in keys) if v is not None]
+    banned = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)  # (V,)
+    banned[ids] = True
+    return logits.masked_fill(banned, SUPPRESSED_LOGIT)
 
 
 VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
@@ -107,5 +123,7 @@ def vlm_forward(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tenso
     pixels = torch.cat([im[0] for im in given]).to(device) if given else None  # (patches, F)
     grid = torch.cat([im[1] for im in given]).to(device) if given else None  # (images, 3)
     pos = mrope_positions(model, input_ids, attention_mask, grid)  # (3, B, L)
-    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, pixel_values=pixels,
-                 image_grid_thw=grid, mm_token_type_ids=(input_ids == model.config.image_token_id).int(), **kwargs)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, pixel_values=pixels,
+                image_grid_thw=grid, mm_token_type_ids=(input_ids == model.config.image_token_id).int(), **kwargs)
+    out.logits = suppress_vision_markers(out.logits, model.config)  # (B, l, V) the policy the engine samples
+    return out

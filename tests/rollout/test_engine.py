@@ -304,6 +304,8 @@ async def test_a_vlm_engine_generates_from_images_with_the_trainers_logprobs(vlm
     from PIL import Image
 
     from blobs import BlobError
+    from rollout.engine import VLMDecoder
+    from rollout.vlm import SUPPRESSED_LOGIT, vision_marker_ids
     from trainer.vlm import vlm_token_logprobs
 
     def png(size: int, colour: tuple[int, int, int]) -> bytes:
@@ -327,5 +329,11 @@ async def test_a_vlm_engine_generates_from_images_with_the_trainers_logprobs(vlm
             lp = vlm_token_logprobs(eng.model, ids, torch.ones_like(ids), im.pixel_values if im else None,
                                     im.grid_thw if im else None, 0.9)[0, len(c.prompt_ids) - 1 :]  # (n,)
         assert_close(lp, torch.tensor(c.logprobs), eng.model.config.text_config.hidden_size)
+    # the vision markers belong to prompts: the policy never samples one (the trainer suppresses them alike)
+    markers = vision_marker_ids(eng.model.config)
+    assert len(markers) == 4 and not any(set(c.token_ids) & set(markers) for c in done)
+    with torch.no_grad():
+        logits = VLMDecoder(eng.model).prefill([reqs[0].prompt_ids], [images[0]])  # (1, V)
+    assert (logits[0, markers] == SUPPRESSED_LOGIT).all() and logits[0].max() > SUPPRESSED_LOGIT
     with pytest.raises(BlobError, match="blob cafe: not a decodable image"):
         eng.image_inputs([b"not a png"], ["cafe"])
