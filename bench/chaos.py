@@ -13,7 +13,10 @@ end the run is drained, and the record's invariants are checked in SQL: nothing 
 trained twice or decided twice, no row recorded twice, the steps 0..N-1 once each.
 
 The ``whole`` fault (all 3 brokers killed at once) is out of the default pool: it has an open
-exactly-once defect (docs/reliability.md); ``--pool`` names it to run it anyway.
+exactly-once defect (docs/reliability.md); ``--pool`` names it to run it anyway. So is
+``store-down``: the run's store fails every insert for :data:`STORE_DOWN_S` (the plugin of
+``tests/e2e/test_faults.py``'s store-down test, loaded by the recorder), and its recovery is the
+recorder caught up (``recorder_store.json`` says the store is up again).
 
     .venv/bin/python bench/chaos.py [--minutes 60 | --faults N] [--interval-s 45] [--seed 0]
                                     [--pool trainer,leader,...] [--pair-p 0.2] [--runs-dir DIR] [--json OUT]
@@ -41,17 +44,23 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import msgspec
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from store.outage import OUTAGE_FILE, StoreOutage  # noqa: E402
 from tests.e2e.faults import SHORT, RunProc, Watch, check_invariants, invariants  # noqa: E402
 from tests.e2e.test_cluster_faults import FAULTS as CLUSTER_FAULTS  # noqa: E402
+from tests.e2e.test_faults import store_down_env  # noqa: E402
 
 SERVICES = ("feeder", "rollout", "reward", "trainer", "recorder")
 """The services a fault may ``kill -9`` (the supervisor restarts them)."""
 BROKER_FAULTS = tuple(n for n in CLUSTER_FAULTS if n != "whole")
 """The broker faults of the default pool: ``whole`` is out (an open exactly-once defect)."""
 DEFAULT_POOL = (*SERVICES, *BROKER_FAULTS)
+STORE_DOWN_S = 20.0
+"""How long the ``store-down`` fault keeps the run's store failing, seconds."""
 SOAK_SETTINGS = [
     *SHORT, "train.steps=1000000", "train.checkpoint_every=10", "train.eval_every=50",
     "run.max_restarts=1000", "run.restart_backoff_max_s=8",
@@ -115,8 +124,35 @@ def restarts(run: RunProc, service: str) -> int:
     return sum(ln.lstrip().startswith(f"restarted {service}") for ln in run.log.read_text(errors="replace").splitlines())
 
 
+def store_down(flag: Path) -> Callable[[Path, str, str], float]:
+    """The ``store-down`` fault: the run's store fails every insert for :data:`STORE_DOWN_S`; returns
+    the wall time it is back."""
+    def fault(home: Path, bootstrap: str, run_id: str) -> float:
+        flag.touch()
+        try:
+            time.sleep(STORE_DOWN_S)
+        finally:
+            flag.unlink()
+        return time.time()
+    return fault
+
+
+def store_caught_up(run: RunProc, after: float, timeout_s: float) -> float | None:
+    """When the recorder said the store is up again (``recorder_store.json`` written after ``after``)."""
+    path = run.runs / run.run_id / OUTAGE_FILE
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and run.proc.poll() is None:
+        try:
+            if path.stat().st_mtime > after and msgspec.json.decode(path.read_bytes(), type=StoreOutage).down_since is None:
+                return path.stat().st_mtime
+        except (OSError, msgspec.DecodeError):
+            pass
+        time.sleep(0.2)
+    return None
+
+
 def strike(run: RunProc, watch: Watch, home: Path, bootstrap: str, faults: list[str], rng: random.Random,
-           timeout_s: float, say: Callable[[str], None] = print) -> Strike:
+           timeout_s: float, say: Callable[[str], None] = print, store_flag: Path | None = None) -> Strike:
     """Inject ``faults`` at once (a broker fault in a thread, the service kills during it) and wait
     for the recovery: each killed service restarted, then a training step created after the fault.
     A broker the fault's restart gave up on (not answering within 120 s) is started once more,
@@ -131,7 +167,11 @@ def strike(run: RunProc, watch: Watch, home: Path, bootstrap: str, faults: list[
     errors: list[BaseException] = []
     thread = None
     if broker:
-        fault = CLUSTER_FAULTS[broker[0]][1]
+        if broker[0] == "store-down":
+            assert store_flag is not None, "store-down needs the soak's store plugin"
+            fault = store_down(store_flag)
+        else:
+            fault = CLUSTER_FAULTS[broker[0]][1]
 
         def go() -> None:
             try:
@@ -169,6 +209,11 @@ def strike(run: RunProc, watch: Watch, home: Path, bootstrap: str, faults: list[
             return Strike(faults, at, None, f"{services} not restarted within {timeout_s:g} s")
         time.sleep(0.2)
         back = time.time()
+    if "store-down" in faults:  # training never waited for the store: its recovery is the recorder caught up
+        up = store_caught_up(run, at, deadline - time.monotonic() + 1)
+        if up is None:
+            return Strike(faults, at, None, f"the recorder did not catch up within {timeout_s:g} s")
+        back = max(back, up)
     try:
         watch.wait(lambda seen: any(ts > at for ts in seen.steps.values()), deadline - time.monotonic() + 1,
                    "a training step after the fault", run)
@@ -190,6 +235,9 @@ def soak(runs: Path, home: Path, *, minutes: float | None, faults: int | None, i
     bootstrap = cluster.bootstrap
     env = {k: v for k, v in os.environ.items() if k != "ROLLSTREAM_BOOTSTRAP"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    store_flag = None
+    if "store-down" in pool:
+        env, store_flag = store_down_env(env, runs.parent / "store-plugin")
     run_id = f"chaos-{seed}-{uuid.uuid4().hex[:6]}"
     rng = random.Random(seed)
     out = Soak()
@@ -211,7 +259,7 @@ def soak(runs: Path, home: Path, *, minutes: float | None, faults: int | None, i
                 names = draw(rng, pool, pair_p)
                 if faults is not None:
                     names = names[: faults - out.injected]
-                s = strike(run, watch, home, bootstrap, names, rng, recovery_timeout_s, say)
+                s = strike(run, watch, home, bootstrap, names, rng, recovery_timeout_s, say, store_flag)
                 out.strikes.append(s)
                 rec = "—" if s.recovery_s is None else f"{s.recovery_s:.1f} s"
                 say(f"{time.time() - t0:7.0f} s  fault {out.injected:3d}: {' + '.join(names):28s} recovery {rec}  "
@@ -251,7 +299,7 @@ def summary(res: Soak) -> str:
 
 def parse_pool(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
-    known = [*SERVICES, *CLUSTER_FAULTS]
+    known = [*SERVICES, *CLUSTER_FAULTS, "store-down"]
     bad = [n for n in names if n not in known]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"unknown fault(s) {bad or text!r}; choose among {','.join(known)}")
@@ -266,7 +314,7 @@ def main() -> int:
                     help="Mean wait from one recovery to the next fault, seconds (each drawn 0.5-1.5x).")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool", type=parse_pool, default=list(DEFAULT_POOL),
-                    help=f"Comma-separated faults to draw from (default {','.join(DEFAULT_POOL)}; also: whole).")
+                    help=f"Comma-separated faults to draw from (default {','.join(DEFAULT_POOL)}; also: whole, store-down).")
     ap.add_argument("--pair-p", type=float, default=0.2, help="Probability that a fault comes with a second one.")
     ap.add_argument("--runs-dir", type=Path, default=None, help="Where the run and the cluster go (default: a temporary folder).")
     ap.add_argument("--keep", action="store_true", help="Keep the temporary folder (the run's record) at the end.")

@@ -6,7 +6,7 @@
                         [--micro-sweep M,M,..] [--peak-tflops 989] [--bandwidth-gbs 3350] [--device cuda:0]
                         [--no-trainers] [--no-engine] [--no-serve] [--features] [--profile DIR]
                         [--prompts 128] [--max-new-tokens 64] [--max-batch 64] [--repeats 2]
-                        [--out results.jsonl]
+                        [--sharing] [--out results.jsonl]
 
 Run it on a GPU machine before training there (the project's CI has no GPU); ``--device cpu``
 makes a smoke run. For each model (``tiny``: the main example's; ``smollm2-shape``: SmolLM2-135M's
@@ -25,6 +25,9 @@ architecture with random weights) and dtype:
   and peak GiB; ``--micro-sweep`` the ``torch`` strategy at growing micro-batches, padded and packed
   (``train.micro_batch_tokens``), up to the largest that fits; each engine row's fraction of the
   bandwidth bound (``--bandwidth-gbs`` / weight bytes × slots).
+* **Sharing** (``--sharing``, issue 36): the engine's device memory while idle as it is, after
+  ``release(kv)`` and after ``release(kv_and_weights)`` (``rollout.release_between_steps``), the
+  seconds of each release and of the pass that takes the memory back, against a pass without.
 
 Prints one JSON line per row (versions first); ``--out`` also appends each row to a file as it is
 measured. bench/README.md ("gpu.py") says what each row measures and keeps the measured runs.
@@ -457,6 +460,56 @@ def engine_rows(a: argparse.Namespace, models: dict[str, Path]) -> list[dict[str
     return rows
 
 
+def sharing_rows(a: argparse.Namespace, models: dict[str, Path]) -> list[dict[str, Any]]:
+    """``rollout.release_between_steps`` on the device: what an idle engine holds, resident and after
+    each release, and what taking it back costs (module doc, "Sharing")."""
+    from rollout.engine import GenerationRequest, TorchEngine, generate_all
+    from rollout.sampling import SamplingParams
+
+    cuda = a.device.startswith("cuda")
+
+    def held_gib() -> float | None:  # what this process holds on the device now
+        if not cuda:
+            return None
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated(a.device) / 2**30
+
+    rows = []
+    for model, model_dir in models.items():
+        vocab = token_range(model_dir)
+        g = torch.Generator().manual_seed(2)
+        prompts = [[1, *torch.randint(4, vocab, (32,), generator=g).tolist()] for _ in range(a.prompts)]
+        reqs = [GenerationRequest(str(i), p, SamplingParams(max_new_tokens=a.max_new_tokens)) for i, p in enumerate(prompts)]
+        for dtype in a.dtypes.split(","):
+            eng = TorchEngine(model_dir, max_batch=a.max_batch, device=a.device, dtype=dtype, chat_template=False)
+
+            def timed_pass(eng: Any = eng, reqs: list[Any] = reqs, model: str = model) -> float:
+                t0 = time.perf_counter()
+                done = asyncio.run(generate_all(eng, reqs))
+                if cuda:
+                    torch.cuda.synchronize()
+                if any(c.error for c in done):
+                    raise RuntimeError(f"sharing/{model}: {next(c.error for c in done if c.error)}")
+                return time.perf_counter() - t0
+
+            timed_pass()  # warm-up: kernels, graphs, the KV cache at its working size
+            row: dict[str, Any] = {"model": model, "dtype": dtype, "section": "sharing", "resident_gib": held_gib(),
+                                   "pass_s": timed_pass()}
+            for mode in ("kv", "kv_and_weights"):
+                t0 = time.perf_counter()
+                asyncio.run(eng.release(weights=mode == "kv_and_weights"))
+                row[f"release_{mode}_s"] = time.perf_counter() - t0
+                row[f"after_{mode}_gib"] = held_gib()
+                row[f"pass_after_{mode}_s"] = timed_pass()  # takes everything back first
+            row["peak_gib"] = torch.cuda.max_memory_allocated(a.device) / 2**30 if cuda else None
+            rows.append(row)
+            emit(row)
+            del eng
+            if cuda:
+                torch.cuda.empty_cache()
+    return rows
+
+
 async def serve_row(a: argparse.Namespace, model: str, model_dir: Path, dtype: str) -> dict[str, Any]:
     """``rollstream serve`` (in this process) on the device, and the rollout client against it: greedy
     completions must equal the in-process engine's, token for token."""
@@ -522,6 +575,8 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="MFU's denominator (H100 SXM dense bf16: 989)")
     ap.add_argument("--bandwidth-gbs", type=float, default=3350.0,
                     help="engine: the memory bandwidth of the bound (H100 SXM HBM3: 3350 GB/s)")
+    ap.add_argument("--sharing", action="store_true",
+                    help="rollout.release_between_steps: the idle engine's memory, resident and released (issue 36)")
     ap.add_argument("--out", default="", help="also append every row to this file as it is measured (JSON lines)")
     # the child side
     ap.add_argument("--one", choices=STRATEGIES, help=argparse.SUPPRESS)
@@ -553,6 +608,8 @@ def main() -> None:
             features(a, models, Path(tmp))
         if not a.no_engine:
             engine_rows(a, models)
+        if a.sharing:
+            sharing_rows(a, models)
         if not a.no_serve:
             for m, d in models.items():
                 for dt in a.dtypes.split(","):

@@ -55,6 +55,7 @@ from tests.e2e.test_faults import (  # noqa: E402
     broker_outage_run,
     faulty_verifier_run,
     kill_service_run,
+    store_outage_run,
 )
 from tests.e2e.test_resume import resume_run  # noqa: E402
 
@@ -125,6 +126,8 @@ def scenarios(bootstrap: str, outage_home: Callable[[], tuple[Path, str]],
                                   lambda runs, i, n=name, f=fault: cluster_fault_run(runs, cluster_home(), f, n))
     out["verifier"] = ("verifier hangs (`sleep`) or raises on 2/7 of the answers",
                        lambda runs, i: faulty_verifier_run(runs, bootstrap, runs.parent / f"plugin{i}"))
+    out["store-down"] = ("the store down for 8 s mid-run (every insert fails as chDB's do on a refused write)",
+                         lambda runs, i: store_outage_run(runs, bootstrap, runs.parent / f"store-plugin{i}"))
     out["poison"] = ("poison records (7 undecodable / impossible events mid-run)",
                      lambda runs, i: poison_run(runs, bootstrap))
     return out

@@ -19,7 +19,7 @@ services do, side by side, the two handoffs alternating:
   the event, off the critical path (it competes for the same cores on a CPU).
 
 Prints one JSON line per model and handoff (medians over ``--reps``) and the ratio disk ÷ memory
-of ``total_s``. bench/README.md ("weights.py") keeps the measured runs.
+of ``total_s``. bench/README.md ("weight_handoff.py") keeps the measured runs.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ One module per command group, each registering its commands on :data:`app`
 * :mod:`~cli.run` — ``run`` (``--prepare-only``, ``--dry-run``), ``resume RUN``, ``service NAME``;
 * :mod:`~cli.stack` — ``stack up|down|status``;
 * :mod:`~cli.topics` — ``topics list|describe``;
-* :mod:`~cli.ops` — ``status RUN``, ``stop RUN``;
+* :mod:`~cli.ops` — ``status RUN``, ``stop RUN``, ``record RUN``;
 * :mod:`~cli.runs` — ``runs list|rm``, ``logs RUN [SERVICE]``, ``export RUN DIR``;
 * :mod:`~cli.sql` — ``sql`` (SQL, or ``--query NAME``: a ready query of docs/analytics.md);
 * :mod:`~cli.report` — ``report``;

@@ -1,6 +1,7 @@
 """``rollstream status RUN`` and ``rollstream stop RUN``: watch and stop a run from another
 terminal (:mod:`launch.status`, :mod:`launch.stop`). ``status`` exits :data:`INTERRUPTED_EXIT`
-for a run that ended before it finished."""
+for a run that ended before it finished. ``rollstream record RUN`` builds a run's record from its
+topics (:mod:`launch.record`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import typer
 
-from cli.app import UserError, app, console, find_broker, friendly, out
+from cli.app import UserError, app, console, find_broker, friendly, opt, out
 
 INTERRUPTED_EXIT = 3
 """``rollstream status``'s exit status for a run that ended before it finished (it can be resumed)."""
@@ -168,3 +169,56 @@ def stop_cmd(
         state = read_state(run_dir)
     if (run_dir / "summary.json").exists():
         out.print(f"summary: {run_dir / 'summary.json'}")
+
+
+@app.command("record")
+@friendly
+def record_cmd(
+    run: str = typer.Argument(..., help="Run id."),
+    runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Directory of run folders (where the default store is)."),
+    from_log: Path | None = typer.Option(None, "--from-log", help="Read the run's topics from a copy of the broker's log directory (log.dirs; a local stack's <home>/kafka/data), or from an archive of `rollstream runs export-log`, instead of from a broker: on a machine with no broker and no Java."),
+    fmt: str = typer.Option("table", "--format", help="table or json."),
+) -> None:
+    """Build a run's record (the ClickHouse store) from its topics, as the live recorder would have: for a run with store.record_live=false, or to complete a record. Reads every topic of the run to its end with the recorder's own code and stops; running it again adds only what the store lacks.
+
+    The store is --store / ROLLSTREAM_STORE when given, else store.dsn of the run's config, else <runs-dir>/<run>/store (made when missing, also on a machine without the run's folder). Kafka is found as for `rollstream status`. Topics keep their events for 7 days (retention.ms): record before that. With --from-log no broker is asked: the segment files are read as a read_committed consumer reads them (aborted transactions left out).
+    """
+    import asyncio
+    import json
+
+    from launch.record import record_log, record_run
+    from runtime.probe import NO_BROKER
+    from store.runs import record_dsn
+
+    if fmt not in ("table", "json"):
+        raise UserError(f"--format {fmt!r}: one of table, json")
+    _, cfg, state = _run_files(run, runs_dir)
+
+    def progress(line: str) -> None:
+        console.print(f"recording {run}: {line}")
+
+    if from_log is not None:
+        dsn = record_dsn(runs_dir, run, opt("store"))
+        result = asyncio.run(record_log(from_log, run, dsn, progress=progress))
+    else:
+        bootstrap = _bootstrap(cfg, state)
+        if not bootstrap:
+            raise UserError(NO_BROKER)
+        from infra.kafka import broker as stack
+
+        if not stack.kafka_reachable(bootstrap, timeout_s=5):
+            raise UserError(f"no Kafka broker answers at {bootstrap} (the broker that holds the run's topics: --bootstrap)")
+        dsn = record_dsn(runs_dir, run, opt("store"))
+        result = asyncio.run(record_run(_kafka(cfg), bootstrap, run, dsn, progress=progress))
+    if fmt == "json":
+        out.print(json.dumps(result.to_dict()), markup=False, soft_wrap=True)
+    else:
+        tables = ", ".join(f"{t} {n}" for t, n in sorted(result.tables.items()) if n and t != "events")
+        out.print(f"recorded run {run} into {result.dsn}: {result.events} events from {result.messages} Kafka records "
+                  f"({result.skipped} already stored) in {result.wall_s:.1f} s" + (f"; {tables}" if tables else ""))
+    if result.trimmed:
+        console.print(f"[yellow]warning:[/yellow] retention had deleted {result.trimmed} Kafka records of the run "
+                      "before this read: the record lacks their events")
+    if not result.finished:
+        console.print(f"[yellow]warning:[/yellow] no RunFinished on the run's topics (it runs, or ended before it "
+                      f"finished): the record holds its events so far; `rollstream record {run}` again adds the rest")

@@ -407,6 +407,9 @@ def _run(cfg: Any, rid: str, prepare_only: bool, cluster: Any) -> None:
                   f"init {ev_['init'].get('accuracy_sampled')}, start {ev_['start'].get('accuracy_sampled')}, "
                   f"final {ev_['final']['accuracy_sampled']}")
     out.print(f"summary: {supervisor.run_dir_of(cfg, rid) / 'summary.json'}")
+    if not cfg.store.record_live:
+        out.print(f"record: none yet (store.record_live=false); `rollstream record {rid}` builds it from the "
+                  "run's topics, here or on another machine that reaches the broker")
     if summary.get("final_model"):
         out.print(f"final model: {summary['final_model']}")
 

@@ -1,4 +1,4 @@
-"""``rollstream runs list|rm``, ``rollstream logs RUN [SERVICE]`` and ``rollstream export RUN DIR``:
+"""``rollstream runs list|rm|export-log``, ``rollstream logs RUN [SERVICE]`` and ``rollstream export RUN DIR``:
 the runs of a runs directory, their logs and their models (:mod:`launch.runs`)."""
 
 from __future__ import annotations
@@ -117,6 +117,44 @@ def runs_rm(
         deleted = asyncio.run(delete_topics(KafkaSettings(), bootstrap, run))
     topics = "" if keep_topics else f" and {len(deleted)} topics"
     out.print(f"deleted run {run}: {run_dir} ({_mb(freed)}){topics}")
+
+
+@runs_app.command("export-log")
+@friendly
+def runs_export_log(
+    run: str = typer.Argument(..., help="Run id."),
+    archive: Path = typer.Argument(..., help="The archive to write: a name ending .tar.xz, .tar.gz or .tar."),
+    log_dir: Path | None = typer.Option(None, "--log-dir", help="The broker's log directory (log.dirs), when it is not the local stack's of --home (<home>/kafka/data)."),
+    fmt: str = typer.Option("table", "--format", help="table or json."),
+) -> None:
+    """Write a run's topics, as the broker's log directory holds them, to one archive that `rollstream record RUN --from-log ARCHIVE` builds the record from on another machine (no broker, no Java there). It holds the run's partitions and what a broker needs to start on them (meta.properties, the KRaft metadata log), no index files and no other run's topics.
+
+    The broker may keep running: files it deletes meanwhile make the archive be written again. A single broker's log directory only (node.id=1: `rollstream stack up`, compose), not a local cluster's.
+    """
+    import json
+
+    from cli.app import home
+    from infra.kafka.logdir import archive_mode, export_log
+    from schemas.topics import check_run_id
+
+    if fmt not in ("table", "json"):
+        raise UserError(f"--format {fmt!r}: one of table, json")
+    check_run_id(run)
+    archive_mode(archive)
+    if log_dir is None:
+        log_dir = home() / "kafka" / "data"
+        if not (log_dir / "meta.properties").is_file():
+            raise UserError(f"no Kafka log directory in the local stack of {home()} ({log_dir}): name the broker's "
+                            "with --log-dir (its log.dirs), or the stack's home with --home")
+    done = export_log(log_dir, run, archive)
+    if fmt == "json":
+        out.print(json.dumps({"run_id": run, "archive": str(done.path), "partitions": done.partitions,
+                              "files": done.files, "bytes": done.bytes_out, "bytes_unpacked": done.bytes_in}),
+                  markup=False, soft_wrap=True)
+        return
+    out.print(f"exported run {run}'s {done.partitions} partitions to {done.path} ({_mb(done.bytes_out)}, "
+              f"{_mb(done.bytes_in)} unpacked); build its record elsewhere with "
+              f"`rollstream record {run} --from-log {done.path.name}`")
 
 
 @app.command("logs")

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -181,6 +182,7 @@ async def gather(run_id: str, run_dir: Path, *, bootstrap: str | None, kafka: Ka
         "kafka": {"bootstrap": bootstrap, "topics": info is not None, "error": kafka_error},
         "stall": None,
         "servers_down": {},
+        "store": store_line(run_dir, now),
         "resume": None,
     }
     # a run that ended before it finished (Ctrl-C, a failed service, its supervisor killed) resumes
@@ -197,6 +199,18 @@ async def gather(run_id: str, run_dir: Path, *, bootstrap: str | None, kafka: Ka
             tasks_issued=info.tasks_issued, services=services, draining=report["draining"],
             drain_age_s=ago(drain.ts, now) if drain else None, servers_down=down)
     return report
+
+
+def store_line(run_dir: Path, now: float) -> str:
+    """The recorder's word on its store (``recorder_store.json``): ``store: unreachable for 42 s
+    (recorder retrying ...)`` or ``store: up ...``; empty when the recorder published nothing."""
+    from store.outage import OUTAGE_FILE, StoreOutage, describe_outage
+
+    try:
+        outage = msgspec.json.decode((run_dir / OUTAGE_FILE).read_bytes(), type=StoreOutage)
+    except (OSError, msgspec.DecodeError):
+        return ""
+    return describe_outage(outage, now)
 
 
 def _fmt_s(v: float | None) -> str:
@@ -227,6 +241,9 @@ def render(report: dict[str, Any], console: Console) -> None:
     version = report["policy_version"]
     console.print(f"  trainer: step {step}/{steps}, policy version "
                   f"{'-' if version is None else version}, last step {_fmt_s(report['last_progress_s_ago'])} ago")
+    if report.get("store"):
+        color = "yellow" if "unreachable" in report["store"] else "green"
+        console.print(f"  [{color}]{escape(report['store'])}[/{color}]")
     f = report["feeder"]
     if f["tasks_issued"] is not None:
         console.print(f"  feeder: {f['tasks_issued']} tasks issued, last {_fmt_s(f['last_issued_s_ago'])} ago")

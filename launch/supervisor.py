@@ -14,7 +14,8 @@
 4. past ``run.max_wall_s`` publish a ``Drain``; a run not finished :data:`WALL_GRACE_S` later fails;
 5. on ``RunFinished``: SIGTERM the services that run until told to stop, in their stop waves; wait
    for every producer to exit, then tell the recorder (:data:`PRODUCERS_DONE`) and let it catch up;
-   write ``summary.json``.
+   write ``summary.json`` (from the record; with ``store.record_live: false`` no recorder runs and
+   it comes from the topics, :func:`launch.progress.tallies_of_topics`).
 
 Ctrl-C (or SIGTERM) stops every service (SIGTERM, then SIGKILL after a grace period).
 ``--launcher ray`` uses this supervisor too: :mod:`launch.ray_launcher` subclasses it so that each
@@ -58,7 +59,7 @@ from launch.prepare import (
     prepare_run,
     write_run_config,
 )
-from launch.progress import Progress, summarize
+from launch.progress import Progress, summarize, tallies_of_topics
 from launch.runinfo import RunInfo, probe_run
 from launch.state import write_state
 from launch.status import WARM_UP_FACTOR, lag_services, stall_text
@@ -152,8 +153,10 @@ def judged(cfg: RunConfig) -> bool:
 
 def needed(spec: ServiceSpec, cfg: RunConfig) -> bool:
     """Whether a run of ``cfg`` starts ``spec`` (:attr:`ServiceSpec.needed`: env workers only when a
-    domain is multi-turn, judge workers only when a domain has a judge)."""
-    return {"always": lambda: True, "multi_turn": lambda: multi_turn(cfg), "judged": lambda: judged(cfg)}[spec.needed]()
+    domain is multi-turn, judge workers only when a domain has a judge, the recorder only with
+    ``store.record_live``)."""
+    return {"always": lambda: True, "multi_turn": lambda: multi_turn(cfg), "judged": lambda: judged(cfg),
+            "record_live": lambda: cfg.store.record_live}[spec.needed]()
 
 
 class Supervisor:
@@ -493,7 +496,10 @@ async def run_supervised(cfg: RunConfig, run_id: str, bootstrap: str, console: C
     if not ok:
         why = "interrupted" if stop.is_set() else "stopped before it finished"
         raise RunError(f"run {run_id} {why}; every service was stopped (logs: {run_dir / 'logs'})")
-    summary = summarize(cfg, run_id, sup.progress, time.monotonic() - t0)
+    wall_s = time.monotonic() - t0
+    # without a live record the summary counts the run's topics (launch.record: `rollstream record` builds it)
+    tallies = None if cfg.store.record_live else await tallies_of_topics(cfg.kafka, bootstrap, run_id)
+    summary = summarize(cfg, run_id, sup.progress, wall_s, tallies)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     sup.phase = "finished"
     sup.write_state()

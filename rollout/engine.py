@@ -16,6 +16,8 @@ copies a published weight set into the live parameters between two steps
 (:func:`weights.copy_weights_`); requests in flight continue with the new weights, and each
 :class:`Completion` reports the version it started and ended with. All torch work runs on one
 thread of the engine's own, so the event loop stays responsive. Sampling is seeded per engine.
+:meth:`TorchEngine.release` gives back an idle engine's KV cache, and its weights to host memory,
+which the next step takes back (``rollout.release_between_steps``: one device for rollout and trainer).
 
 How admission, padding, prefix sharing and the swap work, and why not transformers' own
 continuous batching: docs/architecture.md, "Engines and strategies".
@@ -42,7 +44,7 @@ from transformers.cache_utils import DynamicLayer
 from blobs import decode_image, pixel_inputs
 from rollout.model_init import encode_prompt, eos_token_ids, load_model, load_tokenizer, use_chat_template
 from rollout.sampling import SamplingParams, sample_next
-from rollout.slot_decoder import SlotDecoder, slot_support
+from rollout.slot_decoder import SlotDecoder, forget_fusions, slot_support
 from rollout.vlm import (
     ImageInputs,
     encode_vlm_prompt,
@@ -55,6 +57,8 @@ from rollout.vlm import (
 from weights import copy_weights_, read_weights
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+Released = Literal["", "kv", "kv_and_weights"]
+"""What :meth:`TorchEngine.release` gave back: nothing (""), the KV cache, or it and the weights."""
 _FEED_DONE = object()  # end-of-stream marker on a generate() call's queue
 ENCODE_CACHE = 1024
 """How many recent prompts :meth:`TorchEngine.encode` keeps tokenized."""
@@ -443,6 +447,10 @@ class TorchEngine:
         self._waited_steps = 0  # decode steps since waiting requests were last admitted
         self._step_lock = threading.Lock()
         self._driver: asyncio.Task[None] | None = None
+        self.released: Released = ""
+        """What :meth:`release` gave back; the next step (or :meth:`next_token_logprobs`) takes it again."""
+        self.releases = 0
+        """How many times :meth:`release` freed memory."""
 
     def _new_decoder(self) -> Decoder:
         if self.decoder == "slots":
@@ -564,6 +572,48 @@ class TorchEngine:
             copy_weights_(self.model, state, f"weights at {ref}")
             self.policy_version = self.policy_version + 1 if version is None else version
 
+    async def release(self, weights: bool = False) -> bool:
+        """Give back device memory while idle (``rollout.release_between_steps``): see :meth:`release_sync`."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self.release_sync, weights)
+
+    def release_sync(self, weights: bool = False) -> bool:
+        """Between two steps, with no request running or waiting: drop the KV cache (the decoder,
+        with its CUDA graphs) and, with ``weights``, copy the parameters to host memory (pinned,
+        from CUDA) and drop the fused projections that still point at the device copies. The next
+        step takes them back before it admits (:meth:`_restore`); a weight swap meanwhile writes
+        into the host copy. False (nothing done) when a request is there or it is released already."""
+        with self._step_lock:
+            if self._slots.rows or self._pending or self._admitting or self.released == "kv_and_weights" or (
+                    self.released == "kv" and not weights):
+                return False
+            self.released = "kv_and_weights" if weights else "kv"  # first: a failure below is restored too
+            if weights:
+                self._slots = _Slots(HFDecoder(self.model, self.device))  # a placeholder: holds no tensor
+                forget_fusions(self.model)
+                with torch.no_grad():
+                    for p in self.model.parameters():
+                        host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=p.is_cuda)
+                        host.copy_(p.data)
+                        p.data = host
+            else:
+                self._slots = _Slots(self._new_decoder())  # the old one's cache goes with it
+            self.releases += 1
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # back to the driver: the trainer process can use it
+        return True
+
+    def _restore(self) -> None:
+        """Take back what :meth:`release_sync` gave (the caller holds the step lock): the weights
+        onto the device, a new decoder (its KV cache is allocated by its first prefill)."""
+        if self.released == "kv_and_weights":
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.data = p.data.to(self.device, non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._slots = _Slots(self._new_decoder())
+        self.released = ""
+
     @torch.inference_mode()
     def next_token_logprobs(self, prompts: list[list[int]]) -> torch.Tensor:
         """``log_softmax`` of the next-token logits after each prompt, in one batched, left-padded
@@ -573,6 +623,8 @@ class TorchEngine:
             self._validate(GenerationRequest(f"logprobs-{i}", p))
         ids, mask, pos = left_padded(prompts, self.device)  # (b, P) each
         with self._step_lock, torch.inference_mode():
+            if self.released:
+                self._restore()
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
                                 **self._last_logits_only).logits[:, -1]  # (b, V)
         return torch.log_softmax(logits.float(), dim=-1).cpu()  # (b, V)
@@ -616,6 +668,8 @@ class TorchEngine:
 
     @torch.inference_mode()
     def _step_locked(self) -> list[tuple[_Row, Completion]]:
+        if self.released:
+            self._restore()
         finished = self._admit()
         if self._slots.rows:
             finished += self._decode()

@@ -108,6 +108,14 @@ def fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Te
     return weight, bias
 
 
+def forget_fusions(model: torch.nn.Module) -> None:
+    """Drop the fused weights :func:`fuse_linears` keeps on ``model``'s modules, so that a model whose
+    parameters moved (the engine's ``release``) holds no tensor on the old device; the next
+    :class:`SlotDecoder` fuses again."""
+    for module in model.modules():
+        module.__dict__.pop("_rollstream_fused", None)
+
+
 def shared_prefix(prompts: list[list[int]]) -> int:
     """How many leading tokens :meth:`SlotDecoder.prefill` computes once for all of ``prompts``
     (distinct prompts): their longest common prefix, less each prompt's last token (whose logits

@@ -45,7 +45,7 @@ from schemas.topics import spec_for_topic, split_value
 
 log = logging.getLogger("rollstream.bus")
 
-__all__ = ["Compression", "Consumer", "Producer", "RevokeHook"]
+__all__ = ["Compression", "Consumer", "Producer", "RevokeHook", "records_of"]
 
 Compression = Literal["lz4", "zstd", "gzip", "snappy", "none"]
 """Producer compression codecs (``none`` = uncompressed)."""
@@ -400,31 +400,7 @@ class Consumer(_Client[AIOKafkaConsumer]):
         batches = await self.raw.getmany(timeout_ms=timeout_ms, max_records=max_records)
         out: list[Record] = []
         for tp, msgs in batches.items():
-            topic, partition = tp.topic, tp.partition
-            dec, spec = self.decoder_for(topic), spec_for_topic(topic)  # once per partition, not per event
-            decode = self._decode_with
-            for m in msgs:
-                ts = m.timestamp / 1000.0
-                try:
-                    parts = split_value(m.value)
-                except Exception as e:  # a damaged array: the whole record is one undecodable record
-                    out.append(Record(topic, partition, m.offset, m.key, m.value, None,
-                                      f"damaged batched record: {one_line(e)}", ts))
-                    continue
-                if parts is None:
-                    event, error = decode(dec, topic, m.value)
-                    out.append(Record(topic, partition, m.offset, m.key, m.value, event, error, ts))
-                    continue
-                if not parts:
-                    out.append(Record(topic, partition, m.offset, m.key, m.value, None,
-                                      "batched record with no events", ts))
-                    continue
-                n = len(parts)
-                for i, part in enumerate(parts):
-                    event, error = decode(dec, topic, part)
-                    # the record is keyed by its first event: each event gets its own registry key back
-                    key = key_for(spec, event) if event is not None and spec is not None else None
-                    out.append(Record(topic, partition, m.offset, key or m.key, part, event, error, ts, i, n))
+            out += records_of(tp.topic, tp.partition, msgs, self.decoder_for(tp.topic))
         return out
 
     async def keepalive(self) -> None:
@@ -482,3 +458,38 @@ class Consumer(_Client[AIOKafkaConsumer]):
             raise BusError("committed_with_metadata needs a consumer group")
         found = await self.raw._coordinator.fetch_committed_offsets(sorted(tps))
         return {tp: (om.offset, om.metadata or "") for tp, om in found.items() if om.offset >= 0}
+
+
+def records_of(topic: str, partition: int, msgs: Iterable[Any], dec: msgspec.msgpack.Decoder[Any] | None) -> list[Record]:
+    """The :class:`Record` s of Kafka messages of one partition (each with ``offset``, ``key``,
+    ``value``, ``timestamp`` in ms, as aiokafka's), decoded with ``dec`` (the topic's decoder): a
+    batched message comes back as one record per event (:func:`schemas.topics.split_value`), in its
+    order, keyed by the event's registry key (:func:`runtime.records.key_for`); undecodable ones come
+    back with ``error`` set. What :meth:`Consumer.getmany` hands out, and the records a run's log
+    directory is read into (:mod:`infra.kafka.logdir`)."""
+    spec = spec_for_topic(topic)
+    decode = Consumer._decode_with
+    out: list[Record] = []
+    for m in msgs:
+        ts = m.timestamp / 1000.0
+        try:
+            parts = split_value(m.value)
+        except Exception as e:  # a damaged array: the whole record is one undecodable record
+            out.append(Record(topic, partition, m.offset, m.key, m.value, None,
+                              f"damaged batched record: {one_line(e)}", ts))
+            continue
+        if parts is None:
+            event, error = decode(dec, topic, m.value)
+            out.append(Record(topic, partition, m.offset, m.key, m.value, event, error, ts))
+            continue
+        if not parts:
+            out.append(Record(topic, partition, m.offset, m.key, m.value, None,
+                              "batched record with no events", ts))
+            continue
+        n = len(parts)
+        for i, part in enumerate(parts):
+            event, error = decode(dec, topic, part)
+            # the record is keyed by its first event: each event gets its own registry key back
+            key = key_for(spec, event) if event is not None and spec is not None else None
+            out.append(Record(topic, partition, m.offset, key or m.key, part, event, error, ts, i, n))
+    return out

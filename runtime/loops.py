@@ -11,9 +11,10 @@
   with ``handle_undecodable``, or left to their owner on ``observed_topics``), seen ``event_id`` s
   skipped, then ``handle_batch(records, ctx)`` runs, its queued outputs and dead letters are
   sent and acknowledged, and (``commit="after_effect"`` with a group) the poll's offsets are
-  committed. Then ``on_tick``. A batch in progress when the service stops or loses partitions
-  gets ``shutdown_grace_s`` to finish; after that it is cancelled, nothing of it is committed,
-  and its records are redelivered.
+  committed. Then ``on_tick``. While a batch runs it keeps polling (partitions paused) to stay in
+  its group (a recorder retrying through a store outage). A batch in progress when the service
+  stops or loses partitions gets ``shutdown_grace_s`` to finish; after that it is cancelled,
+  nothing of it is committed, and its records are redelivered.
 
 Each holds the instance's :class:`runtime.kafka_io.KafkaIO` and what else it needs.
 """
@@ -144,7 +145,7 @@ class BatchLoop:
         """Wait for a batch task (or a stop, then give it the grace period); re-raise its error."""
         self._batch = work
         try:
-            await asyncio.wait({work, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            await self._wait_in_group(work, stop_wait)
             if not work.done():
                 await self.finish()
         finally:
@@ -154,6 +155,16 @@ class BatchLoop:
         exc = work.exception()
         if exc is not None:
             raise exc
+
+    async def _wait_in_group(self, work: asyncio.Task[None], stop_wait: asyncio.Future[Any]) -> None:
+        """Wait for the batch or a stop, polling with every partition paused each half
+        ``max_poll_interval_s`` so that a long batch does not get the instance evicted."""
+        every_s = self.settings.consume.max_poll_interval_s / 2
+        while True:
+            await asyncio.wait({work, stop_wait}, timeout=every_s, return_when=asyncio.FIRST_COMPLETED)
+            if work.done() or stop_wait.done():
+                return
+            await self.io.keepalive()
 
     async def finish(self) -> None:
         """Give the batch in progress ``shutdown_grace_s`` (or until a forced stop); cancel it after."""

@@ -35,6 +35,11 @@ def placement(cfg: RunConfig) -> dict[str, tuple[str, str]]:
     """``{"rollout": (device, dtype), "trainer": (device, dtype)}`` for this machine (checks both)."""
     rollout = resolve_device(cfg.rollout.device, "rollout.device")
     trainer = resolve_device(cfg.train.device, "train.device")
+    release = cfg.rollout.release_between_steps
+    if release != "off" and rollout != trainer:
+        raise ConfigError(f"config: rollout.release_between_steps={release} shares one device, but rollout.device="
+                          f"{cfg.rollout.device!r} is {rollout} and train.device={cfg.train.device!r} is {trainer}; "
+                          "put both on one device or set it to off")
     return {
         "rollout": (rollout, resolve_dtype(cfg.model.dtype, rollout)),
         "trainer": (trainer, resolve_dtype(cfg.model.dtype, trainer)),

@@ -238,6 +238,9 @@ class Generation(Event, frozen=True, kw_only=True):
     the conversation, ``loss_mask`` 0) starts in ``response_ids``, for every turn after the first.
     The sequence ``prompt_ids + response_ids`` is then independent segments, each scored on its own
     (a segment's tokens never attend to an earlier segment's); empty = one sequence. (Added after v6.)"""
+    peak_memory_gib: float = 0.0
+    """The rollout worker's peak memory so far, GiB (``runtime.memory``: CUDA's peak allocation on a
+    CUDA engine, else the process's peak resident set); 0 = not reported. (Added after v11.)"""
 
 
 # --------------------------------------------------------------------------- scored

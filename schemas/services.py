@@ -35,9 +35,9 @@ Loop = Literal["record", "batch", "transactional"]
 Lifecycle = Literal["until_stopped", "finishes"]
 """``until_stopped``: runs until SIGTERM (the supervisor sends it once the run finished);
 ``finishes``: exits 0 by itself once the run finished (``RunFinished``)."""
-Needed = Literal["always", "multi_turn", "judged"]
+Needed = Literal["always", "multi_turn", "judged", "record_live"]
 """When ``rollstream run`` starts the service: always, only when a domain is multi-turn, only when
-a domain has a judge."""
+a domain has a judge, only when the run is recorded live (``store.record_live``)."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ SERVICES: dict[str, ServiceSpec] = {
                     produces=("metrics", "weights", "control"), loops=("batch",), lifecycle="finishes",
                     device_key="train.device", lag_topics=("scored",), lag_label="scored lag"),
         ServiceSpec("recorder", "services.recorder", 0, consumes=tuple(TOPICS), produces=(), loops=("batch",),
-                    lifecycle="finishes", all_runs=True),
+                    lifecycle="finishes", all_runs=True, needed="record_live"),
     )
 }
 """Every service of a run, in the order a sample flows through them (then the recorder)."""
@@ -167,7 +167,8 @@ def stop_waves() -> list[tuple[str, ...]]:
             for o in orders]
 
 
-_NEEDED = {"multi_turn": "multi-turn domains only", "judged": "judged domains only"}
+_NEEDED = {"multi_turn": "multi-turn domains only", "judged": "judged domains only",
+           "record_live": "with `store.record_live` only"}
 _LOOPS = {"record": "per record", "batch": "batch", "transactional": "transactional"}
 
 

@@ -6,7 +6,18 @@ insert per table (``events`` last), and the runtime commits the poll's offsets o
 Every message is recorded: the runtime's dedupe is off, and undecodable bytes are handed over too
 (``handle_undecodable``) and stored as kind ``undecodable``. Ingestion is idempotent on (topic,
 partition, offset): at start it reads the highest stored offset of each partition and skips
-anything at or below it. An insert that fails stops the recorder (nothing of the poll committed).
+anything at or below it. An insert that fails with a connection, timeout or I/O error
+(:func:`is_transient`: the store down) is retried with backoff (1, 2, 4 ... up to
+``store_retry_max_backoff_s``) for up to ``store_retry_for_s``; the poll's offsets are committed
+only once it is stored, so nothing unwritten is committed and the recorder catches up from Kafka
+when the store is back. Past ``store_retry_for_s`` the insert's error stops the recorder; any
+other insert error (a bad column, a wrong type) stops it at once. Each insert carries a
+deduplication token of its batch (:func:`batch_token`, ``infra/clickhouse/009_insert_dedup.sql``):
+a retried batch that was stored in part is not stored twice. A stop during an outage ends the
+retries at once: the batch is left uncommitted (:class:`StoreDown`). The runtime keeps the
+recorder in its group while a batch is retried (:class:`runtime.loops.BatchLoop`).
+While it retries, :attr:`Recorder.outage` says since when and how many messages wait, and with
+``run_dir`` set the same goes to ``<run_dir>/recorder_store.json`` (:func:`write_outage`).
 
 * Lag: every ``lag_report_every_s`` (and at a clean exit) it measures its consumer lag, logs it
   and writes it to the ``recorder_lag`` table.
@@ -18,6 +29,8 @@ anything at or below it. An insert that fails stops the recorder (nothing of the
   parts merges made obsolete are deleted from disk (:mod:`store.compact`).
 * Experiment trackers (``tracking``, :mod:`store.tracking`) get each newly stored ``TrainStep`` /
   ``EvalResult`` of its run after the insert.
+* ``rollstream record`` (:mod:`launch.record`) builds a run's record later from its retained
+  topics through :meth:`Recorder.open_store` and :meth:`Recorder.record`: the same rows.
 
 docs/architecture.md, "Services", tells more.
 """
@@ -25,11 +38,13 @@ docs/architecture.md, "Services", tells more.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -41,10 +56,20 @@ from runtime.runner import BatchContext, BatchService, Runner, ServiceSettings
 from runtime.settings import Consume, Delivery, Handling, Subscription
 from schemas import events as ev
 from schemas.config import KafkaSettings, RunConfig
+from schemas.errors import one_line
 from schemas.services import SERVICES
 from schemas.topics import parse_topic
 from services import ServiceStart
 from store.compact import drop_outdated_parts
+from store.outage import (
+    OUTAGE_FILE,
+    StoreDown,
+    StoreOutage,
+    backoff_s,
+    batch_token,
+    is_transient,
+    write_outage,
+)
 from store.rows import COLUMNS, event_row, lag_row, typed_rows
 from store.runs import PRODUCERS_DONE, store_dsn_of
 from store.tracking import TrackerFeed, make_trackers
@@ -96,6 +121,13 @@ class RecorderSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     """The run's config: its ``tracking`` section turns experiment trackers on (needs ``run_id``)."""
     run_dir: str = ""
     """The run's folder, where trackers write; empty = ``<config.run.runs_dir>/<run_id>``."""
+    store_retry_for_s: float = 600.0
+    """How long an insert failing with a transient error (:func:`is_transient`) is retried before
+    the recorder stops with that error, seconds (the run's ``store.retry_for_s``)."""
+    store_retry_backoff_s: float = 1.0
+    """The first wait between insert attempts, seconds (doubled after each failure)."""
+    store_retry_max_backoff_s: float = 5.0
+    """The longest wait between insert attempts, seconds."""
 
 
 class LagReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -142,6 +174,69 @@ class Recorder(BatchService):
         """The experiment trackers fed with this run's train steps and evals (None when off)."""
         self.compacted: tuple[int, int] | None = None
         """``(parts, bytes)`` deleted when the store was compacted at the end (None: it was not)."""
+        if settings.store_retry_for_s < 0 or not 0 < settings.store_retry_backoff_s <= settings.store_retry_max_backoff_s:
+            raise ValueError("store_retry_for_s must be >= 0 and 0 < store_retry_backoff_s <= store_retry_max_backoff_s")
+        self.outage = StoreOutage()
+        """The store's state: up, or down since when (published to ``recorder_store.json``)."""
+        self._stop: asyncio.Event | None = None  # the runner's: a stop ends the retries
+        self._sleep: Callable[[float], Awaitable[None]] = self._pause  # tests replace it to retry in milliseconds
+
+    def _publish_outage(self) -> None:
+        if not self.settings.run_dir:
+            return
+        try:
+            write_outage(os.path.join(self.settings.run_dir, OUTAGE_FILE), self.outage)
+        except OSError as e:
+            log.warning("could not write %s: %s", OUTAGE_FILE, e)
+
+    async def _pause(self, wait_s: float) -> None:
+        """Wait ``wait_s`` between insert attempts, less when the service is told to stop."""
+        if self._stop is None:
+            await asyncio.sleep(wait_s)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), wait_s)
+
+    def _stopping(self) -> bool:
+        return self._stop is not None and self._stop.is_set()
+
+    async def insert_retrying(self, tables: dict[str, list[list[Any]]]) -> None:
+        """:meth:`insert`, retried with backoff while the store fails transiently
+        (:func:`is_transient`), for up to ``store_retry_for_s``; then the last error is raised.
+        Other errors are raised at once; a stop during the retries raises :class:`StoreDown`."""
+        s, o = self.settings, self.outage
+        while True:
+            try:
+                await asyncio.to_thread(self.insert, tables)
+            except Exception as e:
+                if not is_transient(e):
+                    log.error("store insert failed, not retried (a bad row or schema, not the store down): %s",
+                              one_line(e, 300))
+                    raise
+                now = time.time()
+                if o.down_since is None:
+                    o.down_since, o.attempts = now, 0
+                o.attempts += 1
+                o.behind = len(tables.get("events", []))
+                o.last_error = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+                if now - o.down_since >= s.store_retry_for_s:
+                    log.error("store down for %.0f s, giving up: %s", now - o.down_since, o.last_error)
+                    raise
+                self._publish_outage()
+                if self._stopping():
+                    raise StoreDown(f"store down while stopping ({o.behind} events not stored): {o.last_error}") from e
+                wait = backoff_s(o.attempts, s.store_retry_backoff_s, s.store_retry_max_backoff_s)
+                log.warning("store insert failed (attempt %d, retrying in %.1f s): %s", o.attempts, wait, o.last_error)
+                await self._sleep(wait)
+                if self._stopping():
+                    raise StoreDown(f"store down while stopping ({o.behind} events not stored): {o.last_error}") from e
+                continue
+            if o.down_since is not None:
+                o.last_outage_s, o.outages = time.time() - o.down_since, o.outages + 1
+                log.warning("store back after %.1f s (%d failed attempts); catching up", o.last_outage_s, o.attempts)
+                o.down_since, o.attempts, o.behind, o.last_error = None, 0, 0, ""
+                self._publish_outage()
+            return
 
     def _load_stored_offsets(self) -> None:
         where = "WHERE run_id = {r:String}" if self.settings.run_id else ""
@@ -172,13 +267,16 @@ class Recorder(BatchService):
         return tables
 
     def insert(self, tables: dict[str, list[list[Any]]]) -> None:
-        """One insert per table (``events`` last), under the store lock."""
+        """One insert per table (``events`` last), under the store lock, each with the batch's
+        deduplication token (:func:`batch_token`): inserting the same batch again adds nothing."""
         # events last: its max(offset) is what marks a batch as stored
+        token = batch_token(tables)
         with self._lock:
             for table in sorted(tables, key=lambda t: t == "events"):
                 rows = tables[table]
                 if rows:
-                    self._client.insert(table, rows, column_names=COLUMNS[table])
+                    self._client.insert(table, rows, column_names=COLUMNS[table],
+                                        settings={"insert_deduplication_token": f"{token}-{table}"})
 
     async def report_lag(self, consumer: Consumer, timeout_s: float | None = None) -> LagReport | None:
         """Measure the lag now, log it, keep it and write it to ``recorder_lag``. A measurement
@@ -198,8 +296,18 @@ class Recorder(BatchService):
         log.info("lag: %d messages not yet recorded on %d partitions (%d recorded, %d skipped)",
                  lag, partitions, self.recorded, self.skipped)
         row = lag_row(self.settings.run_id, self._group_id(), rep.ts, lag, partitions, self.recorded, self.skipped)
-        await asyncio.to_thread(self.insert, {"recorder_lag": [row]})
+        await self._insert_lag(row)
         return rep
+
+    async def _insert_lag(self, row: list[Any]) -> None:
+        """Write one lag row, once: with the store down it is left out (logged), not retried, so that
+        the loop goes on to the batches, which wait for the store."""
+        try:
+            await asyncio.to_thread(self.insert, {"recorder_lag": [row]})
+        except Exception as e:
+            if not is_transient(e):
+                raise
+            log.warning("lag not written, the store is down: %s", one_line(e, 200))
 
     def _group_id(self) -> str:
         return group_id(self.settings)
@@ -234,10 +342,8 @@ class Recorder(BatchService):
         return service_settings(self.settings)
 
     async def on_start(self, runner: Runner) -> None:
-        s = self.settings
-        self._client = st.connect(s.dsn)
-        st.apply_ddl(self._client)
-        self._load_stored_offsets()
+        self._stop = runner.stop
+        self.open_store()
         self._start_server()
         self._start_trackers()
         self._quiet_since = None
@@ -248,10 +354,12 @@ class Recorder(BatchService):
         poll's offsets after this returns)."""
         new = [r.event for r in records if r.offset > self._stored.get((r.topic, r.partition), -1)]
         tables = self.rows_for(records)
-        await asyncio.to_thread(self.insert, tables)
-        self.recorded += len(tables.get("events", []))
-        for r in records:
-            self._stored[(r.topic, r.partition)] = max(r.offset, self._stored.get((r.topic, r.partition), -1))
+        try:
+            await self.insert_retrying(tables)
+        except StoreDown as e:  # stopping during an outage: the batch stays uncommitted, read again later
+            log.warning("%s; the batch is left uncommitted", e)
+            raise asyncio.CancelledError from e
+        self._stored_now(records, tables)
         if self.tracking is not None:  # after the insert: trackers see what the record holds
             await asyncio.to_thread(self.tracking.feed, new)
 
@@ -293,6 +401,29 @@ class Recorder(BatchService):
         with self._lock:
             parts, n_bytes = self.compacted = drop_outdated_parts(self._client, st.chdb_path(self.settings.dsn))
         log.info("record compacted: %d merged-away parts deleted (%.1f MB)", parts, n_bytes / 1e6)
+
+    # ----------------------------------------------------------------- the record built later
+
+    def open_store(self) -> None:
+        """Open the store, apply the DDL and read what it holds already (:meth:`on_start` begins
+        with it; ``rollstream record`` (:mod:`launch.record`) records with this instance, no service)."""
+        self._client = st.connect(self.settings.dsn)
+        st.apply_ddl(self._client)
+        self._load_stored_offsets()
+
+    def record(self, records: list[Record]) -> dict[str, int]:
+        """Store ``records`` as :meth:`handle_batch` does (:meth:`rows_for`, one insert per table),
+        outside the runtime; table -> rows written."""
+        tables = self.rows_for(records)
+        self.insert(tables)
+        self._stored_now(records, tables)
+        return {table: len(rows) for table, rows in tables.items()}
+
+    def _stored_now(self, records: list[Record], tables: dict[str, list[list[Any]]]) -> None:
+        """Count ``tables``' events as recorded and ``records``' offsets as stored."""
+        self.recorded += len(tables.get("events", []))
+        for r in records:
+            self._stored[(r.topic, r.partition)] = max(r.offset, self._stored.get((r.topic, r.partition), -1))
 
     async def run(self, stop: asyncio.Event | None = None) -> int:
         """Record until ``stop`` (or SIGTERM/SIGINT, or the run finished with
@@ -340,6 +471,7 @@ def settings_from(start: ServiceStart) -> RecorderSettings:
     return RecorderSettings(
         run_id=start.run_id, dsn=store_dsn_of(cfg, start.run_id), kafka=cfg.kafka, stop_when_finished=True,
         batch_max_records=cfg.store.batch_max_records, lag_report_every_s=cfg.store.lag_report_every_s,
+        store_retry_for_s=cfg.store.retry_for_s,
         config=cfg, run_dir=str(start.run_dir), producers_done_file=str(start.run_dir / PRODUCERS_DONE))
 
 

@@ -15,6 +15,10 @@ for any weights, like an engine error or a weights timeout, naming its sample an
 * Visual tasks (``task.image_hashes``): the images are read from the run's blob store and prefilled
   with the prompt by a vision-language engine; a missing, corrupt or undecodable image dead-letters
   the sample with the reason.
+* ``rollout.release_between_steps``: once the worker holds no task (its last one done, or the next
+  ones waiting for weights) the engine gives back its KV cache, and its weights to host memory if
+  asked (:meth:`rollout.engine.TorchEngine.release`); its next step takes them back.
+* Every ``Generation`` carries the worker's peak memory so far (:mod:`runtime.memory`).
 * ReMax: a group's baseline task (``task.is_baseline``) is generated greedily (argmax tokens, the
   logprobs still at the rollout temperature); it is otherwise an ordinary generation.
 * With ``rollout.group_size_redundancy`` a second one follows ``metrics`` for the samples the
@@ -47,6 +51,7 @@ from rollout.factory import make_engine
 from rollout.sampling import SamplingParams
 from rollout.vlm import ImageInputs
 from runtime.bus import Consumer, Record
+from runtime.memory import peak_memory_gib
 from runtime.runner import Context, Runner, Service, ServiceSettings, run_service
 from runtime.settings import Consume, Handling, Subscription
 from schemas import events as ev
@@ -94,6 +99,8 @@ class RolloutWorker(Service):
         self.s = settings
         cfg = settings.config
         device = settings.device or resolve_device(cfg.rollout.device, "rollout.device")
+        self.device = device if cfg.rollout.engine == "torch" else "cpu"
+        """Where this process holds its model (a server engine's worker holds none: its memory is the host's)."""
         self.engine = make_engine(cfg, settings.model_dir, device=device, seed=cfg.run.seed + os.getpid(),
                                   policy_version=-1)
         self.blobs = BlobStore(settings.blob_dir) if settings.blob_dir else None
@@ -117,6 +124,10 @@ class RolloutWorker(Service):
         """Samples the trainer cancelled (``rollout.group_size_redundancy``): not started, or stopped
         before their next turn."""
         self._canceller: asyncio.Task[None] | None = None
+        self.release = cfg.rollout.release_between_steps if isinstance(self.engine, TorchEngine) else "off"
+        self._holding = 0
+        """Handler calls past their weights wait: generating, or playing an episode."""
+        self._releasing: asyncio.Task[bool] | None = None
 
     async def on_start(self, runner: Runner) -> None:
         if self.episodic:
@@ -138,7 +149,7 @@ class RolloutWorker(Service):
         self._watcher.add_done_callback(ended)
 
     async def on_stop(self, runner: Runner) -> None:
-        for task in (self._watcher, self._canceller):
+        for task in (self._watcher, self._canceller, self._releasing):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -153,6 +164,10 @@ class RolloutWorker(Service):
                      "(shared with an identical prompt or a common prefix of the same admission)", self.worker_id,
                      e.tokens_generated, e.prompt_tokens, e.prompt_tokens_reused,
                      100 * e.prompt_tokens_reused / e.prompt_tokens)
+        releases = (f"; engine memory released {self.engine.releases} time(s) ({self.release})"
+                    if isinstance(self.engine, TorchEngine) and self.release != "off" else "")
+        log.info("rollout %s: peak memory %.2f GiB on %s%s", self.worker_id, peak_memory_gib(self.device), self.device,
+                 releases)
 
     async def _watch_weights(self) -> None:
         consumer = Consumer(self.s.config.kafka, group_id=None, topics=[topic_name(self.s.run_id, "weights")],
@@ -237,6 +252,7 @@ class RolloutWorker(Service):
         need = max(0, version)
         if self.engine.policy_version >= need:  # the usual case: no lock, no timer, no task per sample
             return
+        self._idle()
         async with self._version_changed:
             await asyncio.wait_for(
                 self._version_changed.wait_for(lambda: self.engine.policy_version >= need),
@@ -258,9 +274,35 @@ class RolloutWorker(Service):
         if task.sample_id in self.cancelled:
             log.debug("rollout %s: %s was cancelled before it started", self.worker_id, task.sample_id)
             return
-        if task.domain in self.episodic:
-            await self._episode(task, ctx)
+        self._holding += 1
+        try:
+            if task.domain in self.episodic:
+                await self._episode(task, ctx)
+            else:
+                await self._generate(task, ctx, queued_from)
+        finally:
+            self._holding -= 1
+            self._idle()
+
+    def _idle(self) -> None:
+        """With ``rollout.release_between_steps``, when this worker holds no task: the engine gives
+        back its memory (it declines while a request is there; its next step takes it back)."""
+        if self.release == "off" or self._holding or (self._releasing is not None and not self._releasing.done()):
             return
+        assert isinstance(self.engine, TorchEngine)
+        self._releasing = asyncio.create_task(self.engine.release(weights=self.release == "kv_and_weights"))
+        self._releasing.add_done_callback(self._released)
+
+    def _released(self, task: asyncio.Task[bool]) -> None:
+        err = None if task.cancelled() else task.exception()
+        if err is not None:  # the next step restores whatever was given back; generation goes on
+            log.warning("rollout %s: releasing the engine's memory failed: %s", self.worker_id, one_line(err))
+        elif not task.cancelled() and task.result():
+            log.debug("rollout %s: engine memory released (%s) at version %d", self.worker_id, self.release,
+                      self.engine.policy_version)
+
+    async def _generate(self, task: ev.RolloutTask, ctx: Context, queued_from: float) -> None:
+        """Generate the task's one response and emit it as a ``Generation``."""
         params = self.params
         if task.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=task.max_new_tokens)
@@ -287,7 +329,7 @@ class RolloutWorker(Service):
             response_text=completion.text, logprobs=completion.logprobs, loss_mask=[1] * len(completion.token_ids),
             finish_reason=completion.finish_reason, policy_version=completion.policy_version,
             policy_version_end=completion.policy_version_end, worker_id=self.worker_id,
-            queued_s=wait_s, gen_s=completion.gen_s,
+            queued_s=wait_s, gen_s=completion.gen_s, peak_memory_gib=peak_memory_gib(self.device),
         ), key=task.sample_id)
 
 
@@ -345,12 +387,13 @@ class RolloutWorker(Service):
                              "(and the model's max_position_embeddings)")
         self.versions_used.update(v for pair in traj.versions for v in pair)
         ctx.emit("generations", generation_of(task, traj, episode_id, self.worker_id,
-                                              self.engine.tokenizer, queued_s=max(0.0, started - task.ts)),
+                                              self.engine.tokenizer, queued_s=max(0.0, started - task.ts),
+                                              peak_memory_gib=peak_memory_gib(self.device)),
                  key=task.sample_id)
 
 
 def generation_of(task: ev.RolloutTask, traj: Trajectory, episode_id: str, worker_id: str, tokenizer: Any,
-                  queued_s: float) -> ev.Generation:
+                  queued_s: float, peak_memory_gib: float = 0.0) -> ev.Generation:
     """A played episode as the ``Generation`` the reward router and trainer read."""
     n = traj.num_turns
     # the state each turn acted from: the observation before it (the reset's for turn 1)
@@ -364,7 +407,7 @@ def generation_of(task: ev.RolloutTask, traj: Trajectory, episode_id: str, worke
         queued_s=queued_s, gen_s=traj.gen_s, env_s=traj.env_s, num_turns=n, episode_id=episode_id,
         step_rewards=list(traj.step_rewards), turn_versions=[a for a, _ in traj.versions], state_hashes=hashes,
         env_finish=traj.finish, env_error=traj.error, success=traj.success,
-        segment_starts=list(traj.segment_starts),
+        segment_starts=list(traj.segment_starts), peak_memory_gib=peak_memory_gib,
     )
 
 

@@ -18,7 +18,8 @@ file of a crashed recorder is ignored).
 
 DDL lives in ``infra/clickhouse/NNN_name.sql``; :func:`apply_ddl` applies every file in order,
 idempotently (``CREATE ... IF NOT EXISTS``, ``CREATE OR REPLACE VIEW``, ``ADD COLUMN IF NOT
-EXISTS``), on every open, and records the applied versions in ``schema_migrations``: a store
+EXISTS``; a file marked ``-- apply once`` only until its version is recorded), on every open,
+and records the applied versions in ``schema_migrations``: a store
 made by an older version gets the newer files applied when it is next opened.
 """
 
@@ -40,6 +41,8 @@ STORE_PASSWORD_FILE_ENV = "ROLLSTREAM_STORE_PASSWORD_FILE"
 
 _OPENED_HERE: set[str] = set()  # chDB directories this process holds (its own lock is not "in use")
 DDL_DIR = Path(__file__).resolve().parents[1] / "infra" / "clickhouse"
+APPLY_ONCE = "-- apply once"
+"""A DDL file's line that says: do not re-run it once its version is recorded (:func:`apply_ddl`)."""
 
 
 class StoreError(RuntimeError):
@@ -178,7 +181,9 @@ def split_statements(sql: str) -> list[str]:
 
 
 def apply_ddl(client: Any, ddl_dir: Path = DDL_DIR) -> list[int]:
-    """Apply every DDL file (idempotent). Returns the versions newly recorded as applied."""
+    """Apply every DDL file (idempotent). Returns the versions newly recorded as applied. A file
+    with a line ``-- apply once`` is skipped once its version is recorded (ALTERs that would
+    rewrite table metadata at each open)."""
     client.command(
         "CREATE TABLE IF NOT EXISTS schema_migrations "
         "(version UInt32, name String, applied_at DateTime64(6) DEFAULT now64(6)) "
@@ -187,7 +192,10 @@ def apply_ddl(client: Any, ddl_dir: Path = DDL_DIR) -> list[int]:
     done = {int(r[0]) for r in client.query("SELECT version FROM schema_migrations FINAL").result_rows}
     new = []
     for version, path in ddl_files(ddl_dir):
-        for stmt in split_statements(path.read_text()):
+        text = path.read_text()
+        if version in done and APPLY_ONCE in text.splitlines():
+            continue
+        for stmt in split_statements(text):
             client.command(stmt)  # IF NOT EXISTS / OR REPLACE / ADD COLUMN IF NOT EXISTS: re-running is harmless
         if version not in done:
             client.insert("schema_migrations", [[version, path.name]], column_names=["version", "name"])

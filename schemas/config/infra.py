@@ -71,6 +71,18 @@ class StoreSettings(Section):
     lag_report_every_s: NonNegativeFloat = 10.0
     """How often the recorder logs its consumer lag and writes it to the ``recorder_lag`` table,
     seconds (0 = after every poll)."""
+    retry_for_s: NonNegativeFloat = 600.0
+    """How long the recorder retries an insert that fails with a connection, timeout or I/O error
+    (the store down) before it stops with that error, seconds. Meanwhile training goes on, nothing
+    unstored is committed, ``rollstream status`` shows the outage, and the recorder catches up from
+    Kafka once the store is back. Other insert errors stop the recorder at once."""
+    record_live: bool = True
+    """Record the run while it goes: ``rollstream run`` starts the recorder. ``false``: no recorder
+    (no chDB needed on the node, its CPU saved); the run's topics are its record until
+    ``rollstream record RUN`` builds the store from them, on this machine or another one
+    (docs/analytics.md, "The record built later"). Topics keep their events 7 days
+    (``retention.ms``): build the record before that. ``summary.json`` then comes from the topics;
+    ``tracking`` (fed by the recorder) is refused."""
 
 
 class TrackingConfig(Section):

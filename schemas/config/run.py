@@ -231,6 +231,22 @@ def weights_handoff(cfg: RunConfig) -> str | None:
 
 
 @rule
+def release_between_steps(cfg: RunConfig) -> str | None:
+    """``rollout.release_between_steps`` frees the engine's memory only where it waits for the trainer
+    (the devices are compared once resolved: :func:`schemas.devices.placement`)."""
+    r, key = cfg.rollout, "rollout.release_between_steps"
+    if r.release_between_steps == "off":
+        return None
+    if r.async_ratio > 0:
+        return (f"{key}={r.release_between_steps} needs rollout.async_ratio=0 (got {r.async_ratio:g}: the engine "
+                "generates while the trainer steps); set one of them")
+    if r.engine != "torch":
+        return (f"{key}={r.release_between_steps} needs rollout.engine=torch (got {r.engine}: a generation server "
+                "manages its own memory); set it to off")
+    return None
+
+
+@rule
 def restart_backoff(cfg: RunConfig) -> str | None:
     r = cfg.run
     if r.restart_backoff_max_s < r.restart_backoff_s:
@@ -343,6 +359,15 @@ def trainer_layout(cfg: RunConfig) -> str | None:
 def wandb_project(cfg: RunConfig) -> str | None:
     if cfg.tracking.wandb and not cfg.tracking.wandb_project:
         return "tracking.wandb_project must not be empty (tracking.wandb is on)"
+    return None
+
+
+@rule
+def trackers_need_the_recorder(cfg: RunConfig) -> str | None:
+    """Experiment trackers are fed by the live recorder."""
+    if not cfg.store.record_live and (cfg.tracking.tensorboard or cfg.tracking.wandb):
+        return ("tracking.tensorboard/tracking.wandb need the live recorder, but store.record_live=false "
+                "(turn the trackers off, or record live)")
     return None
 
 

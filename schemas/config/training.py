@@ -98,6 +98,14 @@ class RolloutConfig(Section):
     of eager steps on SmolLM2-135M's shape: ``bench/README.md``, gpu.py); ``false`` runs the steps
     eagerly (debugging). Nothing to replay on the CPU or with other models, which run eagerly either
     way. ``false`` is refused with a generation server (use ``rollstream serve --no-cuda-graphs``)."""
+    release_between_steps: Literal["off", "kv", "kv_and_weights"] = "off"
+    """One device shared by rollout and trainer (``docs/models.md``, "One GPU for both"): what the
+    engine gives back while it has nothing to generate, waiting for the next weights version, so the
+    trainer's step has that memory. ``kv``: its KV cache (and CUDA graphs), reallocated at the next
+    generation; ``kv_and_weights``: also its weights, moved to host memory and back (the new version
+    is copied into the host copy). Needs ``rollout.async_ratio: 0`` (otherwise the engine generates
+    while the trainer steps), ``engine: torch``, and ``rollout.device`` and ``train.device`` resolving
+    to the same device; refused otherwise. ``off``: keep everything resident."""
 
 
 DEFAULT_MICRO_BATCH_SIZE = 16

@@ -33,6 +33,7 @@ import torch
 
 from blobs import blob_dir_of
 from runtime.bus import Record, TopicPartition, next_offsets
+from runtime.memory import peak_memory_gib
 from runtime.runner import BatchContext, BatchService, Runner, ServiceSettings
 from runtime.settings import Consume, Delivery, Handling, Subscription
 from schemas import events as ev
@@ -93,6 +94,7 @@ class Trainer(BatchService):
         random.seed(cfg.run.seed)
         self.run_dir = Path(settings.run_dir)
         device = settings.device or resolve_device(cfg.train.device, "train.device")
+        self.device = device
         self.strategy = make_strategy(cfg, settings.model_dir, device=device, blob_dir=blob_dir_of(self.run_dir))
         # the evaluation runs a local torch engine whatever rollout.engine is
         self.evaluation = Evaluation(cfg, settings.model_dir, device=device, max_batch=settings.eval_batch)
@@ -312,6 +314,9 @@ class Trainer(BatchService):
         metrics["rollout/staleness_mean"] = float(sum(gaps) / len(batch))
         metrics["offpolicy/version_gap_max"] = float(max(gaps))
         metrics["perf/train_tokens_per_s"] = metrics.get("train/tokens", 0.0) / max(1e-9, metrics["perf/step_s"])
+        # peak memory per process (runtime.memory): this trainer's, and the highest its batch's rollout workers reported
+        metrics["perf/peak_memory_gib"] = peak_memory_gib(self.device)
+        metrics["perf/rollout_peak_memory_gib"] = max((s.generation.peak_memory_gib for s in batch), default=0.0)
         return metrics
 
     async def train_once(self, group_ids: list[str], ctx: BatchContext) -> dict[str, float]:
@@ -324,6 +329,8 @@ class Trainer(BatchService):
         if batch:
             hist = Counter(st.version - smp.generation.policy_version for smp in batch)
             metrics = await asyncio.to_thread(self.train_batch, batch, baselines)
+            if self.cfg.rollout.release_between_steps != "off" and self.device.startswith("cuda"):
+                torch.cuda.empty_cache()  # the step's freed blocks back to the driver: the engine on this GPU takes them
             outcomes += [self.groups.outcome(s, "trained", step=step) for s in batch]
             trained_version = st.version
             st.version += 1

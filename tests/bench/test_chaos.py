@@ -29,3 +29,10 @@ def test_the_whole_cluster_kill_is_out_of_the_default_pool() -> None:
     # its open exactly-once defect (docs/reliability.md): only `--pool ...,whole` draws it
     assert "whole" not in chaos.DEFAULT_POOL and "whole" in chaos.CLUSTER_FAULTS
     assert chaos.parse_pool("trainer, whole") == ["trainer", "whole"]
+
+
+def test_the_store_outage_is_out_of_the_default_pool_and_pairs_with_a_service_kill() -> None:
+    # it needs the store plugin in the run's environment: only `--pool ...,store-down` draws it
+    assert "store-down" not in chaos.DEFAULT_POOL and chaos.parse_pool("store-down,recorder") == ["store-down", "recorder"]
+    draws = [chaos.draw(random.Random(i), ["store-down", "recorder", "trainer"], 1.0) for i in range(50)]
+    assert all(sum(n == "store-down" for n in d) <= 1 and set(d) <= {"store-down", "recorder", "trainer"} for d in draws)

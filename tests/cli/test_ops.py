@@ -90,6 +90,20 @@ def test_status_and_stop_of_unknown_runs_are_one_line(bootstrap: str, tmp_path: 
     assert "--format" in one_error_line(cli("status", "r", "--format", "xml", env=env(bootstrap)))
 
 
+def test_record_errors_are_one_line(bootstrap: str, tmp_path: Path) -> None:
+    """``rollstream record`` of a run the broker does not have, with no broker, or a bad id (its
+    success is tests/launch/test_record.py's: a record built by it equals the live one)."""
+    store = f"chdb://{tmp_path / 'store'}"
+    line = one_error_line(cli("record", "no-such-run-x", "--runs-dir", str(tmp_path), "--store", store,
+                              env=env(bootstrap)))
+    assert f"run no-such-run-x has no topics on the Kafka broker at {bootstrap}" in line
+    assert not (tmp_path / "store").exists()  # nothing made for a run that is not there
+    line = one_error_line(cli("record", "r", "--runs-dir", str(tmp_path), "--bootstrap", "127.0.0.1:1",
+                              env=env(bootstrap)))
+    assert "no Kafka broker answers at 127.0.0.1:1" in line
+    assert "run id" in one_error_line(cli("record", "bad id!", "--runs-dir", str(tmp_path), env=env(bootstrap)))
+
+
 def test_stop_publishes_a_drain_and_waits_for_the_run_to_finish(bootstrap: str, run_id: str, tmp_path: Path) -> None:
     make_run(bootstrap, run_id, tmp_path, [("control", ev.RunStarted(run_id=run_id, config_json="{}"))])
     e = env(bootstrap)

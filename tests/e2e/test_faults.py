@@ -9,7 +9,10 @@
   the shared one) and started again, or killed with ``kill -9`` and started again 10 s later:
   every service rides it out;
 * a verifier that hangs or crashes on some samples: they are scored 0 with the reason, the run
-  goes on.
+  goes on;
+* the store down for 8 s mid-run (its inserts fail as chDB's do when the disk refuses writes):
+  training goes on, ``rollstream status`` shows the outage, the recorder catches up (``make
+  test-bench``; CI has tests/services/test_recorder.py's outage tests on the real store).
 
 After each, in SQL: every issued sample has exactly one terminal status, none is trained twice,
 no row is recorded twice, the training steps are 0..N-1 exactly once. Poison records (bad bytes
@@ -31,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.faults import (
+    REPO,
     SHORT,
     FaultResult,
     RunProc,
@@ -256,3 +260,80 @@ def faulty_verifier_run(runs: Path, bootstrap: str, plugin_dir: Path) -> FaultRe
 
 def test_a_verifier_that_hangs_or_crashes(tmp_path: Path, bootstrap: str) -> None:
     faulty_verifier_run(tmp_path / "runs", bootstrap, tmp_path / "plugin")
+
+
+# --------------------------------------------------------------------------- the store down
+
+
+STORE_DOWN = '''
+import os
+import sys
+flag = os.environ.get("ROLLSTREAM_TEST_STORE_DOWN_FILE")
+if flag and "recorder" in sys.argv:
+    from clickhouse_connect.driver.exceptions import DatabaseError
+
+    from services import recorder
+
+    real = recorder.Recorder.insert
+
+    def insert(self, tables):
+        """While the flag file exists: chDB's error when its disk refuses writes (chattr +i)."""
+        if os.path.exists(flag):
+            raise DatabaseError("Code: 1001. DB::Exception: std::__1::filesystem::filesystem_error: filesystem "
+                                "error: in create_directories: Operation not permitted. (STD_EXCEPTION)",
+                                code=1001, name="STD_EXCEPTION")
+        return real(self, tables)
+
+    recorder.Recorder.insert = insert
+'''
+
+
+def store_down_env(env: dict[str, str], plugin_dir: Path) -> tuple[dict[str, str], Path]:
+    """``env`` with the store-down plugin (a ``sitecustomize`` the recorder process loads): the run's
+    store fails every insert while the returned flag file exists."""
+    plugin_dir.mkdir(parents=True, exist_ok=True)
+    (plugin_dir / "sitecustomize.py").write_text(STORE_DOWN)
+    flag = plugin_dir / "store-down"
+    paths = [str(plugin_dir), str(REPO), *filter(None, [env.get("PYTHONPATH")])]
+    return dict(env, ROLLSTREAM_TEST_STORE_DOWN_FILE=str(flag), PYTHONPATH=os.pathsep.join(paths)), flag
+
+
+def store_outage_run(runs: Path, bootstrap: str, plugin_dir: Path, outage_s: float = 8.0) -> FaultResult:
+    """One run whose store fails every insert for ``outage_s`` after step 2: training goes on,
+    status shows the outage, the recorder catches up (no restart), the invariants hold. Its
+    recovery: from the store back to the recorder's word that it stored the waiting batch."""
+    env, flag = store_down_env(dict(os.environ, ROLLSTREAM_BOOTSTRAP=bootstrap), plugin_dir)
+    run_id = f"e2e-store-down-{uuid.uuid4().hex[:6]}"
+    t0 = time.time()
+    with Watch(bootstrap, run_id) as watch:
+        run = RunProc(runs, run_id, OVERRIDES, env)
+        watch.wait(lambda s: s.done_steps >= 2, 300, "2 steps", run)
+        flag.touch()
+        down_at, steps_at_down = time.time(), watch.seen.done_steps
+        deadline = time.monotonic() + 60
+        while "unreachable" not in (seen := status(runs, run_id, env)).get("store", ""):
+            assert time.monotonic() < deadline and run.proc.poll() is None, f"no outage in status: {seen}"
+            time.sleep(0.5)
+        time.sleep(max(0.0, down_at + outage_s - time.time()))
+        trained_meanwhile = watch.seen.done_steps - steps_at_down
+        flag.unlink()
+        up_at = time.time()
+        code = run.wait(360)
+    assert code == 0, run.output()
+    recovery = (runs / run_id / "recorder_store.json").stat().st_mtime - up_at  # its last write: "up"
+    assert "restarted" not in run.output(), run.restarts()  # the recorder rode it out
+    assert trained_meanwhile > 0 or watch.seen.finished is not None, watch.seen  # training went on
+    inv = invariants(runs, run_id, env)
+    check_invariants(inv, STEPS)
+    after = status(runs, run_id, env)
+    assert after["store"].startswith("store: up (caught up after 1 outage(s)"), after["store"]
+    print(f"{after['store']}; {trained_meanwhile} step(s) trained during the outage")
+    return FaultResult(inv, recovery, time.time() - t0)
+
+
+@pytest.mark.bench  # a whole run: make test-bench (CI: tests/services/test_recorder.py's outage tests)
+def test_the_store_down_for_8_s_mid_run(tmp_path: Path, bootstrap: str) -> None:
+    res = store_outage_run(tmp_path / "runs", bootstrap, tmp_path / "plugin")
+    assert res.recovery_s is not None and 0 <= res.recovery_s < 10, res  # the next retry, within the 5 s backoff cap
+    print(f"store down 8 s: caught up {res.recovery_s:.1f} s after it was back, wall {res.wall_s:.0f} s, "
+          f"{res.invariants['issued']} samples issued, 0 lost, 0 duplicate rows")

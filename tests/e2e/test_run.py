@@ -22,17 +22,52 @@ SHORT = [
 
 
 
+def dump_record(runs: Path, run_id: str, env: dict[str, str], store: str = "") -> dict[str, list[str]]:
+    """Every table of a run's record as sorted JSON rows (tests/store/record_tables.py), through
+    ``rollstream sql`` (the run's store, or ``store``)."""
+    from tests.store.record_tables import COLUMNS_QUERY, by_table, columns_of, dump_query
+
+    where = ["--store", store] if store else ["--run", run_id, "--runs-dir", str(runs)]
+    res = rollstream("sql", COLUMNS_QUERY, *where, "--format", "json", env=env)
+    assert res.returncode == 0, res.stderr
+    res = rollstream("sql", dump_query(columns_of(json.loads(res.stdout)), run_id), *where, "--format", "json", env=env)
+    assert res.returncode == 0, res.stderr
+    return by_table(json.loads(res.stdout))
+
+
 @pytest.mark.parametrize("async_ratio", ["1", "0"])
 def test_short_run_accounts_for_every_sample(tmp_path: Path, bootstrap: str, repo_root: Path, async_ratio: str) -> None:
+    """async 1 records live, and a record built later from its topics equals the live one table by
+    table; async 0 runs without a live recorder (store.record_live=false: summary.json from the
+    topics) and every check of the record below runs on the one `rollstream record` builds after."""
     env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=bootstrap)
     runs = tmp_path / "runs"
     run_id = f"e2e-async{async_ratio}-{uuid.uuid4().hex[:6]}"  # unique: a long-lived broker keeps old runs
     sampled = ["train.eval_samples=2"] if async_ratio == "0" else []  # mean@2 beside the greedy accuracy
     handoff = "disk" if async_ratio == "1" else "auto"  # auto: shared memory (one node)
+    live = async_ratio == "1"
+    # on-policy, one device: the engine gives back its KV cache and weights while the trainer steps
+    release = ["rollout.release_between_steps=kv_and_weights"] if async_ratio == "0" else []
     res = rollstream("run", str(repo_root / "examples" / "main.yaml"), "--run-id", run_id,
-                     *[a for kv in [*SHORT, *sampled, f"rollout.async_ratio={async_ratio}", f"run.runs_dir={runs}",
-                                    f"train.weights_handoff={handoff}"] for a in ("--set", kv)], env=env)
+                     *[a for kv in [*SHORT, *sampled, *release, f"rollout.async_ratio={async_ratio}", f"run.runs_dir={runs}",
+                                    f"train.weights_handoff={handoff}", f"store.record_live={str(live).lower()}"]
+                       for a in ("--set", kv)], env=env)
     assert res.returncode == 0, res.stdout + res.stderr
+    if live:  # the record of the recorder, and one built later from the topics: the same, table by table
+        later = f"chdb://{tmp_path / 'later'}"
+        built = rollstream("record", run_id, "--store", later, "--runs-dir", str(runs), "--format", "json", env=env)
+        assert built.returncode == 0, built.stderr
+        assert json.loads(built.stdout)["finished"]
+        recorded, rebuilt = dump_record(runs, run_id, env), dump_record(runs, run_id, env, later)
+        assert set(recorded) == set(rebuilt) and len(recorded["events"]) > 100
+        for table in sorted(recorded):
+            assert recorded[table] == rebuilt[table], table
+    else:  # no recorder ran: summary.json came from the topics; the record is built now
+        assert not (runs / run_id / "logs" / "recorder.log").exists() and not (runs / run_id / "store").exists()
+        assert f"`rollstream record {run_id}` builds it" in res.stdout
+        built = rollstream("record", run_id, "--runs-dir", str(runs), env=env)
+        assert built.returncode == 0 and f"recorded run {run_id} into chdb://{runs.resolve() / run_id / 'store'}" \
+            in built.stdout, built.stdout + built.stderr
     # the rollout workers swapped every version in from shared memory, or by disk; none is left in /dev/shm
     from weights.shm import SHM_DIR, segment_prefix
 
@@ -51,8 +86,8 @@ def test_short_run_accounts_for_every_sample(tmp_path: Path, bootstrap: str, rep
     assert summary["final_model"] == str(runs / run_id / "final") and f"final model: {runs / run_id}" in res.stdout
     assert weights_match(summary["final_model"], read_weights(runs / run_id / "weights" / "v00004"))
     assert weights_match(summary["final_model"], AutoModelForCausalLM.from_pretrained(summary["final_model"]).state_dict())
-    # the record was compacted when the recorder stopped
-    assert "record compacted:" in (runs / run_id / "logs" / "recorder.log").read_text()
+    if live:  # the record was compacted when the recorder stopped
+        assert "record compacted:" in (runs / run_id / "logs" / "recorder.log").read_text()
     evals = sql(f"SELECT split, mapContains(metrics, 'eval/accuracy_sampled') AS has FROM evals FINAL "
                 f"WHERE run_id = '{run_id}'", runs, run_id, env)
     assert len(evals) >= 3 and all(e["has"] == bool(sampled) for e in evals)
@@ -65,6 +100,10 @@ def test_short_run_accounts_for_every_sample(tmp_path: Path, bootstrap: str, rep
     assert s["issued"] > 0 and s["trained"] >= 4 * 16 - 16  # a group may be cut by staleness
     assert s["unaccounted"] == 0
     assert_accounted(s)
+    if not live:  # what summary.json counted on the topics is what the record built later holds
+        counted = sql(f"SELECT status, count() AS n FROM samples WHERE run_id = '{run_id}' GROUP BY status",
+                      runs, run_id, env)
+        assert {r["status"]: r["n"] for r in counted} == {k: v for k, v in s.items() if k not in ("issued", "unaccounted") and v}
 
     # every issued sample has exactly one terminal status in the record
     open_rows = sql(
@@ -96,7 +135,14 @@ def test_short_run_accounts_for_every_sample(tmp_path: Path, bootstrap: str, rep
         assert lag[0]["n"] == 0
         ratio = sql(f"SELECT max(abs(metrics['actor/ratio_mean'] - 1)) AS d FROM train_steps FINAL "
                     f"WHERE run_id = '{run_id}'", runs, run_id, env)
-        assert ratio[0]["d"] < 1e-3
+        assert ratio[0]["d"] < 1e-3  # the weights the engine took back are the trainer's
+        released = [int(n) for log in (runs / run_id / "logs").glob("rollout*.log")
+                    for n in re.findall(r"engine memory released (\d+) time", log.read_text())]
+        assert released and sum(released) >= 4, released  # at least once per version
+    peaks = sql(f"SELECT min(metrics['perf/peak_memory_gib']) AS trainer, "
+                f"min(metrics['perf/rollout_peak_memory_gib']) AS rollout FROM train_steps FINAL "
+                f"WHERE run_id = '{run_id}'", runs, run_id, env)
+    assert peaks[0]["trainer"] > 0 and peaks[0]["rollout"] > 0  # peak RSS of each process (CPU)
 
 
 CHAT_DOMAINS = (

@@ -83,6 +83,8 @@ def supervisor_of(cfg: RunConfig, run_id: str = "r1") -> Any:
     # single-turn: no env process, whatever env.workers says
     (["env.workers=3", "rollout.workers=2"], ["recorder", "feeder", "reward", "rollout0", "rollout1", "trainer"]),
     ([], ["recorder", "feeder", "reward", "rollout", "trainer"]),
+    # no live record: no recorder (rollstream record builds the record later)
+    (["store.record_live=false"], ["feeder", "reward", "rollout", "trainer"]),
 ])
 def test_env_workers_are_planned_for_multi_turn_domains_only(tmp_path: Path, overrides: list[str],
                                                               labels: list[str]) -> None:
@@ -176,7 +178,7 @@ async def test_env_workers_are_stopped_after_rollout_at_the_end(tmp_path: Path, 
     monkeypatch.setattr(supervisor, "prepare_run", prepare_run)
     monkeypatch.setattr(supervisor.Supervisor, "follow", follow)
     monkeypatch.setattr(supervisor.Supervisor, "wait_recorder", waited)
-    monkeypatch.setattr(supervisor, "summarize", lambda cfg, run_id, progress, wall_s: {"run_id": run_id})
+    monkeypatch.setattr(supervisor, "summarize", lambda cfg, run_id, *_: {"run_id": run_id})
     cfg = config(tmp_path, *([FL, "env.workers=2"] if multi else ["env.workers=2"]), "rollout.workers=2")
     summary = await supervisor.run_supervised(cfg, "r3", "kafka:9092", Console(file=io.StringIO()))
     assert summary == {"run_id": "r3"}

@@ -220,7 +220,7 @@ async def test_judge_workers_are_stopped_after_reward_and_rollout_at_the_end(
     monkeypatch.setattr(supervisor, "prepare_run", prepare_run)
     monkeypatch.setattr(supervisor.Supervisor, "follow", follow)
     monkeypatch.setattr(supervisor.Supervisor, "wait_recorder", waited)
-    monkeypatch.setattr(supervisor, "summarize", lambda cfg, run_id, progress, wall_s: {"run_id": run_id})
+    monkeypatch.setattr(supervisor, "summarize", lambda cfg, run_id, *_: {"run_id": run_id})
     domains = MIXED if judged else FL
     cfg = config(tmp_path, JUDGES, domains, "judge.workers=2", "env.workers=2")
     assert await supervisor.run_supervised(cfg, "r3", "kafka:9092", Console(file=io.StringIO())) == {"run_id": "r3"}

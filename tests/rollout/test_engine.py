@@ -1,8 +1,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ import torch
 from rollout import engine as engine_module
 from rollout.engine import Completion, Engine, GenerationRequest, TorchEngine, generate_all
 from rollout.sampling import SamplingParams
+from rollout.slot_decoder import SlotDecoder
 from tests.floats import assert_close
 
 PROMPTS = ["12+34=", "7-3=", "99+1=", "5*6=", "123-45=", "8+8="]
@@ -337,3 +341,64 @@ async def test_a_vlm_engine_generates_from_images_with_the_trainers_logprobs(vlm
     assert (logits[0, markers] == SUPPRESSED_LOGIT).all() and logits[0].max() > SUPPRESSED_LOGIT
     with pytest.raises(BlobError, match="blob cafe: not a decodable image"):
         eng.image_inputs([b"not a png"], ["cafe"])
+
+
+def _refs(tensors: list[Any]) -> list[weakref.ref[Any]]:
+    return [weakref.ref(t) for t in tensors if t is not None]
+
+
+@pytest.mark.parametrize("weights", [False, True])
+async def test_release_frees_memory_and_generation_is_unchanged(
+        model_dir: Path, other_model_dir: Path, decoder: str, weights: bool) -> None:
+    """``rollout.release_between_steps``: an idle engine drops its KV cache (and, with ``weights``,
+    its device copy of the weights, fused projections included); a swap while released goes into
+    the host copy; the next generation takes everything back and samples exactly what an engine
+    that never released samples (same seed, same weights)."""
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    kept, freed = (TorchEngine(model_dir, max_batch=4, seed=11, decoder=decoder) for _ in range(2))
+    for e in (kept, freed):
+        await generate_all(e, requests(e, params))
+    dec = freed._slots.decoder
+    cache = _refs([dec, dec.keys, dec.values] if isinstance(dec, SlotDecoder) else [dec, dec.cache])
+    assert len(cache) == 3 if isinstance(dec, SlotDecoder) else 2
+    device_weights = _refs([p.untyped_storage() for p in freed.model.parameters()])  # fused ones included
+    del dec
+    assert await freed.release(weights=weights)
+    gc.collect()
+    assert all(r() is None for r in cache)  # the KV cache is gone
+    assert all((r() is None) == weights for r in device_weights)  # the weights moved to new host tensors, or stayed
+    assert freed.released == ("kv_and_weights" if weights else "kv") and freed.releases == 1
+    assert all(p.device.type == "cpu" for p in freed.model.parameters())
+    assert not await freed.release(weights=weights)  # released already: nothing more to give
+    for e in (kept, freed):
+        await e.load_weights(other_model_dir, version=1)
+    assert freed.released  # the swap went into the released engine's copy without taking it back
+    second = {e: await generate_all(e, requests(e, params)) for e in (kept, freed)}
+    assert freed.released == ""
+    for e in (kept, freed):  # a swap into the weights that came back, as into weights that stayed
+        await e.load_weights(model_dir, version=2)
+        second[e] += await generate_all(e, requests(e, params))
+    assert [(c.token_ids, c.policy_version) for c in second[freed]] == [
+        (c.token_ids, c.policy_version) for c in second[kept]]
+    assert any(c.token_ids for c in second[freed])
+    # bitwise equal with the weights that stayed; weights that came back sit at new addresses (the
+    # loaded ones at odd offsets of the safetensors file), which changes the CPU GEMM's round-off
+    # (terms: the hidden size)
+    assert_close(torch.tensor([lp for c in second[freed] for lp in c.logprobs]),
+                 torch.tensor([lp for c in second[kept] for lp in c.logprobs]), freed.model.config.hidden_size)
+    if not weights:
+        assert [c.logprobs for c in second[freed]] == [c.logprobs for c in second[kept]]
+
+
+async def test_a_busy_engine_keeps_its_memory(model_dir: Path) -> None:
+    engine = TorchEngine(model_dir, max_batch=2)
+    engine.eos_ids = set()
+    stream = engine.generate([GenerationRequest("x", engine.encode("1+1="), SamplingParams(max_new_tokens=40))])
+    task = asyncio.ensure_future(anext(stream))
+    for _ in range(30_000):
+        if engine.running or task.done():
+            break
+        await asyncio.sleep(0.001)
+    assert engine.running == 1
+    assert not await engine.release(weights=True)
+    assert engine.released == "" and len((await task).token_ids) == 40

@@ -46,6 +46,20 @@ def test_placement_and_the_line_run_prints(monkeypatch: pytest.MonkeyPatch) -> N
     assert describe(parse_config("{}")) == "devices: rollout on cpu (float32), trainer on cpu (float32)"
 
 
+def test_releasing_between_steps_needs_one_device_for_both(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rollout.release_between_steps`` is refused, naming both keys, when the devices resolve apart."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    shared = parse_config("rollout: {async_ratio: 0, release_between_steps: kv, device: cuda}\ntrain: {device: auto}")
+    assert placement(shared)["rollout"] == placement(shared)["trainer"] == ("cuda:0", "bfloat16")
+    split = parse_config("rollout: {async_ratio: 0, release_between_steps: kv_and_weights, device: cuda:1}")
+    with pytest.raises(ConfigError, match=r"^config: rollout.release_between_steps=kv_and_weights shares one device, "
+                                          r"but rollout.device='cuda:1' is cuda:1 and train.device='auto' is cuda:0; "):
+        placement(split)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert placement(parse_config("rollout: {async_ratio: 0, release_between_steps: kv}"))["rollout"][0] == "cpu"
+
+
 def test_the_line_names_the_judge_device_when_a_domain_has_a_judge(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -225,3 +225,13 @@ def test_task_image_hashes_added_after_v11_default_to_none_in_old_payloads() -> 
     assert isinstance(new, ev.RolloutTask) and new.image_hashes == ["ab" * 32]
     gen = msgspec.msgpack.decode((FIXTURES / "v12" / "Generation.msgpack").read_bytes(), type=ev.Generation)
     assert gen.task.image_hashes == ["ab" * 32]
+
+
+def test_generation_peak_memory_added_after_v11_defaults_to_unreported_in_old_payloads() -> None:
+    """Generation.peak_memory_gib (the rollout worker's peak memory): a v11 generation has none (0),
+    a new one carries it through its topic."""
+    dec = msgspec.msgpack.Decoder(TOPICS["generations"].event_type)
+    old = dec.decode((FIXTURES / "v11" / "Generation.msgpack").read_bytes())
+    assert isinstance(old, ev.Generation) and old.peak_memory_gib == 0.0 and old.response_ids
+    new = dec.decode(msgspec.msgpack.encode(msgspec.structs.replace(old, peak_memory_gib=3.25)))
+    assert isinstance(new, ev.Generation) and new.peak_memory_gib == 3.25

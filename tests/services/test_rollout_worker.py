@@ -54,6 +54,7 @@ async def test_version_0_is_awaited_past_the_timeout_later_versions_are_not() ->
     worker.s = RolloutSettings(run_id="r", config=RunConfig(), model_dir="unused", weights_timeout_s=0.05)
     worker.engine = SimpleNamespace(policy_version=-1)  # type: ignore[assignment]
     worker._version_changed = asyncio.Condition()
+    worker.release = "off"
 
     first = asyncio.create_task(worker._wait_for_version(0))
     await asyncio.sleep(0.3)  # six timeouts long
@@ -137,3 +138,39 @@ async def test_a_visual_task_is_generated_from_its_blobs_and_a_bad_blob_names_th
     with pytest.raises(ValueError, match=f"task g0/0: image unusable: blob {junk}: not a decodable image"):
         await worker.handle(SimpleNamespace(event=visual([junk])), ctx)  # type: ignore[arg-type]
     assert len(out) == 1
+
+
+async def test_an_idle_worker_releases_its_engine_and_reports_its_peak_memory(model_dir: Path) -> None:
+    """``rollout.release_between_steps``: the engine gives back its memory once the worker's last task
+    is done and while a task waits for a newer version; the next task's generation takes it back.
+    Each ``Generation`` carries the worker's peak memory (peak RSS on the CPU)."""
+    from runtime.memory import peak_memory_gib
+    from schemas.config import parse_config
+
+    cfg = parse_config("rollout: {async_ratio: 0, release_between_steps: kv_and_weights, device: cpu, "
+                       "max_new_tokens: 4}")
+    worker = RolloutWorker(RolloutSettings(run_id="r", config=cfg, model_dir=str(model_dir), weights_timeout_s=0.2))
+    from rollout.engine import TorchEngine
+
+    engine = worker.engine
+    assert isinstance(engine, TorchEngine)
+    emitted: list[ev.Event] = []
+    ctx = SimpleNamespace(emit=lambda topic, event, key=None: emitted.append(event))
+    domain = cfg.data.domains[0].name
+
+    def rec(version: int, i: int) -> Any:
+        t = ev.RolloutTask(run_id="r", sample_id=f"g{i}/0", group_id=f"g{i}", index=0, group_size=1,
+                           prompt_id="p", domain=domain, prompt="1+2=", reference="3", policy_version=version)
+        return SimpleNamespace(event=t)
+
+    with pytest.raises(RuntimeError, match="weights version 1 not published"):  # waits: the engine is idle
+        await asyncio.wait_for(worker.handle(rec(1, 0), ctx), 5.0)  # type: ignore[arg-type]
+    assert worker._releasing is not None and await worker._releasing and engine.released == "kv_and_weights"
+    engine.policy_version = 0
+    await worker.handle(rec(0, 1), ctx)  # type: ignore[arg-type]
+    assert len(emitted) == 1 and engine.releases == 1
+    assert worker._releasing is not None and await worker._releasing  # released again after its last task
+    assert engine.released == "kv_and_weights" and engine.releases == 2
+    gen = emitted[0]
+    assert isinstance(gen, ev.Generation) and gen.response_ids and gen.policy_version == 0
+    assert 0 < gen.peak_memory_gib <= peak_memory_gib("cpu")

@@ -70,6 +70,27 @@ def test_ddl_applies_twice_and_insert_query_work(store_dsn: str, run_id: str) ->
     assert st.ping(client)
 
 
+def test_every_table_keeps_insert_tokens_and_an_apply_once_file_is_not_run_again(store_dsn: str) -> None:
+    """009 gives each table a deduplication window (the recorder's retried batches are idempotent);
+    it is marked ``-- apply once``: a later open does not run it again."""
+    client = st.connect(store_dsn)
+    st.apply_ddl(client)
+
+    def windows() -> dict[str, str]:
+        rows = client.query("SELECT name, extract(engine_full, 'non_replicated_deduplication_window = (\\d+)') "
+                            "FROM system.tables WHERE database = currentDatabase() AND engine LIKE '%MergeTree' "
+                            "AND name != 'schema_migrations'").result_rows
+        return dict(rows)
+
+    assert set(windows().values()) == {"1000"} and "events" in windows() and len(windows()) == 12
+    client.command("ALTER TABLE recorder_lag MODIFY SETTING non_replicated_deduplication_window = 7")
+    try:
+        st.apply_ddl(client)
+        assert windows()["recorder_lag"] == "7"  # 009 was not run again
+    finally:
+        client.command("ALTER TABLE recorder_lag MODIFY SETTING non_replicated_deduplication_window = 1000")
+
+
 def test_store_in_use_by_another_process_is_a_clear_error(tmp_path: Path) -> None:
     """chDB allows one process per store directory: the second gets one clear line."""
     dsn = f"chdb://{tmp_path / 'busy'}"
