@@ -84,7 +84,7 @@ class ImageSource:
     """A VLM's images for the trainer: bytes (a warm-up problem's) or digests in the run's blob store
     (a sample's ``image_hashes``) through the model's image processor, the last ``keep`` kept."""
 
-    def __init__(self, model_dir: str | Path, blob_dir: str | Path | None, keep: int = 4096) -> None:
+    def __init__(self, model_dir: str | Path, blob_dir: str | Path | None, keep: int = 256) -> None:
         import logging
 
         from transformers import AutoImageProcessor
