@@ -18,8 +18,9 @@ from blobs import BlobStore
 from tests.e2e.faults import assert_accounted, sql
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-# make test-bench: the short run takes 60-100 s on 2 shared cores, the refusal about 20 s (the CI's
-# share: tests/launch/test_prepare.py checks the same refusals on the function the run calls)
+# make test-bench (CI time is spent): the short run took 32 s on a quiet machine, 100 s on 2 busy
+# cores, the refusal 9-22 s; tests/launch/test_prepare.py checks the refusals in CI on the function
+# the run calls
 
 SHORT_VISION = [
     "train.steps=2", "train.warmup_sft_steps=2", "train.warmup_batch_size=8", "train.eval_every=2",
