@@ -23,9 +23,12 @@ def init_model(
     reward_model: bool = typer.Option(False, "--reward-model", help="Create a tiny reward model instead "
                                       "(LlamaForSequenceClassification, one output, the tiny model's tokenizer; "
                                       "random but seeded scores) for judge.models.<name>.kind: reward_model."),
+    vlm: bool = typer.Option(False, "--vlm", help="Create a tiny vision-language model instead (Qwen2-VL: a "
+                             "2-block vision tower and the --set language model, the char tokenizer with image "
+                             "tokens, a chat template and an image processor) for visual tasks."),
 ) -> None:
     """Create a tiny causal LM (Llama architecture, own tokenizer, safetensors), a tiny reward model
-    (--reward-model), or convert a packaged pretrained model (--from) into a Hugging Face directory.
+    (--reward-model), a tiny vision-language model (--vlm), or convert a packaged pretrained model (--from) into a Hugging Face directory.
     Nothing is downloaded from a model hub."""
     from schemas.config import ConfigError, TinyModelSpec, check_tiny_spec, parse_raw
 
@@ -36,6 +39,8 @@ def init_model(
     if from_ and reward_model:
         raise UserError("--reward-model creates a tiny reward model; --from converts a packaged causal LM: "
                         "give one of them")
+    if sum((bool(from_), reward_model, vlm)) > 1:
+        raise UserError("--from, --reward-model and --vlm each create a different model: give one of them")
     if from_:
         _from_package(from_, out_dir, set_, seed, force)
         return
@@ -47,6 +52,16 @@ def init_model(
     quiet_transformers()
     from rollout.model_init import count_parameters, init_tiny_model, init_tiny_reward_model, load_model
 
+    if vlm:
+        from rollout.vlm import VLMError, init_tiny_vlm, load_vlm
+
+        try:
+            path = init_tiny_vlm(out_dir, spec, seed=seed)
+        except VLMError as e:
+            raise UserError(str(e)) from None
+        n = count_parameters(load_vlm(path))
+        out.print(f"created {path} (vision-language model, Qwen2-VL, {n / 1e6:.2f}M parameters)")
+        return
     if reward_model:
         from transformers import AutoModelForSequenceClassification
 

@@ -12,6 +12,7 @@ from envs import (
     sokoban,
     tool_use,
     verifiers,
+    vision,
     webshop,
 )
 from envs.base import Env, Problem, StepResult, TaskSource, Verifier, VerifyResult
@@ -20,6 +21,7 @@ from envs.registry import (
     episodic_domains,
     get_verifier,
     is_episodic,
+    is_visual,
     make_source,
     register_env,
     register_source,
@@ -47,6 +49,7 @@ __all__ = [
     "gym_text",
     "instruct",
     "is_episodic",
+    "is_visual",
     "make_env",
     "make_source",
     "reasoning_gym",
@@ -59,5 +62,6 @@ __all__ = [
     "sokoban",
     "tool_use",
     "verifiers",
+    "vision",
     "webshop",
 ]

@@ -74,6 +74,9 @@ class Problem:
     system_prompt: str = ""
     """This problem's own system turn (a file row's ``system_key``); empty = its domain's
     ``system_prompt``, else ``model.system_prompt``."""
+    images: tuple[bytes, ...] = ()
+    """A visual task's images (PNG bytes), shown before the prompt text; the feeder stores them in
+    the run's blob store and the task carries their digests (``RolloutTask.image_hashes``)."""
 
 
 @runtime_checkable

@@ -18,6 +18,8 @@ EnvFactory = Callable[..., Env]
 SOURCES: dict[str, SourceFactory] = {}
 VERIFIERS: dict[str, Verifier] = {}
 ENVS: dict[str, EnvFactory] = {}
+VISUAL_SOURCES: set[str] = set()
+"""Task sources whose problems carry images (:func:`is_visual`): they need a vision-language model."""
 
 F = TypeVar("F")
 
@@ -76,6 +78,11 @@ def is_episodic(source: str) -> bool:
     are episodes played by the rollout agent loop against environment workers (``frozenlake``,
     ``sokoban``, ``tool_use``, ``webshop``) rather than single responses scored by a verifier."""
     return source in ENVS and source in SOURCES
+
+
+def is_visual(source: str) -> bool:
+    """Whether task source ``source`` is visual: its problems carry images (``shapes``)."""
+    return source in VISUAL_SOURCES
 
 
 def episodic_domains(cfg: Any) -> list[str]:

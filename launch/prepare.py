@@ -68,8 +68,10 @@ def prepare_model(cfg: RunConfig, run_dir: Path, progress: Callable[[str], None]
             raise RunError(f"model.path {path} is not a Hugging Face model directory (no config.json)")
     elif not (path / "config.json").exists():
         from rollout.model_init import init_tiny_model
+        from rollout.vlm import init_tiny_vlm
 
-        init_tiny_model(path, cfg.model.init, seed=cfg.run.seed)
+        (init_tiny_vlm if cfg.model.init.vision else init_tiny_model)(path, cfg.model.init, seed=cfg.run.seed)
+    check_vision(cfg, path)
     from rollout.model_init import load_tokenizer, use_chat_template
 
     try:
@@ -77,6 +79,44 @@ def prepare_model(cfg: RunConfig, run_dir: Path, progress: Callable[[str], None]
     except ValueError as e:
         raise RunError(str(e)) from None
     return path
+
+
+def check_vision(cfg: RunConfig, model_dir: Path) -> None:
+    """A :class:`RunError` (one line naming the key) unless the run's tasks and model agree: visual
+    domains (:func:`envs.is_visual`) need a vision-language model (and the torch engine and strategy,
+    no LoRA, no critic, single-turn), whose processor keeps their images' size; a vision-language
+    model needs visual domains only."""
+    import envs
+    from rollout.vlm import VLMError, check_image_size, check_vlm_dir, is_vlm_dir, load_image_processor
+
+    visual = [(i, d) for i, d in enumerate(cfg.data.domains) if envs.is_visual(d.source)]
+    vlm = is_vlm_dir(model_dir)
+    if not visual:
+        if vlm:
+            raise RunError(f"model {model_dir} is a vision-language model but no data.domains entry shows images "
+                           "(visual sources: shapes); use a text model (model.init.vision: false) or a visual task")
+        return
+    i, d = visual[0]
+    if len(visual) != len(cfg.data.domains):
+        text = next(x.name for x in cfg.data.domains if not envs.is_visual(x.source))
+        raise RunError(f"data.domains: {d.name!r} shows images but {text!r} does not; a run is all visual or all text")
+    try:
+        check_vlm_dir(model_dir)
+    except VLMError as e:
+        raise RunError(f"data.domains[{i}] ({d.source}) shows images: {e}; set model.init.vision: true") from None
+    needs = {"rollout.engine": (cfg.rollout.engine, "torch"), "train.strategy": (cfg.train.strategy, "torch"),
+             "train.lora_rank": (cfg.train.lora_rank, 0), "algorithm.critic": (cfg.algorithm.critic, "none")}
+    for key, (value, want) in needs.items():
+        if value != want:
+            raise RunError(f"{key}: {value!r} is not supported with visual tasks yet (use {want!r})")
+    processor = load_image_processor(model_dir)
+    for i, d in visual:
+        size = getattr(envs.make_source(d.source, **d.kwargs), "size", None)
+        try:
+            if isinstance(size, int):
+                check_image_size(processor, size, size)
+        except VLMError as e:
+            raise RunError(f"data.domains[{i}].kwargs.size: {e}") from None
 
 
 def used_judges(cfg: RunConfig) -> dict[str, JudgeModelConfig]:

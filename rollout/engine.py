@@ -6,7 +6,8 @@ slots (one batched prefill) and runs one decode step for every row, and a row th
 a stop string or ``max_new_tokens``) leaves right after it. Llama-family models
 (:func:`rollout.slot_decoder.slot_support`) run through :class:`SlotDecoder`, any other causal LM
 through :class:`HFDecoder` (transformers' forward over a ``DynamicCache`` whose rows we edit;
-``decoder="hf"`` forces it).
+``decoder="hf"`` forces it). :class:`VLMDecoder` is the same for a Qwen2-VL-family model, its
+prefill fed each row's images.
 
 Each generated token reports its behaviour logprob ``log_softmax(logits / T)[token]`` at the
 request's temperature, untruncated by ``top_p`` (:mod:`rollout.sampling`): the trainer's
@@ -40,9 +41,19 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from blobs import decode_image, pixel_inputs
 from rollout.model_init import encode_prompt, eos_token_ids, load_model, load_tokenizer, use_chat_template
 from rollout.sampling import SamplingParams, sample_next
 from rollout.slot_decoder import SlotDecoder, forget_fusions, slot_support
+from rollout.vlm import (
+    ImageInputs,
+    encode_vlm_prompt,
+    is_vlm_dir,
+    load_image_processor,
+    load_vlm,
+    suppress_vision_markers,
+    vision_marker_ids,
+)
 from weights import copy_weights_, read_weights
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -60,6 +71,9 @@ class GenerationRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    images: ImageInputs | None = None
+    """A vision-language engine's images of this prompt (:meth:`TorchEngine.image_inputs`), whose
+    ``<|image_pad|>`` tokens ``prompt_ids`` hold (:meth:`TorchEngine.encode` with them); None: text."""
 
 
 @dataclass(frozen=True)
@@ -292,6 +306,47 @@ class HFDecoder:
         return keep
 
 
+class VLMDecoder(HFDecoder):
+    """:class:`HFDecoder` for a vision-language model (Qwen2-VL / Qwen2.5-VL): the prefill feeds each
+    row's images (their features replace the row's ``<|image_pad|>`` tokens) at the model's
+    multimodal RoPE positions (``get_rope_index``); each row then decodes text from one past its
+    largest position (all three RoPE axes alike), so the KV-cache rows edit as for text. The vision
+    markers are never sampled (:func:`rollout.vlm.suppress_vision_markers`): they belong to prompts."""
+
+    def __init__(self, model: Any, device: torch.device | str = "cpu", prefill_kwargs: dict[str, Any] | None = None
+                 ) -> None:
+        super().__init__(model, device, prefill_kwargs)
+        self.markers = vision_marker_ids(model.config)
+
+    def prefill(self, prompts: list[list[int]], images: list[ImageInputs | None] | None = None) -> torch.Tensor:
+        """Append rows for ``prompts`` with ``images[i]`` for row i (None: text only); logits (b, V)."""
+        ids, mask, _ = left_padded(prompts, self.device)  # (b, P) each
+        given = [im for im in (images or []) if im is not None]
+        pixels = torch.cat([im.pixel_values for im in given]).to(self.device) if given else None  # (patches, F)
+        grid = torch.cat([im.grid_thw for im in given]).to(self.device) if given else None  # (images, 3)
+        mm = (ids == self.model.config.image_token_id).int()  # (b, P)
+        pos, _ = self.model.model.get_rope_index(ids, mm_token_type_ids=mm, image_grid_thw=grid,
+                                                 attention_mask=mask)  # (3, b, P)
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+            pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=mm, **self.prefill_kwargs,
+        ).logits[:, -1]  # (b, V)
+        start = len(self.next_pos)
+        self.append(cache, mask)
+        self.next_pos[start:] = pos.amax(dim=(0, 2)) + 1  # (b,) one past each row's largest position
+        return suppress_vision_markers(logits, self.markers)
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row (B,); the next logits (B, V)."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.rows, 1)], dim=1)  # (B, L + 1)
+        pos = self.next_pos.view(1, -1, 1).expand(3, -1, 1)  # (3, B, 1)
+        logits = self.model(input_ids=tokens.unsqueeze(1), attention_mask=self.mask, position_ids=pos,
+                            past_key_values=self.cache, use_cache=True).logits[:, -1]  # (B, V)
+        self.next_pos = self.next_pos + 1
+        return suppress_vision_markers(logits, self.markers)
+
+
 Decoder = HFDecoder | SlotDecoder
 
 
@@ -348,8 +403,12 @@ class TorchEngine:
             raise ValueError(f"decoder must be 'auto', 'slots' or 'hf', got {decoder!r}")
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         """The one thread that runs all of this engine's torch work (load, steps, weight swaps)."""
-        self.model = self._thread.submit(load_model, model_dir, dtype=dtype, device=device).result()
+        self.vlm = is_vlm_dir(model_dir)
+        """A vision-language model (Qwen2-VL family): prompts may carry images, :class:`VLMDecoder` runs it."""
+        load = load_vlm if self.vlm else load_model
+        self.model = self._thread.submit(load, model_dir, dtype=dtype, device=device).result()
         self.tokenizer = load_tokenizer(model_dir)
+        self.image_processor = load_image_processor(model_dir) if self.vlm else None
         self._last_logits_only = (
             {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
         )
@@ -374,7 +433,7 @@ class TorchEngine:
         """Of those, the ones the slot decoder did not compute because another prompt of the same
         admission had them too (an identical prompt, or the prefix common to the admission's prompts)."""
         self._pending: deque[_Pending] = deque()
-        why_not = slot_support(self.model)
+        why_not = "a vision-language model (its prefill takes images)" if self.vlm else slot_support(self.model)
         if decoder == "slots" and why_not:
             raise ValueError(f"decoder='slots' cannot run this model: {why_not}")
         self.decoder: Literal["slots", "hf"] = "hf" if decoder == "hf" or why_not else "slots"
@@ -396,6 +455,8 @@ class TorchEngine:
     def _new_decoder(self) -> Decoder:
         if self.decoder == "slots":
             return SlotDecoder(self.model, self.max_batch, cuda_graphs=self.cuda_graphs)
+        if self.vlm:
+            return VLMDecoder(self.model, self.device, self._last_logits_only)
         return HFDecoder(self.model, self.device, self._last_logits_only)
 
     def _eos_ids(self) -> set[int]:
@@ -416,11 +477,24 @@ class TorchEngine:
         """Requests waiting for a slot."""
         return len(self._pending)
 
-    def encode(self, prompt: str, system_prompt: str | None = None) -> list[int]:
+    def image_inputs(self, images: list[bytes], names: list[str] | None = None) -> ImageInputs:
+        """Encoded images (PNG, JPEG...) as this vision-language model's processor gives them;
+        ``blobs.BlobError`` naming the image (``names[i]``, e.g. its digest) when one does not decode."""
+        if self.image_processor is None:
+            raise ValueError("this engine's model is not a vision-language model: a prompt with images needs one")
+        names = names or [""] * len(images)
+        pics = [decode_image(data, name) for data, name in zip(images, names, strict=True)]
+        return ImageInputs(*pixel_inputs(self.image_processor, pics))
+
+    def encode(self, prompt: str, system_prompt: str | None = None, images: ImageInputs | None = None) -> list[int]:
         """Prompt token ids (:func:`rollout.model_init.encode_prompt`): through the chat template
         when :attr:`chat` (system turn ``system_prompt``, None = the engine's default), else the
-        bare text with the tokenizer's BOS."""
+        bare text with the tokenizer's BOS. With ``images`` (a VLM): a user turn showing them, then
+        the text, each image's placeholder expanded (:func:`rollout.vlm.encode_vlm_prompt`)."""
         system = self.system_prompt if system_prompt is None else system_prompt
+        if images is not None:
+            return encode_vlm_prompt(self.tokenizer, prompt, images.grid_thw, self.model.config.image_token_id,
+                                     system_prompt=system)
         key = (prompt, system)
         ids = self._encoded.pop(key, None)  # re-inserted last: the dict's order is recency
         if ids is None:
@@ -560,6 +634,8 @@ class TorchEngine:
     def _validate(self, req: GenerationRequest) -> None:
         if not req.prompt_ids:
             raise ValueError(f"request {req.request_id}: empty prompt")
+        if req.images is not None and not self.vlm:
+            raise ValueError(f"request {req.request_id}: has images but the model is not a vision-language model")
         if len(req.prompt_ids) >= self.max_positions:
             raise ValueError(
                 f"request {req.request_id}: prompt of {len(req.prompt_ids)} tokens leaves no room "
@@ -617,7 +693,11 @@ class TorchEngine:
         self._admitting = rows
         decoder = self._slots.decoder
         reused = decoder.reused_tokens
-        logits = decoder.prefill([r.request.prompt_ids for r in rows])  # (b, V)
+        prompts = [r.request.prompt_ids for r in rows]
+        if isinstance(decoder, VLMDecoder):
+            logits = decoder.prefill(prompts, [r.request.images for r in rows])  # (b, V)
+        else:
+            logits = decoder.prefill(prompts)  # (b, V)
         self.prompt_tokens += sum(len(r.request.prompt_ids) for r in rows)
         self.prompt_tokens_reused += decoder.reused_tokens - reused
         params = _RowParams.of([r.request.params for r in rows], self.device)

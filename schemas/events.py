@@ -113,6 +113,10 @@ class RolloutTask(Event, frozen=True, kw_only=True):
     The task whose ``index`` equals it is generated greedily, scored like any sample and never
     trained: its reward is the baseline of the group's samples and its outcome is ``filtered``
     (reason ``remax baseline: ...``). ``-1``: the group has none. (Added after v10.)"""
+    image_hashes: list[str] = []
+    """A visual task's images, in the order the prompt shows them: the sha256 hex digests of their
+    bytes in the run's blob store (``<run dir>/blobs``, :mod:`blobs`); the bytes never travel on the
+    topics. Empty = a text task. (Added after v11.)"""
 
     @property
     def is_baseline(self) -> bool:

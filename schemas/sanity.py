@@ -10,6 +10,7 @@ one line saying what is wrong, or ``None`` when the event is sound; none raises.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Collection, Iterable
 from itertools import pairwise
 
@@ -23,6 +24,7 @@ MAX_TOKENS = 1 << 20
 """Most tokens one sample can have, prompt and response together (and a task's token cap)."""
 MAX_TOKEN_ID = (1 << 31) - 1
 """Largest token id (int32, what every engine and trainer indexes with)."""
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
 _LOGPROB_SLACK = 1e-3
 """A log-probability above this is impossible (``log p <= 0``; a little float error allowed)."""
 
@@ -34,7 +36,8 @@ def _first_bad(values: Iterable[float]) -> float | None:
 def check_task(task: ev.RolloutTask, domains: Collection[str] = ()) -> str | None:
     """A task's group must be possible (``0 <= index < group_size + redundancy <= MAX_GROUP_SIZE``, or
     ``index == baseline_index == group_size + redundancy``: a ReMax baseline), its token
-    cap positive and sane, its ids non-empty, its policy version >= 0, and (when ``domains`` is given
+    cap positive and sane, its ids non-empty, its policy version >= 0, its image hashes sha256 hex
+    digests, and (when ``domains`` is given
     and the task names no ``env``) its domain one of the run's."""
     sid = task.sample_id
     if not sid or not task.group_id:
@@ -52,6 +55,9 @@ def check_task(task: ev.RolloutTask, domains: Collection[str] = ()) -> str | Non
         return f"task {sid}: policy_version {task.policy_version} < 0"
     if task.env is not None and _first_bad(v for v in task.env.kwargs.values() if isinstance(v, float)) is not None:
         return f"task {sid}: env.kwargs hold a non-finite number"
+    bad = next((h for h in task.image_hashes if not _DIGEST.match(h)), None)
+    if bad is not None:
+        return f"task {sid}: image hash {bad[:80]!r} is not a sha256 hex digest (64 lowercase hex digits)"
     if domains and task.env is None and task.domain not in domains:
         return f"task {sid}: unknown domain {task.domain!r} (this run has: {', '.join(sorted(domains))})"
     return None

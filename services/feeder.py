@@ -8,6 +8,8 @@ state from them, and once caught up with their ends it acts in ``on_tick``, afte
   sharing a ``group_id`` (``g000000``...; sample ids ``<group_id>/<index>``); group ``k`` draws
   its domain and prompt from ``Random(f"{seed}/{k}")``, so a restarted feeder goes on with the
   same sequence (and first completes a group an earlier instance did not finish sending);
+* a visual task's images (``Problem.images``) are written to the run's blob store and the tasks
+  carry their digests (``RolloutTask.image_hashes``);
 * at most ``RunConfig.max_inflight`` samples are outstanding (until their ``SampleOutcome`` or
   ``DeadLetter``), and new groups go out only once the weights of every step seen are published;
 * after a ``Drain`` it stops issuing; once every issued sample has an outcome (or
@@ -27,6 +29,7 @@ import time
 import msgspec
 
 import envs
+from blobs import BlobStore, blob_dir_of
 from envs.base import episode_ref
 from runtime.bus import Record
 from runtime.reading import behind
@@ -56,6 +59,9 @@ class FeederSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     catch_up_timeout_s: float = 30.0
     """At start, the longest wait to read the run's topics to their ends before acting anyway,
     seconds."""
+    blob_dir: str = ""
+    """The run's blob store (``<run dir>/blobs``): a visual task's images are written there and the
+    task carries their digests. Empty = none (a task with images is then an error)."""
 
 
 class Feeder(BatchService):
@@ -67,6 +73,7 @@ class Feeder(BatchService):
         self.s = settings
         self.cfg = settings.config
         self.sources = [envs.make_source(d.source, **d.kwargs) for d in self.cfg.data.domains]
+        self.blobs = BlobStore(settings.blob_dir) if settings.blob_dir else None
         self.issued: dict[str, str] = {}  # sample_id -> group_id
         self.groups: set[str] = set()
         self.members: dict[str, set[int]] = {}
@@ -151,15 +158,24 @@ class Feeder(BatchService):
         n, r = self.cfg.rollout.group_size, self.cfg.rollout.group_size_redundancy
         baseline = n + r if self.baseline else -1  # ReMax: one more task, greedy, its reward the group's baseline
         env = episode_spec(problem.reference) if envs.is_episodic(domains[i].source) else None
+        hashes = self.store_images(problem.images)
         return [
             ev.RolloutTask(
                 run_id=self.s.run_id, sample_id=ev.sample_id_of(group_id, j), group_id=group_id, index=j, group_size=n,
                 prompt_id=problem.prompt_id, domain=domains[i].name, prompt=problem.prompt,
                 reference=problem.reference, policy_version=self.version, env=env, redundancy=r,
-                system_prompt=problem.system_prompt, baseline_index=baseline,
+                system_prompt=problem.system_prompt, baseline_index=baseline, image_hashes=hashes,
             )
             for j in range(n + r + self.baseline)
         ]
+
+    def store_images(self, images: tuple[bytes, ...]) -> list[str]:
+        """Write a problem's images to the run's blob store (once each); their digests."""
+        if not images:
+            return []
+        if self.blobs is None:
+            raise RuntimeError("feeder: a task has images but the feeder has no blob store (blob_dir)")
+        return [self.blobs.put(data) for data in images]
 
     def short_groups(self) -> list[ev.RolloutTask]:
         """The tasks missing from groups only partly on ``tasks`` (a feeder killed mid-send)."""
@@ -282,7 +298,7 @@ def service_settings(s: FeederSettings) -> ServiceSettings:
 
 def settings_from(start: ServiceStart) -> FeederSettings:
     """The feeder's settings in a run (``rollstream service feeder``)."""
-    return FeederSettings(run_id=start.run_id, config=start.config)
+    return FeederSettings(run_id=start.run_id, config=start.config, blob_dir=str(blob_dir_of(start.run_dir)))
 
 
 async def run(settings: FeederSettings, stop: asyncio.Event | None = None) -> int:

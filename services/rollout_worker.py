@@ -12,6 +12,9 @@ for any weights, like an engine error or a weights timeout, naming its sample an
 * Weights: a background consumer (no group) follows the compacted ``weights`` topic and hot-swaps
   every new ``WeightsPublished`` into the engine; a task starts only once the engine holds a
   version at least as new as its ``policy_version`` (on-policy with ``async_ratio: 0``).
+* Visual tasks (``task.image_hashes``): the images are read from the run's blob store and prefilled
+  with the prompt by a vision-language engine; a missing, corrupt or undecodable image dead-letters
+  the sample with the reason.
 * ``rollout.release_between_steps``: once the worker holds no task (its last one done, or the next
   ones waiting for weights) the engine gives back its KV cache, and its weights to host memory if
   asked (:meth:`rollout.engine.TorchEngine.release`); its next step takes them back.
@@ -40,11 +43,13 @@ import msgspec
 from aiokafka.errors import KafkaError
 
 import envs
+from blobs import BlobError, BlobStore, blob_dir_of
 from envs.base import episode_ref
 from rollout.agent import AgentLimits, SwapLock, Trajectory, run_episode
 from rollout.engine import GenerationRequest, TorchEngine
 from rollout.factory import make_engine
 from rollout.sampling import SamplingParams
+from rollout.vlm import ImageInputs
 from runtime.bus import Consumer, Record
 from runtime.memory import peak_memory_gib
 from runtime.runner import Context, Runner, Service, ServiceSettings, run_service
@@ -78,6 +83,9 @@ class RolloutSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Name in ``Generation.worker_id``; empty = ``<host>-<pid>``."""
     device: str = ""
     """Torch device of the engine; empty = ``rollout.device`` of the config, resolved here."""
+    blob_dir: str = ""
+    """The run's blob store (``<run dir>/blobs``) a visual task's images are read from. Empty = none
+    (a task with images is then dead-lettered)."""
     weights_timeout_s: float = 600.0
     """How long a task may wait for the weights version it needs before failing, seconds. Version 0
     is waited for without a limit: the trainer publishes it after its supervised warm-up, which may
@@ -95,6 +103,7 @@ class RolloutWorker(Service):
         """Where this process holds its model (a server engine's worker holds none: its memory is the host's)."""
         self.engine = make_engine(cfg, settings.model_dir, device=device, seed=cfg.run.seed + os.getpid(),
                                   policy_version=-1)
+        self.blobs = BlobStore(settings.blob_dir) if settings.blob_dir else None
         self.system_prompts = {d.name: d.system_prompt or cfg.model.system_prompt for d in cfg.data.domains}
         self.worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
@@ -299,8 +308,14 @@ class RolloutWorker(Service):
             params = dataclasses.replace(params, max_new_tokens=task.max_new_tokens)
         if task.is_baseline:  # ReMax: the group's greedy response (argmax tokens), only its reward is used
             params = dataclasses.replace(params, greedy=True)
-        prompt_ids = self.engine.encode(task.prompt, task.system_prompt or self.system_prompts.get(task.domain))
-        req = GenerationRequest(task.sample_id, prompt_ids, params)
+        system = task.system_prompt or self.system_prompts.get(task.domain)
+        images = await self._images(task) if task.image_hashes else None
+        if images is not None:
+            assert isinstance(self.engine, TorchEngine)  # _images checked it
+            prompt_ids = self.engine.encode(task.prompt, system, images)
+        else:
+            prompt_ids = self.engine.encode(task.prompt, system)
+        req = GenerationRequest(task.sample_id, prompt_ids, params, images=images)
         completion = None
         async for c in self.engine.generate([req]):
             completion = c
@@ -317,6 +332,25 @@ class RolloutWorker(Service):
             queued_s=wait_s, gen_s=completion.gen_s, peak_memory_gib=peak_memory_gib(self.device),
         ), key=task.sample_id)
 
+
+    async def _images(self, task: ev.RolloutTask) -> ImageInputs:
+        """The task's images read from the run's blob store and run through the model's image
+        processor; a ``ValueError`` naming the sample and why (missing, corrupt or undecodable blob,
+        no blob store, not a vision-language model): the sample is dead-lettered, never lost."""
+        if not isinstance(self.engine, TorchEngine) or not self.engine.vlm:
+            raise ValueError(f"task {task.sample_id}: has images but this worker's engine is not a vision-language "
+                             "model (model.path must be a Qwen2-VL directory, rollout.engine torch)")
+        if self.blobs is None:
+            raise ValueError(f"task {task.sample_id}: has images but this worker has no blob store")
+        store, engine, hashes = self.blobs, self.engine, list(task.image_hashes)
+
+        def read() -> ImageInputs:
+            return engine.image_inputs([store.get(h) for h in hashes], hashes)
+
+        try:
+            return await asyncio.to_thread(read)
+        except BlobError as e:
+            raise ValueError(f"task {task.sample_id}: image unusable: {e}") from None
 
     async def _episode(self, task: ev.RolloutTask, ctx: Context) -> None:
         """Play the task's episode and emit it as one ``Generation`` (see the module doc)."""
@@ -389,7 +423,8 @@ def service_settings(settings: RolloutSettings) -> ServiceSettings:
 
 def settings_from(start: ServiceStart) -> RolloutSettings:
     """A rollout worker's settings in a run (``rollstream service rollout``)."""
-    return RolloutSettings(run_id=start.run_id, config=start.config, model_dir=start.model_dir)
+    return RolloutSettings(run_id=start.run_id, config=start.config, model_dir=start.model_dir,
+                           blob_dir=str(blob_dir_of(start.run_dir)))
 
 
 async def run(settings: RolloutSettings, stop: asyncio.Event | None = None) -> object:

@@ -70,6 +70,21 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny vision-language model directory (Qwen2-VL, char tokenizer with image tokens, image
+    processor), created once per session."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from rollout.vlm import init_tiny_vlm
+
+    torch.set_num_threads(2)
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    return init_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm") / "m", TINY_SPEC, seed=0)
+
+
+@pytest.fixture(scope="session")
 def repo_root() -> Path:
     return Path(__file__).resolve().parents[1]
 

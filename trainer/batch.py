@@ -56,6 +56,8 @@ class TrainSample:
     Empty = one sequence."""
     baseline: float | None = None
     """ReMax: the reward of the group's greedy response (the baseline); ``None`` = none."""
+    image_hashes: tuple[str, ...] = ()
+    """A visual task's images (digests in the run's blob store); the trainer's forward shows them."""
 
 
 @dataclass(frozen=True)
@@ -241,6 +243,7 @@ def samples_from_scored(scored: list[ScoredSample], baselines: Sequence[ScoredSa
             state_hashes=tuple(s.generation.state_hashes),
             segment_starts=tuple(s.generation.segment_starts),
             baseline=by_group.get(s.generation.task.group_id),
+            image_hashes=tuple(s.generation.task.image_hashes),
         )
         for s in scored
     ]

@@ -44,6 +44,10 @@ class Problem(Protocol):
     def system_prompt(self) -> str:
         """The problem's own system turn; empty = its domain's."""
         ...
+    @property
+    def images(self) -> tuple[bytes, ...]:
+        """A visual problem's images (encoded bytes), shown before the prompt; empty = text only."""
+        ...
 
 
 class Answer(Protocol):
@@ -75,12 +79,14 @@ class Episode(Protocol):
 class Engine(Protocol[P_contra]):
     """What evaluation calls on a generation engine."""
 
-    def encode(self, prompt: str, system_prompt: str | None = None) -> list[int]:
-        """Prompt token ids as the engine renders them (``system_prompt``: the system turn)."""
+    def encode(self, prompt: str, system_prompt: str | None = None, images: Sequence[bytes] = ()) -> list[int]:
+        """Prompt token ids as the engine renders them (``system_prompt``: the system turn; ``images``:
+        shown before the text, their image tokens included)."""
         ...
 
-    def generate(self, prompts: list[tuple[str, list[int]]], params: P_contra) -> AsyncIterator[Answer]:
-        """Complete every ``(request_id, prompt_ids)`` with ``params``; answers in any order."""
+    def generate(self, prompts: list[tuple[str, list[int], Sequence[bytes]]], params: P_contra
+                 ) -> AsyncIterator[Answer]:
+        """Complete every ``(request_id, prompt_ids, images)`` with ``params``; answers in any order."""
         ...
 
 
@@ -134,13 +140,14 @@ async def _answers(engine: Engine[P], domain: Domain[P], params: P, k: int, name
     """A single-turn domain: ``k`` answers per problem, each scored. Returns (correct, tokens, answers)."""
     if domain.score is None:
         raise ValueError(f"domain {domain.name}: neither score nor play given")
-    prompts: list[tuple[str, list[int]]] = []
+    prompts: list[tuple[str, list[int], Sequence[bytes]]] = []
     by_id: dict[str, Problem] = {}
     for p in domain.problems:
-        prompt_ids = engine.encode(p.prompt, p.system_prompt or domain.system_prompt)  # once per problem, shared by its k
+        # once per problem, shared by its k
+        prompt_ids = engine.encode(p.prompt, p.system_prompt or domain.system_prompt, p.images)
         for j in range(k):
             rid = f"{p.prompt_id}#{j}" if k > 1 else p.prompt_id
-            prompts.append((rid, prompt_ids))
+            prompts.append((rid, prompt_ids, p.images))
             by_id[rid] = p
     done = [a async for a in engine.generate(prompts, params)]
     results = await asyncio.gather(*(domain.score(a.text, by_id[a.request_id].reference) for a in done))

@@ -32,15 +32,17 @@ def check_strategy(cfg: RunConfig) -> None:
         check_megatron(cfg)
 
 
-def make_strategy(cfg: RunConfig, model_dir: str | Path, *, device: str = "cpu") -> Strategy:
+def make_strategy(cfg: RunConfig, model_dir: str | Path, *, device: str = "cpu",
+                  blob_dir: str | Path | None = None) -> Strategy:
     """The training strategy ``cfg.train.strategy`` names, with the model of ``model_dir`` on ``device``
-    (a concrete torch device; ``model.dtype: auto`` resolves for it). ``fsdp2`` / ``megatron``:
+    (a concrete torch device; ``model.dtype: auto`` resolves for it); ``blob_dir``: the run's blob
+    store, where a vision-language policy finds its samples' images. ``fsdp2`` / ``megatron``:
     a :class:`trainer.ranks.MultiRankStrategy` (call its ``close()`` when done: it owns processes)."""
     check_strategy(cfg)
     if cfg.train.strategy == "torch":
         from trainer.strategy import TorchStrategy, strategy_kwargs
 
-        return TorchStrategy(model_dir, **strategy_kwargs(cfg, device))
+        return TorchStrategy(model_dir, **strategy_kwargs(cfg, device), blob_dir=blob_dir)
     from trainer.ranks import MultiRankStrategy
 
     return MultiRankStrategy(cfg, model_dir, device=device)

@@ -30,6 +30,8 @@ class SFTExample:
     target_mask: list[int] | None = None
     """Which target tokens are trained on (1) or context only (0: a multi-turn demonstration's
     environment turns); ``None`` = all of them."""
+    images: tuple[bytes, ...] = ()
+    """A visual problem's images (PNG bytes) whose image tokens ``prompt_ids`` hold (a VLM policy)."""
 
 
 def sft_batch(examples: list[SFTExample], pad_id: int) -> TokenBatch:
@@ -44,16 +46,19 @@ def sft_batch(examples: list[SFTExample], pad_id: int) -> TokenBatch:
     )
 
 
-def sft_loss(model: torch.nn.Module, batch: TokenBatch, chunk: int = 1024) -> torch.Tensor:
-    """Token-mean negative log-likelihood of the target tokens of ``batch``: from the hidden
-    states, ``chunk`` positions' logits at a time, where :func:`trainer.logprobs.causal_parts`
+def sft_loss(model: torch.nn.Module, batch: TokenBatch, chunk: int = 1024,
+             logits: torch.Tensor | None = None) -> torch.Tensor:
+    """Token-mean negative log-likelihood of the target tokens of ``batch``: from ``logits`` (the
+    model's (B, L, V) on it when the caller ran the forward, e.g. with images); else from the
+    hidden states, ``chunk`` positions' logits at a time, where :func:`trainer.logprobs.causal_parts`
     finds a decoder and a head; from whole logits otherwise (or when ``chunk`` is 0)."""
     device = next(model.parameters()).device
     ids, attn = batch.input_ids.to(device), batch.attention_mask.to(device)  # (B, L)
     mask = batch.loss_mask.to(device)  # (B, L - 1)
-    parts = causal_parts(model) if chunk else None
+    parts = causal_parts(model) if chunk and logits is None else None
     if parts is None:
-        logits = model(input_ids=ids, attention_mask=attn).logits  # (B, L, V)
+        if logits is None:
+            logits = model(input_ids=ids, attention_mask=attn).logits  # (B, L, V)
         return masked_mean(-token_logprobs(logits, ids), mask)
     hidden = last_hidden(model, parts[0], input_ids=ids, attention_mask=attn)  # (B, L, H)
     rows, cols = torch.nonzero(mask > 0, as_tuple=True)  # (M,) each
@@ -73,17 +78,21 @@ def sft_warmup(
     weight_decay: float = 0.0,
     chunk: int = 1024,
     on_step: Callable[[int, float], None] | None = None,
+    forward: Callable[[list[SFTExample], TokenBatch], torch.Tensor] | None = None,
 ) -> list[float]:
     """Train ``model`` in place, one AdamW step per batch; return the loss of every step.
 
     ``on_step(step, loss)`` is called after each step (progress output). ``batches`` must be
     finite: its length is the number of steps. ``chunk``: positions per logits chunk (:func:`sft_loss`).
+    ``forward(examples, batch)``: the logits (B, L, V) when the model needs more than the token ids
+    (a VLM's images).
     """
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     losses = []
     for step, examples in enumerate(batches, start=1):
-        loss = sft_loss(model, sft_batch(examples, pad_id), chunk)
+        batch = sft_batch(examples, pad_id)
+        loss = sft_loss(model, batch, chunk, forward(examples, batch) if forward is not None else None)
         loss.backward()
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)

@@ -38,7 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
 from schemas.config import AlgorithmConfig, RunConfig, TrainConfig, resolve_dtype
 from trainer import algorithm as alg
@@ -47,6 +47,7 @@ from trainer.batch import TokenBatch, TrainSample, collate, merge_rows, segment_
 from trainer.logprobs import causal_parts, head_logprobs, token_logprobs
 from trainer.losses import entropy_from_logits, masked_mean
 from trainer.sft import SFTExample, sft_warmup
+from trainer.vlm import ImageSource, RowImages, is_vlm, vlm_forward
 from weights import (
     copy_state_,
     copy_weights_,
@@ -280,13 +281,24 @@ class TorchStrategy:
         lora_dropout: float = 0.0,
         lora_target_modules: Sequence[str] | None = None,
         skip_zero_advantage: bool = False,
+        blob_dir: str | Path | None = None,
     ) -> None:
         if lora_rank < 0:
             raise ValueError(f"lora_rank={lora_rank} must be >= 0 (0 = no LoRA)")
         self.model_dir = Path(model_dir)
         self.dtype = DTYPES[dtype]
         self.lora = lora_rank > 0
-        model: Any = AutoModelForCausalLM.from_pretrained(
+        self.images = ImageSource(model_dir, blob_dir) if is_vlm(model_dir) else None
+        """A vision-language policy's images (samples' ``image_hashes`` in the run's blob store
+        ``blob_dir``); None for a text model."""
+        if self.images is not None and self.lora:
+            raise ValueError("LoRA on a vision-language model is not supported yet (train.lora_rank: 0)")
+        self._row_images: list[RowImages | None] = []
+        """The images of the samples of the batch being worked on, by ``extras["image_row"]``."""
+        if self.images is not None:
+            self.chunked_head = False  # logprobs from whole logits: the forward needs the pixels
+        auto = AutoModelForImageTextToText if self.images is not None else AutoModelForCausalLM
+        model: Any = auto.from_pretrained(
             str(model_dir), dtype=self.dtype, local_files_only=True, attn_implementation="sdpa"
         )
         if self.lora:
@@ -420,9 +432,18 @@ class TorchStrategy:
         weights (``W += scale · B @ A``) and re-initialised (``B = 0``, ``A`` as ``peft`` does), so
         the policy is unchanged (up to float round-off) and RL starts with fresh adapters on the
         warmed-up base. Call it before RL: it would make the RL optimizer's adapter moments stale."""
+        forward = None
+        if self.images is not None:
+            source = self.images
+
+            def forward(examples: list[SFTExample], batch: TokenBatch) -> torch.Tensor:  # (B, L, V)
+                self._row_images = [source.of_bytes(e.images) if e.images else None for e in examples]
+                return self._forward(self.model, batch.replace(
+                    extras={**batch.extras, "image_row": torch.arange(batch.num_rows)})).logits
+
         try:
             losses = sft_warmup(self.model, batches, lr=lr, pad_id=self.pad_id, grad_clip=grad_clip,
-                                chunk=self.logprob_chunk_tokens if self.chunked_head else 0)
+                                chunk=self.logprob_chunk_tokens if self.chunked_head else 0, forward=forward)
         finally:
             self.model.train()
         if self.lora:
@@ -443,7 +464,13 @@ class TorchStrategy:
     def _forward(self, model: torch.nn.Module, batch: TokenBatch, hidden: bool = False, keep_from: int = 0) -> Any:
         """The model's output; its ``logits`` cover positions ``keep_from ..`` only (``(b, l - keep_from, V)``:
         the output projection and everything computed from the logits skip the prompt columns
-        before the first trained token, see :func:`first_trained_col`)."""
+        before the first trained token, see :func:`first_trained_col`). A VLM's rows show their
+        samples' images (:meth:`_with_images`)."""
+        if self.images is not None:
+            rows = batch.extras["image_row"].tolist()
+            return vlm_forward(model, batch.input_ids.to(self.device), batch.attention_mask.to(self.device),
+                               [self._row_images[int(r)] for r in rows], output_hidden_states=hidden,
+                               logits_to_keep=batch.input_ids.shape[1] - keep_from, use_cache=False)
         return model(
             input_ids=batch.input_ids.to(self.device), attention_mask=batch.attention_mask.to(self.device),
             output_hidden_states=hidden, logits_to_keep=batch.input_ids.shape[1] - keep_from,
@@ -584,7 +611,7 @@ class TorchStrategy:
         """
         cfg = self.algo
         self._check_reference()
-        batch = collate(samples, self.pad_id)
+        batch = self._with_images(collate(samples, self.pad_id), [s.image_hashes for s in samples])
         ex = batch.extras
         metrics: dict[str, float] = {}
         mask = batch.loss_mask
@@ -638,6 +665,18 @@ class TorchStrategy:
             alg.update_kl_coef(cfg, self.algo_state, kl, mask, len(samples))
         out = batch.replace(old_logprobs=old_lp, advantages=adv * (mask > 0), loss_mask=mask, extras=extras)
         return (split_rows(out, layout) if layout is not None else out), metrics
+
+    def _with_images(self, batch: TokenBatch, hashes: Sequence[Sequence[str]]) -> TokenBatch:
+        """A VLM: load the images of the batch's samples (``hashes[i]``: sample i's, from the blob
+        store) and tag each row with its sample (``extras["image_row"]``, (B,)), so micro-batches
+        and reordered rows find their pixels. A text model: ``batch`` as it is."""
+        if self.images is None:
+            if any(hashes):
+                raise ValueError("a sample has images but the policy is not a vision-language model")
+            return batch
+        source = self.images
+        self._row_images = [source.of_hashes(h) if h else None for h in hashes]
+        return batch.replace(extras={**batch.extras, "image_row": torch.arange(batch.num_rows)})
 
     def backward(self, micro: TokenBatch, share: float) -> dict[str, float]:
         """The configured loss of one prepared micro-batch times ``share``; ``backward()``.
@@ -845,6 +884,8 @@ class TorchStrategy:
         else:
             self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
+        if self.images is not None:  # a VLM's directory is complete with its image processor
+            self.images.processor.save_pretrained(path)
 
     def export_weights(self, path: str | Path) -> tuple[Path, str]:
         """Write the current weights as a complete HF model dir at ``path``; return it and the

@@ -42,6 +42,11 @@ class TinyModelSpec(Section):
     chat_template: bool = False
     """Give the tokenizer a ChatML chat template and its ``<|im_start|>`` / ``<|im_end|>`` special
     tokens (``<|im_end|>`` then also ends generation)."""
+    vision: bool = False
+    """Create a tiny vision-language model instead (Qwen2-VL: a 2-block vision tower before this
+    language model, the char tokenizer with image tokens and a chat template, an image processor;
+    as ``rollstream init-model DIR --vlm``); ``tokenizer`` and ``chat_template`` do not apply. Visual
+    task sources (``shapes``) need it."""
 
 
 class ModelConfig(Section):

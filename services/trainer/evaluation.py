@@ -13,16 +13,17 @@ greedy or sampled episodes against in-process environments (no environment worke
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import envs
 from envs.base import episode_ref
 from rollout.agent import AgentLimits, LocalEnvClient, Trajectory, run_episode
-from rollout.engine import Completion, Engine, GenerationRequest
+from rollout.engine import Completion, Engine, GenerationRequest, TorchEngine
 from rollout.factory import make_engine
 from rollout.sampling import SamplingParams
+from rollout.vlm import ImageInputs
 from schemas.config import DomainConfig, RunConfig
 from trainer.evaluate import Domain, Problem, evaluate
 
@@ -30,16 +31,34 @@ __all__ = ["Evaluation"]
 
 
 class EngineCalls:
-    """A rollout :class:`~rollout.engine.Engine` as :class:`trainer.evaluate.Engine`."""
+    """A rollout :class:`~rollout.engine.Engine` as :class:`trainer.evaluate.Engine` (a problem with
+    images needs a vision-language :class:`~rollout.engine.TorchEngine`)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._images: dict[tuple[bytes, ...], ImageInputs] = {}
 
-    def encode(self, prompt: str, system_prompt: str | None = None) -> list[int]:
+    def _inputs(self, images: Sequence[bytes]) -> ImageInputs | None:
+        if not images:
+            return None
+        if not isinstance(self.engine, TorchEngine):
+            raise ValueError("a held-out problem has images: the evaluation engine must be a torch VLM engine")
+        key = tuple(images)
+        if key not in self._images:
+            self._images[key] = self.engine.image_inputs(list(images))
+        return self._images[key]
+
+    def encode(self, prompt: str, system_prompt: str | None = None, images: Sequence[bytes] = ()) -> list[int]:
+        inputs = self._inputs(images)
+        if inputs is not None:
+            assert isinstance(self.engine, TorchEngine)
+            return self.engine.encode(prompt, system_prompt, inputs)
         return self.engine.encode(prompt, system_prompt)
 
-    def generate(self, prompts: list[tuple[str, list[int]]], params: SamplingParams) -> AsyncIterator[Completion]:
-        return self.engine.generate([GenerationRequest(rid, ids, params) for rid, ids in prompts])
+    def generate(self, prompts: list[tuple[str, list[int], Sequence[bytes]]], params: SamplingParams
+                 ) -> AsyncIterator[Completion]:
+        return self.engine.generate([GenerationRequest(rid, ids, params, images=self._inputs(images))
+                                     for rid, ids, images in prompts])
 
 
 class Evaluation:

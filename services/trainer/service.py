@@ -31,6 +31,7 @@ from pathlib import Path
 import msgspec
 import torch
 
+from blobs import blob_dir_of
 from runtime.bus import Record, TopicPartition, next_offsets
 from runtime.memory import peak_memory_gib
 from runtime.runner import BatchContext, BatchService, Runner, ServiceSettings
@@ -94,7 +95,7 @@ class Trainer(BatchService):
         self.run_dir = Path(settings.run_dir)
         device = settings.device or resolve_device(cfg.train.device, "train.device")
         self.device = device
-        self.strategy = make_strategy(cfg, settings.model_dir, device=device)
+        self.strategy = make_strategy(cfg, settings.model_dir, device=device, blob_dir=blob_dir_of(self.run_dir))
         # the evaluation runs a local torch engine whatever rollout.engine is
         self.evaluation = Evaluation(cfg, settings.model_dir, device=device, max_batch=settings.eval_batch)
         self.checkpoints = Checkpoints(self.run_dir, cfg.train.keep_checkpoints)

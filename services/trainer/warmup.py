@@ -5,7 +5,8 @@ from ``Random(f"{seed}/warmup")``): a single-turn problem gives prompt -> worked
 answer format its domain rewards + EOS; a multi-turn one gives the source's expert episode played in
 a local environment and rendered as the agent loop renders an episode (one example, or with
 ``rollout.history_turns`` one per turn, its window as the prompt). Prompts are rendered as rollout
-renders them. ``Strategy.warmup`` trains on the batches with its own optimizer.
+renders them (a visual problem: its image tokens then the text, for a vision-language policy).
+``Strategy.warmup`` trains on the batches with its own optimizer.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import envs
 from envs.base import episode_ref
 from rollout.agent import AgentLimits, expert_episode, expert_windows
 from rollout.model_init import encode_prompt
+from rollout.vlm import encode_vlm_prompt
 from schemas.config import RunConfig
 from trainer.sft import SFTExample
-from trainer.strategy import Strategy
+from trainer.strategy import Strategy, TorchStrategy
 
 log = logging.getLogger("rollstream.trainer")
 
@@ -67,11 +69,26 @@ def warm_up(strategy: Strategy, cfg: RunConfig, sources: Sequence[Any], chat: bo
                     continue
                 demo = format_answer(src.demonstration(p, rng), domain.answer)
                 target = [*tok(demo, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+                if p.images:  # a visual problem: its image tokens, as the rollout engine renders them
+                    out.append(SFTExample(image_prompt(strategy, p, p.system_prompt or system), target,
+                                          images=p.images))
+                    continue
                 prompt = encode_prompt(tok, p.prompt, chat=chat, system_prompt=p.system_prompt or system)
                 out.append(SFTExample(prompt, target))
             yield out
 
     return strategy.warmup(batches(), lr=cfg.train.warmup_lr, grad_clip=cfg.train.grad_clip)
+
+
+def image_prompt(strategy: Strategy, problem: envs.Problem, system: str) -> list[int]:
+    """A visual problem's prompt ids for a vision-language policy: its images' tokens, then the text
+    (:func:`rollout.vlm.encode_vlm_prompt`, as the rollout engine encodes it)."""
+    if not isinstance(strategy, TorchStrategy) or strategy.images is None:
+        raise ValueError(f"problem {problem.prompt_id} has images but the policy is not a vision-language model "
+                         "trained by train.strategy torch")
+    _, grid = strategy.images.of_bytes(problem.images)
+    return encode_vlm_prompt(strategy.tokenizer, problem.prompt, grid, strategy.hf_model.config.image_token_id,
+                             system_prompt=system)
 
 
 def expert_examples(tokenizer: Any, source: Any, problem: envs.Problem, chat: bool, system: str,

@@ -320,3 +320,14 @@ def test_service_sql_and_report_agree_on_the_store(bootstrap: str, tmp_path: Pat
     (runs / rid / "config.yaml").write_text(f"store:\n  dsn: {dsn}\n")
     from_cfg = cli(*query, "--run", rid, "--runs-dir", str(runs), env=env)
     assert from_cfg.returncode == 0 and from_cfg.stdout == res.stdout, from_cfg.stderr
+
+
+def test_init_model_creates_a_loadable_vlm(tmp_path: Path) -> None:
+    out = tmp_path / "vlm"
+    res = cli("init-model", str(out), "--vlm", "--set", "hidden_size=64", "--set", "num_layers=2")
+    assert res.returncode == 0, res.stderr
+    (line,) = [ln for ln in res.stdout.splitlines() if ln.strip()]
+    assert line.startswith(f"created {out}") and "vision-language" in line
+    assert (out / "preprocessor_config.json").is_file() and (out / "chat_template.jinja").is_file()
+    both = cli("init-model", str(tmp_path / "x"), "--vlm", "--reward-model")
+    assert "--vlm" in one_error_line(both) and not (tmp_path / "x").exists()

@@ -299,6 +299,50 @@ async def test_a_groups_copies_are_prefilled_once_and_sampled_apart(model_dir: P
     assert len(set(copies)) > 1  # the copies sampled apart, not one sample copied four times
 
 
+async def test_a_vlm_engine_generates_from_images_with_the_trainers_logprobs(vlm_dir: Path) -> None:
+    """TorchEngine on a Qwen2-VL: requests carrying images (two sizes) and a text one share a batch;
+    each completion's behaviour logprobs are the teacher-forced ones with the same pixels
+    (trainer.vlm), and an image that does not decode is a BlobError naming it."""
+    import io
+
+    from PIL import Image
+
+    from blobs import BlobError
+    from rollout.engine import VLMDecoder
+    from rollout.vlm import SUPPRESSED_LOGIT, vision_marker_ids
+    from trainer.vlm import vlm_token_logprobs
+
+    def png(size: int, colour: tuple[int, int, int]) -> bytes:
+        buf = io.BytesIO()
+        Image.new("RGB", (size, size), colour).save(buf, format="PNG")
+        return buf.getvalue()
+
+    eng = TorchEngine(vlm_dir, max_batch=4, seed=3)
+    assert eng.vlm and eng.decoder == "hf"
+    with pytest.raises(ValueError, match="vision-language model"):
+        TorchEngine(vlm_dir, decoder="slots")
+    images = [eng.image_inputs([png(56, (255, 0, 0))]), eng.image_inputs([png(84, (0, 0, 255))]), None]
+    params = SamplingParams(max_new_tokens=6, temperature=0.9)
+    reqs = [GenerationRequest(f"r{i}", eng.encode("what colour?", images=im), params, images=im)
+            for i, im in enumerate(images)]
+    assert [r.prompt_ids.count(eng.model.config.image_token_id) for r in reqs] == [4, 9, 0]
+    done = await generate_all(eng, reqs)
+    for c, im in zip(done, images, strict=True):
+        ids = torch.tensor([c.prompt_ids + c.token_ids])  # (1, L)
+        with torch.no_grad():
+            lp = vlm_token_logprobs(eng.model, ids, torch.ones_like(ids), im.pixel_values if im else None,
+                                    im.grid_thw if im else None, 0.9)[0, len(c.prompt_ids) - 1 :]  # (n,)
+        assert_close(lp, torch.tensor(c.logprobs), eng.model.config.text_config.hidden_size)
+    # the vision markers belong to prompts: the policy never samples one (the trainer suppresses them alike)
+    markers = vision_marker_ids(eng.model.config)
+    assert len(markers) == 4 and not any(set(c.token_ids) & set(markers) for c in done)
+    with torch.no_grad():
+        logits = VLMDecoder(eng.model).prefill([reqs[0].prompt_ids], [images[0]])  # (1, V)
+    assert (logits[0, markers] == SUPPRESSED_LOGIT).all() and logits[0].max() > SUPPRESSED_LOGIT
+    with pytest.raises(BlobError, match="blob cafe: not a decodable image"):
+        eng.image_inputs([b"not a png"], ["cafe"])
+
+
 def _refs(tensors: list[Any]) -> list[weakref.ref[Any]]:
     return [weakref.ref(t) for t in tensors if t is not None]
 

@@ -14,7 +14,7 @@ def example_events() -> list[ev.Event]:
         run_id=RUN, event_id="e-task", ts=1700000000.0, sample_id="g1/0", group_id="g1", index=0,
         group_size=4, prompt_id="arith-17", domain="arith", prompt="12+7=", reference="19",
         env=ev.EnvSpec(name="arith", kwargs={"digits": 2}), policy_version=3, max_new_tokens=8, redundancy=1,
-        system_prompt="Answer with a number.", baseline_index=5,
+        system_prompt="Answer with a number.", baseline_index=5, image_hashes=["ab" * 32],
     )
     gen = ev.Generation(
         run_id=RUN, event_id="e-gen", ts=1700000001.0, task=task, prompt_ids=[1, 5, 6, 7], response_ids=[9, 10, 2],

@@ -215,6 +215,18 @@ def test_task_baseline_index_added_after_v10_defaults_to_none_in_old_payloads() 
     assert msgspec.structs.replace(new, index=5).is_baseline
 
 
+def test_task_image_hashes_added_after_v11_default_to_none_in_old_payloads() -> None:
+    """RolloutTask.image_hashes (a visual task's images in the blob store): a v11 task is a text task,
+    a v12 one names its image's digest; both decode, and a Generation carries its task's hashes."""
+    dec = msgspec.msgpack.Decoder(TOPICS["tasks"].event_type)
+    old = dec.decode((FIXTURES / "v11" / "RolloutTask.msgpack").read_bytes())
+    assert isinstance(old, ev.RolloutTask) and old.image_hashes == []
+    new = dec.decode((FIXTURES / "v12" / "RolloutTask.msgpack").read_bytes())
+    assert isinstance(new, ev.RolloutTask) and new.image_hashes == ["ab" * 32]
+    gen = msgspec.msgpack.decode((FIXTURES / "v12" / "Generation.msgpack").read_bytes(), type=ev.Generation)
+    assert gen.task.image_hashes == ["ab" * 32]
+
+
 def test_generation_peak_memory_added_after_v11_defaults_to_unreported_in_old_payloads() -> None:
     """Generation.peak_memory_gib (the rollout worker's peak memory): a v11 generation has none (0),
     a new one carries it through its topic."""

@@ -100,6 +100,7 @@ def test_check_task_rejects_cleanly(task: ev.RolloutTask) -> None:
         assert 0 <= task.index < task.group_size <= sanity.MAX_GROUP_SIZE
         assert task.max_new_tokens is None or 1 <= task.max_new_tokens <= sanity.MAX_TOKENS
         assert task.policy_version >= 0
+        assert all(len(h) == 64 and set(h) <= set("0123456789abcdef") for h in task.image_hashes)
 
 
 @FUZZ

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from schemas import events as ev
 from schemas.config import parse_config
 from services.feeder import Feeder, FeederSettings
@@ -255,3 +257,19 @@ def test_redundant_groups_issue_n_plus_r_tasks_within_a_grown_bound() -> None:
     assert [t.index for t in group] == list(range(6)) and {(t.group_size, t.redundancy) for t in group} == {(4, 2)}
     assert cfg.max_inflight == 12  # 8 x 6/4: two whole redundant groups
     assert len(issue_all(f)) == 12
+
+
+def test_a_visual_tasks_images_go_to_the_blob_store_and_the_tasks_carry_their_digests(tmp_path: Path) -> None:
+    from blobs import BlobStore, sha256_hex
+
+    cfg = parse_config("data: {domains: [{name: see, source: shapes}]}\nrollout: {group_size: 3}\n"
+                       "train: {batch_size: 6}")
+    f = Feeder(FeederSettings(run_id="r", config=cfg, blob_dir=str(tmp_path / "blobs")))
+    group = f.next_group()
+    problem = f.sources[0].problem(int(group[0].prompt_id.split(":")[1]))
+    assert [t.image_hashes for t in group] == [[sha256_hex(problem.images[0])]] * 3
+    assert BlobStore(tmp_path / "blobs").get(group[0].image_hashes[0]) == problem.images[0]
+    again = f.group_tasks(0)  # a restarted feeder re-derives the group: the same blob, written once
+    assert [t.image_hashes for t in again] == [t.image_hashes for t in group]
+    with pytest.raises(RuntimeError, match="no blob store"):
+        Feeder(FeederSettings(run_id="r", config=cfg)).next_group()

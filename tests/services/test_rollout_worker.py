@@ -105,6 +105,41 @@ async def test_weights_come_from_shared_memory_on_this_node_else_from_the_direct
     assert await worker._load(elsewhere) == "disk" and holds(three)
 
 
+async def test_a_visual_task_is_generated_from_its_blobs_and_a_bad_blob_names_the_sample(vlm_dir: Path,
+                                                                                          tmp_path: Path) -> None:
+    """A task with image hashes: its images come from the run's blob store into the VLM's prefill (the
+    prompt holds their image tokens); a missing or undecodable blob fails the task with its sample and
+    the blob named (the runtime dead-letters it with that reason)."""
+    import envs
+    from blobs import BlobStore
+
+    store = BlobStore(tmp_path / "blobs")
+    problem = envs.make_source("shapes").problem(7)
+    good = store.put(problem.images[0])
+    junk = store.put(b"not an image")
+    worker = RolloutWorker(RolloutSettings(run_id="r", config=RunConfig(), model_dir=str(vlm_dir),
+                                           blob_dir=str(store.root)))
+    worker.engine.policy_version = 0
+    out: list[ev.Event] = []
+    ctx = SimpleNamespace(emit=lambda topic, e, key=None: out.append(e))
+
+    def visual(hashes: list[str]) -> ev.RolloutTask:
+        return ev.RolloutTask(run_id="r", sample_id="g0/0", group_id="g0", index=0, group_size=1,
+                              prompt_id=problem.prompt_id, domain="arith", prompt=problem.prompt,
+                              reference=problem.reference, image_hashes=hashes)
+
+    await worker.handle(SimpleNamespace(event=visual([good])), ctx)  # type: ignore[arg-type]
+    gen = out[0]
+    assert isinstance(gen, ev.Generation) and gen.task.image_hashes == [good] and check_generation(gen) is None
+    assert gen.prompt_ids.count(worker.engine.model.config.image_token_id) == 4  # 56 x 56 px: 2 x 2 merged patches
+    missing = "0" * 64
+    with pytest.raises(ValueError, match=f"task g0/0: image unusable: blob {missing}: missing from the blob store"):
+        await worker.handle(SimpleNamespace(event=visual([good, missing])), ctx)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=f"task g0/0: image unusable: blob {junk}: not a decodable image"):
+        await worker.handle(SimpleNamespace(event=visual([junk])), ctx)  # type: ignore[arg-type]
+    assert len(out) == 1
+
+
 async def test_an_idle_worker_releases_its_engine_and_reports_its_peak_memory(model_dir: Path) -> None:
     """``rollout.release_between_steps``: the engine gives back its memory once the worker's last task
     is done and while a task waits for a newer version; the next task's generation takes it back.

@@ -3,7 +3,7 @@ the sampled pass of k answers per problem, multi-turn episodes, and which reques
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -17,6 +17,7 @@ class Q:
     prompt: str
     reference: str
     system_prompt: str = ""
+    images: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,12 @@ class Engine:
         self.encoded: list[tuple[str, str | None]] = []
         self.requests: list[tuple[str, list[int], Mode]] = []
 
-    def encode(self, prompt: str, system_prompt: str | None = None) -> list[int]:
+    def encode(self, prompt: str, system_prompt: str | None = None, images: Sequence[bytes] = ()) -> list[int]:
         self.encoded.append((prompt, system_prompt))
         return [len(prompt)]
 
-    async def generate(self, prompts: list[tuple[str, list[int]]], params: Mode) -> AsyncIterator[A]:
-        for rid, ids in reversed(prompts):  # in any order
+    async def generate(self, prompts: list[tuple[str, list[int], Sequence[bytes]]], params: Mode) -> AsyncIterator[A]:
+        for rid, ids, _ in reversed(prompts):  # in any order
             self.requests.append((rid, ids, params))
             pid, _, j = rid.partition("#")
             right = params.greedy or j == "0"

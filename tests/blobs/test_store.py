@@ -1,0 +1,55 @@
+"""The blob store: content-addressed names, write-once by rename, checked reads."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from blobs import BlobError, BlobStore, blob_dir_of, is_digest, sha256_hex
+
+
+def test_put_names_a_blob_by_the_sha256_of_its_bytes(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path / "blobs")
+    digest = store.put(b"\x89PNG fake image")
+    assert digest == hashlib.sha256(b"\x89PNG fake image").hexdigest()
+    assert store.path(digest) == tmp_path / "blobs" / digest[:2] / digest[2:]
+    assert store.has(digest) and store.get(digest) == b"\x89PNG fake image"
+
+
+def test_put_is_write_once_and_leaves_no_temporary_file(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path)
+    digest = store.put(b"abc")
+    mtime = store.path(digest).stat().st_mtime_ns
+    assert store.put(b"abc") == digest
+    assert store.path(digest).stat().st_mtime_ns == mtime
+    assert store.put(b"abd") != digest
+    assert sorted(p.name.startswith(".") for p in tmp_path.rglob("*") if p.is_file()) == [False, False]
+
+
+def test_a_missing_blob_is_an_error_naming_it(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path)
+    digest = sha256_hex(b"never stored")
+    assert not store.has(digest)
+    with pytest.raises(BlobError, match=f"blob {digest}: missing"):
+        store.get(digest)
+
+
+def test_a_corrupt_blob_is_an_error_naming_it(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path)
+    digest = store.put(b"original")
+    store.path(digest).write_bytes(b"tampered")
+    with pytest.raises(BlobError, match=f"blob {digest}: corrupt .*{sha256_hex(b'tampered')}"):
+        store.get(digest)
+
+
+@pytest.mark.parametrize("bad", ["", "abc", "A" * 64, "g" * 64, "../" + "0" * 61])
+def test_a_malformed_digest_is_refused(tmp_path: Path, bad: str) -> None:
+    assert not is_digest(bad)
+    with pytest.raises(BlobError, match="not a sha256 hex digest"):
+        BlobStore(tmp_path).get(bad)
+
+
+def test_the_blob_store_of_a_run_is_beside_its_record(tmp_path: Path) -> None:
+    assert blob_dir_of(tmp_path / "run1") == tmp_path / "run1" / "blobs"
