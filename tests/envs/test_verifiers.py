@@ -87,9 +87,11 @@ def on_thread(response: str, reference: str, **kwargs: Any) -> VerifyResult:
 
 
 def test_thread_isolation_reuses_its_workers() -> None:
+    # idle workers left by earlier tests (a hung call's worker comes back when it ends) may serve too
+    idle = {t.name for t in threading.enumerate() if t.name.startswith("verifier-")}
     names = [run_verifier(on_thread, "0", "", isolation="thread").details for _ in range(5)]  # type: ignore[arg-type]
-    assert names[0].startswith("verifier-") and names[0] != threading.current_thread().name
-    assert names == [names[0]] * 5  # one worker, not a thread per call
+    assert all(n.startswith("verifier-") for n in names) and threading.current_thread().name not in names
+    assert len(set(names) - idle) <= 1, (names, idle)  # at most one new worker, not a thread per call
 
 
 def test_a_hung_verifier_keeps_its_worker_and_the_next_call_gets_another() -> None:
