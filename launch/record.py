@@ -35,6 +35,7 @@ from runtime.bus import BusError, Consumer, Record, TopicAdmin, TopicPartition
 from runtime.clients import records_of
 from runtime.reading import behind
 from schemas.config import KafkaSettings
+from schemas.errors import to_thread
 from schemas.topics import check_run_id, spec_for_topic, topic_name
 
 __all__ = ["RecordError", "RecordResult", "RunTopics", "read_run", "record_log", "record_run", "run_topics"]
@@ -174,7 +175,7 @@ async def record_log(src: Path, run_id: str, dsn: str, *, progress: Callable[[st
             logs = {}
             for part in parts:
                 try:
-                    logs[TopicPartition(*split_partition(part.name))] = await asyncio.to_thread(read_partition, part)
+                    logs[TopicPartition(*split_partition(part.name))] = await to_thread(read_partition, part)
                 except StackError as e:
                     raise RecordError(str(e)) from None
             ready(RunTopics(begins={tp: p.begin for tp, p in logs.items()}, ends={tp: p.end for tp, p in logs.items()}))
@@ -203,7 +204,7 @@ async def _record(kafka: KafkaSettings, run_id: str, dsn: str,
     t0 = time.monotonic()
     recorder = Recorder(RecorderSettings(run_id=run_id, dsn=dsn, kafka=kafka, serve_queries=False,
                                          batch_max_records=batch_max_records))
-    await asyncio.to_thread(recorder.open_store)
+    await to_thread(recorder.open_store)
     result = RecordResult(run_id=run_id, dsn=redact(dsn))
     read_n, shown = 0, time.monotonic()
 
@@ -212,7 +213,7 @@ async def _record(kafka: KafkaSettings, run_id: str, dsn: str,
 
     async def take(records: list[Record]) -> None:
         nonlocal read_n, shown
-        for table, n in (await asyncio.to_thread(recorder.record, records)).items():
+        for table, n in (await to_thread(recorder.record, records)).items():
             result.tables[table] = result.tables.get(table, 0) + n
         read_n += sum(r.index == 0 for r in records)
         if progress is not None and time.monotonic() - shown >= every_s:
@@ -223,7 +224,7 @@ async def _record(kafka: KafkaSettings, run_id: str, dsn: str,
     await read(take, ready)
     result.events, result.skipped, result.finished = recorder.recorded, recorder.skipped, recorder.finished_seen
     if recorder.finished_seen and st.check_dsn(dsn) == "chdb":
-        await asyncio.to_thread(recorder.compact)
+        await to_thread(recorder.compact)
         result.compacted = recorder.compacted
     result.wall_s = time.monotonic() - t0
     return result

@@ -68,7 +68,7 @@ from rollout.factory import SERVER_ENGINES, servers_down
 from runtime.bus import Consumer, Producer
 from schemas import events as ev
 from schemas.config import RunConfig
-from schemas.errors import one_line
+from schemas.errors import one_line, to_thread
 from schemas.services import SERVICES, ServiceSpec, in_start_order, stop_waves
 from schemas.topics import topic_name
 from store.runs import PRODUCERS_DONE, run_dir_of, store_dsn_of
@@ -478,12 +478,12 @@ async def run_supervised(cfg: RunConfig, run_id: str, bootstrap: str, console: C
             # the services that finish exit on RunFinished; the others run until told to stop, in waves
             # (env and judge workers after the rollout and reward workers that may still wait on them)
             for wave in stop_waves():
-                await asyncio.to_thread(sup.terminate, wave)
-            await asyncio.to_thread(sup.wait_producers)
-            await asyncio.to_thread(sup.wait_recorder)
+                await to_thread(sup.terminate, wave)
+            await to_thread(sup.wait_producers)
+            await to_thread(sup.wait_recorder)
         else:
             console.print("[yellow]stopping the services...[/yellow]")
-        await asyncio.to_thread(sup.terminate, None)
+        await to_thread(sup.terminate, None)
         from weights.shm import remove_segments, segment_prefix  # here: weights imports torch
 
         remove_segments(segment_prefix(run_dir))  # the trainer's shared-memory weights (train.weights_handoff)

@@ -54,6 +54,7 @@ from rollout.vlm import (
     suppress_vision_markers,
     vision_marker_ids,
 )
+from schemas.errors import surfaced, to_thread
 from weights import copy_weights_, read_weights
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -560,8 +561,8 @@ class TorchEngine:
     async def load_weights(self, ref: str | Path, version: int | None = None) -> None:
         """Copy the safetensors weights in ``ref`` into the live model between two engine
         steps; ``version`` defaults to the current version + 1."""
-        state = await asyncio.to_thread(read_weights, ref)
-        await asyncio.get_running_loop().run_in_executor(self._thread, self._swap, state, version, str(ref))
+        state = await to_thread(read_weights, ref)
+        await asyncio.get_running_loop().run_in_executor(self._thread, surfaced(self._swap), state, version, str(ref))
 
     def load_weights_sync(self, ref: str | Path, version: int | None = None) -> None:
         """Blocking variant of :meth:`load_weights` (for synchronous callers)."""
@@ -574,7 +575,7 @@ class TorchEngine:
 
     async def release(self, weights: bool = False) -> bool:
         """Give back device memory while idle (``rollout.release_between_steps``): see :meth:`release_sync`."""
-        return await asyncio.get_running_loop().run_in_executor(self._thread, self.release_sync, weights)
+        return await asyncio.get_running_loop().run_in_executor(self._thread, surfaced(self.release_sync), weights)
 
     def release_sync(self, weights: bool = False) -> bool:
         """Between two steps, with no request running or waiting: drop the KV cache (the decoder,
@@ -651,7 +652,7 @@ class TorchEngine:
         """Run engine steps while there is work; deliver finished completions."""
         loop = asyncio.get_running_loop()
         while self._pending or self._slots.rows:
-            finished = await loop.run_in_executor(self._thread, self._step)
+            finished = await loop.run_in_executor(self._thread, surfaced(self._step))
             for row, completion in finished:
                 row.out.put_nowait(completion)
 

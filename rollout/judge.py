@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 from schemas.config import JudgeModelConfig
+from schemas.errors import to_thread
 
 DEFAULT_RUBRIC = ("You are grading an AI assistant's response to a user's request. Judge how well the "
                   "response does what the request asks: correct, complete, relevant and clearly written.")
@@ -183,7 +184,7 @@ class MicroBatcher(Generic[T, R]):
                 continue
             t0 = time.perf_counter()
             try:
-                results = await asyncio.to_thread(self.fn, [item for item, _ in live])
+                results = await to_thread(self.fn, [item for item, _ in live])
             except Exception as e:
                 for _, fut in live:
                     if not fut.done():

@@ -37,7 +37,7 @@ from aiohttp import web
 from rollout.engine import Completion, GenerationRequest, TorchEngine
 from rollout.sampling import SamplingParams
 from schemas.config import ConfigError, resolve_dtype
-from schemas.errors import one_line
+from schemas.errors import one_line, to_thread
 
 log = logging.getLogger("rollstream.serve")
 
@@ -309,7 +309,7 @@ async def run(settings: ServeSettings, stop: asyncio.Event | None = None,
     check_settings(settings)
     device = resolve_device(settings.device, "--device")
     dtype = resolve_dtype(settings.dtype, device)
-    engine = await asyncio.to_thread(
+    engine = await to_thread(
         TorchEngine, settings.model_dir, max_batch=settings.max_batch, device=device, dtype=dtype,
         seed=settings.seed, policy_version=settings.policy_version, chat_template=False,
         cuda_graphs=settings.cuda_graphs)

@@ -1,8 +1,17 @@
-"""One way to say what went wrong on one line (errors shown to users, dead letters, logs)."""
+"""One way to say what went wrong on one line (errors shown to users, dead letters, logs), and
+blocking calls on threads whose every error reaches the awaiting coroutine (:func:`to_thread`)."""
 
 from __future__ import annotations
 
-__all__ = ["one_line"]
+import asyncio
+import functools
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
+
+__all__ = ["one_line", "surfaced", "to_thread"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 def one_line(err: BaseException | str, limit: int = 500, *, typed: bool = True) -> str:
@@ -25,3 +34,23 @@ def one_line(err: BaseException | str, limit: int = 500, *, typed: bool = True) 
         lines = [ln for ln in str(err).splitlines() if ln.strip()]
         line = " ".join(lines[0].split()) if lines else "unknown error"
     return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def surfaced(fn: Callable[P, T]) -> Callable[P, T]:
+    """``fn`` with a ``StopIteration`` it raises turned into a ``RuntimeError``. asyncio cannot put
+    a ``StopIteration`` into a future (a ``TypeError`` in the loop's callback instead), so awaiting
+    a thread or executor call that raised one would never end: wrap what ``run_in_executor`` runs."""
+
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except StopIteration as e:
+            raise RuntimeError(f"{getattr(fn, '__qualname__', fn)} raised StopIteration") from e
+
+    return call
+
+
+async def to_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """``asyncio.to_thread(fn, ...)`` whose await ends whatever ``fn`` raises (:func:`surfaced`)."""
+    return await asyncio.to_thread(surfaced(fn), *args, **kwargs)

@@ -35,6 +35,7 @@ from runtime.settings import Consume, Delivery, Handling, Subscription
 from schemas import events as ev
 from schemas.config import RunConfig, resolve_dtype, reward_weights
 from schemas.devices import resolve_device
+from schemas.errors import to_thread
 from schemas.services import SERVICES
 from services import ServiceStart
 from services.reward_router import with_verdict
@@ -77,14 +78,13 @@ class JudgeWorker(Service):
         self.unscored = 0
 
     async def on_start(self, runner: Runner) -> None:
-        import asyncio
 
         from rollout.judge import load_judge
 
         cfg, s = self.settings.config, self.settings
         for name in sorted(set(judged_domains(cfg).values())):
             t0 = time.perf_counter()
-            self.judges[name] = await asyncio.to_thread(
+            self.judges[name] = await to_thread(
                 load_judge, name, cfg.judge.models[name], device=s.device, dtype=s.dtype,
                 max_batch=cfg.judge.max_batch, batch_wait_s=cfg.judge.batch_wait_s)
             log.info("judge %s (%s, %s) loaded on %s in %.1f s", name, cfg.judge.models[name].kind,

@@ -56,7 +56,7 @@ from runtime.runner import BatchContext, BatchService, Runner, ServiceSettings
 from runtime.settings import Consume, Delivery, Handling, Subscription
 from schemas import events as ev
 from schemas.config import KafkaSettings, RunConfig
-from schemas.errors import one_line
+from schemas.errors import one_line, to_thread
 from schemas.services import SERVICES
 from schemas.topics import parse_topic
 from services import ServiceStart
@@ -207,7 +207,7 @@ class Recorder(BatchService):
         s, o = self.settings, self.outage
         while True:
             try:
-                await asyncio.to_thread(self.insert, tables)
+                await to_thread(self.insert, tables)
             except Exception as e:
                 if not is_transient(e):
                     log.error("store insert failed, not retried (a bad row or schema, not the store down): %s",
@@ -303,7 +303,7 @@ class Recorder(BatchService):
         """Write one lag row, once: with the store down it is left out (logged), not retried, so that
         the loop goes on to the batches, which wait for the store."""
         try:
-            await asyncio.to_thread(self.insert, {"recorder_lag": [row]})
+            await to_thread(self.insert, {"recorder_lag": [row]})
         except Exception as e:
             if not is_transient(e):
                 raise
@@ -361,7 +361,7 @@ class Recorder(BatchService):
             raise asyncio.CancelledError from e
         self._stored_now(records, tables)
         if self.tracking is not None:  # after the insert: trackers see what the record holds
-            await asyncio.to_thread(self.tracking.feed, new)
+            await to_thread(self.tracking.feed, new)
 
     async def on_tick(self, runner: Runner) -> None:
         """Measure the lag when due; stop once the run finished and everything is recorded."""
@@ -392,9 +392,9 @@ class Recorder(BatchService):
         finally:
             self._stop_server()
             if self.tracking is not None:
-                await asyncio.to_thread(self.tracking.close)
+                await to_thread(self.tracking.close)
             if self.finished_seen and self._client is not None and st.check_dsn(self.settings.dsn) == "chdb":
-                await asyncio.to_thread(self.compact)
+                await to_thread(self.compact)
 
     def compact(self) -> None:
         """Delete the parts of the embedded store that merges made obsolete (:mod:`store.compact`)."""

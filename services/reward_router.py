@@ -30,6 +30,7 @@ from runtime.runner import Context, Service, ServiceSettings, run_service
 from runtime.settings import Consume, Delivery, Handling, Subscription
 from schemas import events as ev
 from schemas.config import RewardConfig, RunConfig, reward_weights
+from schemas.errors import to_thread
 from schemas.sanity import check_generation
 from schemas.services import SERVICES
 from services import ServiceStart
@@ -100,7 +101,7 @@ class RewardRouter(Service):
         # off the event loop: a slow or hanging verifier (bounded by reward.timeout_s) must not stop
         # the consumer's heartbeats or the other calls
         async with self.verifier_slots:
-            scored = await asyncio.to_thread(score, gen, self.table, self.settings.config.reward)
+            scored = await to_thread(score, gen, self.table, self.settings.config.reward)
         r = self.settings.config.reward
         if r.latency != "none":  # benchmarks: a reward that takes long, without holding a verifier thread
             await asyncio.sleep(draw_latency_s(r.latency, r.latency_mean_s, r.latency_sigma, gen.task.sample_id))

@@ -57,7 +57,7 @@ from runtime.settings import Consume, Handling, Subscription
 from schemas import events as ev
 from schemas.config import RunConfig
 from schemas.devices import resolve_device
-from schemas.errors import one_line
+from schemas.errors import one_line, to_thread
 from schemas.sanity import check_task
 from schemas.services import SERVICES
 from schemas.topics import topic_name
@@ -211,7 +211,7 @@ class RolloutWorker(Service):
         """Swap in ``w``: its shared-memory copy when it is on this node, else (or when that copy
         is gone or refused) its directory, waited for while the trainer writes it (weights.handoff).
         Returns which copy: ``shared memory`` or ``disk``."""
-        ref, why = await asyncio.to_thread(pick_copy, w.uri, w.memory, w.memory_host, w.memory_checksum)
+        ref, why = await to_thread(pick_copy, w.uri, w.memory, w.memory_host, w.memory_checksum)
         if ref == w.memory:
             try:
                 await self.engine.load_weights(ref, w.policy_version)
@@ -220,7 +220,7 @@ class RolloutWorker(Service):
                 why = one_line(e)
         if why:
             log.info("rollout %s: weights v%d from disk: %s", self.worker_id, w.policy_version, why)
-        await asyncio.to_thread(wait_for_dir, w.uri, self.s.weights_timeout_s if w.memory else 0.0)
+        await to_thread(wait_for_dir, w.uri, self.s.weights_timeout_s if w.memory else 0.0)
         await self.engine.load_weights(w.uri, w.policy_version)
         return "disk"
 
@@ -348,7 +348,7 @@ class RolloutWorker(Service):
             return engine.image_inputs([store.get(h) for h in hashes], hashes)
 
         try:
-            return await asyncio.to_thread(read)
+            return await to_thread(read)
         except BlobError as e:
             raise ValueError(f"task {task.sample_id}: image unusable: {e}") from None
 

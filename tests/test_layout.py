@@ -191,6 +191,15 @@ def test_no_stubbed_methods_in_the_runtime() -> None:
     assert not stubs, stubs
 
 
+def test_thread_calls_surface_every_error() -> None:
+    """Library code awaits thread calls through ``schemas.errors.to_thread`` / ``surfaced``: with
+    plain ``asyncio.to_thread`` a ``StopIteration`` raised on the thread hangs the await for ever."""
+    plain = [f"{p.relative_to(ROOT)}:{i}" for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if "asyncio.to_thread(" in line and p != ROOT / "schemas" / "errors.py"]
+    assert not plain, plain
+
+
 def test_the_contract_is_in_the_repository() -> None:
     """Nothing cites a DESIGN.md outside the repository: the contract is docs/architecture.md."""
     cited = []

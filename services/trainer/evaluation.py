@@ -12,7 +12,6 @@ greedy or sampled episodes against in-process environments (no environment worke
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from rollout.factory import make_engine
 from rollout.sampling import SamplingParams
 from rollout.vlm import ImageInputs
 from schemas.config import DomainConfig, RunConfig
+from schemas.errors import to_thread
 from trainer.evaluate import Domain, Problem, evaluate
 
 __all__ = ["Evaluation"]
@@ -90,7 +90,7 @@ class Evaluation:
         verifier, reward = d.verifier or source.default_verifier, self.cfg.reward
 
         async def score(text: str, reference: str) -> bool:
-            res = await asyncio.to_thread(envs.score_response, verifier, text, reference, d.verifier_kwargs,
+            res = await to_thread(envs.score_response, verifier, text, reference, d.verifier_kwargs,
                                           answer=d.answer, format_reward=d.format_reward, timeout_s=reward.timeout_s,
                                           isolation=reward.isolation)
             return bool(res.correct)

@@ -28,6 +28,7 @@ from typing import Any, Literal, cast
 
 from schemas import events as ev
 from schemas.config import RunConfig
+from schemas.errors import surfaced, to_thread
 from services.trainer.checkpoint import KEEP_WEIGHT_VERSIONS, export_weights, weights_dir
 from trainer.strategy import Strategy
 from weights import (
@@ -105,7 +106,7 @@ class WeightsPublisher:
         event = ev.WeightsPublished(run_id=self.run_id, policy_version=version, step=step, uri="")
         if self.handoff == "memory":
             try:
-                seg = await asyncio.to_thread(self._segment, strategy, version)
+                seg = await to_thread(self._segment, strategy, version)
             except OSError as e:
                 log.warning("weights v%d go by disk: %s", version, e)
             else:
@@ -115,9 +116,9 @@ class WeightsPublisher:
                     memory_checksum=seg.checksum)
                 if self.template is not None and self.template.is_dir():
                     self.pending = asyncio.get_running_loop().run_in_executor(
-                        self._writer, self._dir_from_segment, seg.path, version)
+                        self._writer, surfaced(self._dir_from_segment), seg.path, version)
                     return event
-        path, checksum, size = await asyncio.to_thread(export_weights, strategy, self.run_dir, version)
+        path, checksum, size = await to_thread(export_weights, strategy, self.run_dir, version)
         self.template = path
         if event.memory:  # the first version of this process: the strategy wrote its directory
             return ev.WeightsPublished(run_id=self.run_id, policy_version=version, step=step, uri=str(path),

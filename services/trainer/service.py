@@ -39,6 +39,7 @@ from runtime.settings import Consume, Delivery, Handling, Subscription
 from schemas import events as ev
 from schemas.config import RunConfig
 from schemas.devices import resolve_device
+from schemas.errors import to_thread
 from schemas.sanity import check_scored
 from schemas.services import SERVICES
 from services.trainer.checkpoint import Checkpoints, export_final, weights_dir
@@ -194,11 +195,11 @@ class Trainer(BatchService):
             await runner.send("metrics", await self.eval_event("init"), key="0")
             due.remove("init")
         e = self.evaluation  # the warm-up draws from its sources and renders prompts as its engine does
-        losses = await asyncio.to_thread(warm_up, self.strategy, self.cfg, e.sources, e.engine.chat, e.limits)
+        losses = await to_thread(warm_up, self.strategy, self.cfg, e.sources, e.engine.chat, e.limits)
         if losses:
             log.info("warm-up: %d steps, loss %.3f -> %.3f", len(losses), losses[0], losses[-1])
-        await asyncio.to_thread(self.setup_algorithm_models, True)
-        await asyncio.to_thread(self.save_checkpoint)  # step 0: what replay starts from
+        await to_thread(self.setup_algorithm_models, True)
+        await to_thread(self.save_checkpoint)  # step 0: what replay starts from
         await runner.send("weights", await self.weights_event(), key="latest")  # rollout starts now
         if due:  # without a warm-up "init" and "heldout" are the same weights: evaluated once
             first = await self.eval_event(due[0])
@@ -328,7 +329,7 @@ class Trainer(BatchService):
         weights: ev.WeightsPublished | None = None
         if batch:
             hist = Counter(st.version - smp.generation.policy_version for smp in batch)
-            metrics = await asyncio.to_thread(self.train_batch, batch, baselines)
+            metrics = await to_thread(self.train_batch, batch, baselines)
             if self.cfg.rollout.release_between_steps != "off" and self.device.startswith("cuda"):
                 torch.cuda.empty_cache()  # the step's freed blocks back to the driver: the engine on this GPU takes them
             outcomes += [self.groups.outcome(s, "trained", step=step) for s in batch]
@@ -364,7 +365,7 @@ class Trainer(BatchService):
                             recorded.policy_version, st.version)
             batch = [st.pool.pop(i) for i in ids]
             baselines = [st.pool.pop(i) for i in self.replay.baselines.get(step, [])]
-            await asyncio.to_thread(self.train_batch, batch, baselines)
+            await to_thread(self.train_batch, batch, baselines)
             outcomes = [self.groups.outcome(s, "trained", step=step) for s in batch]
             outcomes += [self.groups.outcome(b, "filtered", BASELINE_REASON) for b in baselines]
             st.version += 1
@@ -398,14 +399,14 @@ class Trainer(BatchService):
         if step in self._evaluated or ("heldout", step) in self.history.evals:
             return
         if export:  # re-run steps publish no weights: the evaluation reads this version's from disk
-            await asyncio.to_thread(self.strategy.export_weights, weights_dir(self.run_dir, self.state.version))
+            await to_thread(self.strategy.export_weights, weights_dir(self.run_dir, self.state.version))
         ctx.emit("metrics", await self.eval_event("heldout"), key=str(step))
         self._evaluated.add(step)
 
     async def _checkpoint(self, ctx: BatchContext) -> None:
         """Checkpoint once every output so far is acknowledged, then commit its positions."""
         await ctx.flush()
-        await asyncio.to_thread(self.save_checkpoint)
+        await to_thread(self.save_checkpoint)
         if self.runner is not None:
             positions = {}
             for key, offset in self.state.positions.items():
@@ -419,7 +420,7 @@ class Trainer(BatchService):
         step, steps = self.state.step, self.cfg.train.steps
         await self._evaluate(ctx)
         await self.publisher.settle()  # the last version's directory is on disk before the run ends
-        final = await asyncio.to_thread(export_final, self.strategy, self.run_dir)
+        final = await to_thread(export_final, self.strategy, self.run_dir)
         log.info("final model (policy version %d, after %d steps): %s", self.state.version, step, final)
         if self.checkpoints.steps()[-1:] != [step]:
             await self._checkpoint(ctx)
@@ -448,7 +449,7 @@ class Trainer(BatchService):
         try:
             await Runner(self, self.service_settings(), stop).run()
         finally:
-            await asyncio.to_thread(self.close)
+            await to_thread(self.close)
         return self.state.step
 
 

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
 from runtime import bus
-from schemas.errors import one_line
+from schemas.errors import one_line, surfaced, to_thread
 
 
 class KafkaLikeError(Exception):
@@ -34,3 +39,17 @@ def test_text_and_limit() -> None:
 
 def test_the_bus_uses_it() -> None:
     assert bus.one_line is one_line
+
+
+def _exhausted() -> int:
+    return next(iter([]))  # raises StopIteration
+
+
+async def test_a_thread_call_raising_stop_iteration_ends_its_await() -> None:
+    # plain asyncio.to_thread would never end: asyncio cannot set StopIteration on a future
+    with pytest.raises(RuntimeError, match="_exhausted raised StopIteration"):
+        await asyncio.wait_for(to_thread(_exhausted), 10)
+    with ThreadPoolExecutor(1) as pool:
+        with pytest.raises(RuntimeError, match="StopIteration"):
+            await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(pool, surfaced(_exhausted)), 10)
+    assert await to_thread(lambda a, b=0: a + b, 2, b=3) == 5  # arguments and results pass through
