@@ -84,8 +84,8 @@ def prepare_model(cfg: RunConfig, run_dir: Path, progress: Callable[[str], None]
 def check_vision(cfg: RunConfig, model_dir: Path) -> None:
     """A :class:`RunError` (one line naming the key) unless the run's tasks and model agree: visual
     domains (:func:`envs.is_visual`) need a vision-language model (and the torch engine and strategy,
-    no LoRA, no critic, single-turn), whose processor keeps their images' size; a vision-language
-    model needs visual domains only."""
+    no critic, single-turn), whose processor keeps their images' size; a vision-language model needs
+    visual domains only, and ``train.freeze_vision`` needs a vision-language model."""
     import envs
     from rollout.vlm import VLMError, check_image_size, check_vlm_dir, is_vlm_dir, load_image_processor
 
@@ -95,6 +95,9 @@ def check_vision(cfg: RunConfig, model_dir: Path) -> None:
         if vlm:
             raise RunError(f"model {model_dir} is a vision-language model but no data.domains entry shows images "
                            "(visual sources: shapes); use a text model (model.init.vision: false) or a visual task")
+        if cfg.train.freeze_vision:
+            raise RunError("train.freeze_vision: true needs a vision-language model with visual tasks; this run's "
+                           "model is a text model (set train.freeze_vision: false)")
         return
     i, d = visual[0]
     if len(visual) != len(cfg.data.domains):
@@ -105,7 +108,7 @@ def check_vision(cfg: RunConfig, model_dir: Path) -> None:
     except VLMError as e:
         raise RunError(f"data.domains[{i}] ({d.source}) shows images: {e}; set model.init.vision: true") from None
     needs = {"rollout.engine": (cfg.rollout.engine, "torch"), "train.strategy": (cfg.train.strategy, "torch"),
-             "train.lora_rank": (cfg.train.lora_rank, 0), "algorithm.critic": (cfg.algorithm.critic, "none")}
+             "algorithm.critic": (cfg.algorithm.critic, "none")}
     for key, (value, want) in needs.items():
         if value != want:
             raise RunError(f"{key}: {value!r} is not supported with visual tasks yet (use {want!r})")

@@ -88,14 +88,15 @@ def sft_warmup(
     (a VLM's images).
     """
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    params = [p for p in model.parameters() if p.requires_grad]  # frozen ones (LoRA's base, a frozen tower) get no state
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     losses = []
     for step, examples in enumerate(batches, start=1):
         batch = sft_batch(examples, pad_id)
         loss = sft_loss(model, batch, chunk, forward(examples, batch) if forward is not None else None)
         loss.backward()
         if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))

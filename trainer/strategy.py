@@ -47,7 +47,7 @@ from trainer.batch import TokenBatch, TrainSample, collate, merge_rows, segment_
 from trainer.logprobs import causal_parts, head_logprobs, token_logprobs
 from trainer.losses import entropy_from_logits, masked_mean
 from trainer.sft import SFTExample, sft_warmup
-from trainer.vlm import ImageSource, RowImages, is_vlm, vlm_forward
+from trainer.vlm import ImageSource, RowImages, is_vlm, vision_parameters, vision_tower_prefix, vlm_forward
 from weights import (
     copy_state_,
     copy_weights_,
@@ -138,13 +138,15 @@ def _merged_weight(layer: Any) -> torch.Tensor:
 def wrap_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, targets: Sequence[str]) -> Any:
     """``model`` wrapped by ``peft.get_peft_model`` with a LoRA adapter (``bias="none"``,
     ``CAUSAL_LM``): only the adapters are trainable. Adapters on a tied weight are refused (the
-    merged export could not keep the tie)."""
+    merged export could not keep the tie). A vision-language model gets adapters on its language
+    side only (:func:`language_targets`)."""
     try:
         from peft import LoraConfig, TaskType, get_peft_model
     except ImportError as e:  # pragma: no cover - peft is installed with the dev environment
         raise ImportError("train.lora_rank > 0 needs the peft package (pip install peft)") from e
     config = LoraConfig(r=rank, lora_alpha=alpha,  # type: ignore[arg-type]  # (annotated int; scale = alpha / r)
-                        lora_dropout=dropout, target_modules=list(targets), bias="none", task_type=TaskType.CAUSAL_LM)
+                        lora_dropout=dropout, target_modules=language_targets(model, targets), bias="none",
+                        task_type=TaskType.CAUSAL_LM)
     peft_model = get_peft_model(model, config)
     ptrs: dict[int, int] = {}
     for _, p in peft_model.get_base_model().named_parameters(remove_duplicate=False):
@@ -154,6 +156,21 @@ def wrap_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, t
             raise ValueError(f"LoRA target {name!r} has a weight tied to another parameter (tied embeddings); "
                              "leave it out of train.lora_target_modules")
     return peft_model
+
+
+def language_targets(model: torch.nn.Module, targets: Sequence[str]) -> list[str]:
+    """``targets`` (module name suffixes, ``peft``'s ``target_modules``) for a text model; for a
+    vision-language model the full names of the modules they match (as ``peft`` matches: the name, or
+    a dotted suffix of it) outside the vision tower, so the tower's modules of the same names get no
+    adapter. ``ValueError`` when they match no module of the language model."""
+    prefix = vision_tower_prefix(model)
+    if prefix is None:
+        return list(targets)
+    names = [n for n, m in model.named_modules() if n and not n.startswith(prefix) and not list(m.children())
+             and any(n == t or n.endswith("." + t) for t in targets)]
+    if not names:
+        raise ValueError(f"train.lora_target_modules {list(targets)} name no module of the language model")
+    return names
 
 
 class _AdaptersDisabled(torch.nn.Module):
@@ -199,6 +216,7 @@ def strategy_kwargs(cfg: RunConfig, device: str) -> dict[str, Any]:
         lr_warmup_steps=cfg.train.lr_warmup_steps, device=device,
         lora_rank=cfg.train.lora_rank, lora_alpha=cfg.train.lora_alpha, lora_dropout=cfg.train.lora_dropout,
         lora_target_modules=cfg.train.lora_target_modules, skip_zero_advantage=cfg.train.skip_zero_advantage,
+        freeze_vision=cfg.train.freeze_vision,
     )
 
 
@@ -282,6 +300,7 @@ class TorchStrategy:
         lora_target_modules: Sequence[str] | None = None,
         skip_zero_advantage: bool = False,
         blob_dir: str | Path | None = None,
+        freeze_vision: bool = False,
     ) -> None:
         if lora_rank < 0:
             raise ValueError(f"lora_rank={lora_rank} must be >= 0 (0 = no LoRA)")
@@ -291,16 +310,18 @@ class TorchStrategy:
         self.images = ImageSource(model_dir, blob_dir) if is_vlm(model_dir) else None
         """A vision-language policy's images (samples' ``image_hashes`` in the run's blob store
         ``blob_dir``); None for a text model."""
-        if self.images is not None and self.lora:
-            raise ValueError("LoRA on a vision-language model is not supported yet (train.lora_rank: 0)")
+        if freeze_vision and self.images is None:
+            raise ValueError("train.freeze_vision: true needs a vision-language model; this one is a text model")
         self._row_images: list[RowImages | None] = []
         """The images of the samples of the batch being worked on, by ``extras["image_row"]``."""
         if self.images is not None:
             self.chunked_head = False  # logprobs from whole logits: the forward needs the pixels
-        auto = AutoModelForImageTextToText if self.images is not None else AutoModelForCausalLM
-        model: Any = auto.from_pretrained(
+        self._auto = AutoModelForImageTextToText if self.images is not None else AutoModelForCausalLM
+        model: Any = self._auto.from_pretrained(
             str(model_dir), dtype=self.dtype, local_files_only=True, attn_implementation="sdpa"
         )
+        for p in (vision_parameters(model).values() if freeze_vision else ()):
+            p.requires_grad_(False)  # no gradient, so no optimizer state (the merger still trains)
         if self.lora:
             targets = TrainConfig().lora_target_modules if lora_target_modules is None else lora_target_modules
             model = wrap_lora(model, lora_rank, lora_alpha, lora_dropout, targets)
@@ -378,7 +399,7 @@ class TorchStrategy:
 
     def _plain_copy(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
         """A separate frozen plain HF model (no adapters) holding ``state`` (plain names)."""
-        ref = AutoModelForCausalLM.from_pretrained(
+        ref = self._auto.from_pretrained(
             str(self.model_dir), dtype=self.dtype, local_files_only=True, attn_implementation="sdpa"
         )
         torch.nn.Module.to(ref, self.device)
@@ -469,7 +490,8 @@ class TorchStrategy:
         if self.images is not None:
             rows = batch.extras["image_row"].tolist()
             return vlm_forward(model, batch.input_ids.to(self.device), batch.attention_mask.to(self.device),
-                               [self._row_images[int(r)] for r in rows], output_hidden_states=hidden,
+                               [self._row_images[int(r)] for r in rows], rope_model=self.hf_model,
+                               output_hidden_states=hidden,
                                logits_to_keep=batch.input_ids.shape[1] - keep_from, use_cache=False)
         return model(
             input_ids=batch.input_ids.to(self.device), attention_mask=batch.attention_mask.to(self.device),

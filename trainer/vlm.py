@@ -65,6 +65,28 @@ def suppress_vision_markers(logits: torch.Tensor, config: Any) -> torch.Tensor:
     return logits.masked_fill(banned, SUPPRESSED_LOGIT)
 
 
+VISION_TOWER = "visual"
+"""The vision tower's module name in a Qwen2-VL / Qwen2.5-VL (``model.visual`` in transformers 5)."""
+MERGER = "merger"
+"""The tower's last part, which projects its features into the language model (trained with ``freeze_vision``)."""
+
+
+def vision_tower_prefix(model: torch.nn.Module) -> str | None:
+    """The module name of ``model``'s vision tower followed by a dot (``"model.visual."``); None: it has none."""
+    names = [n for n, _ in model.named_modules() if n.rsplit(".", 1)[-1] == VISION_TOWER]
+    return names[0] + "." if names else None
+
+
+def vision_parameters(model: torch.nn.Module, with_merger: bool = False) -> dict[str, torch.nn.Parameter]:
+    """The vision tower's parameters by name (its merger's only when ``with_merger``); empty: no tower."""
+    prefix = vision_tower_prefix(model)
+    if prefix is None:
+        return {}
+    merger = prefix + MERGER + "."
+    return {n: p for n, p in model.named_parameters()
+            if n.startswith(prefix) and (with_merger or not n.startswith(merger))}
+
+
 VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 """``model_type`` of the vision-language models the trainer runs (as :mod:`rollout.vlm`)."""
 
@@ -115,14 +137,15 @@ class ImageSource:
 
 
 def vlm_forward(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, images: Sequence[RowImages | None],
-                **kwargs: Any) -> Any:
+                rope_model: Any = None, **kwargs: Any) -> Any:
     """The model's output on a right-padded batch whose row i shows ``images[i]`` (None: text only),
-    at multimodal RoPE positions. input_ids, attention_mask (B, L); ``kwargs`` go to the forward."""
+    at multimodal RoPE positions (of ``rope_model``: the HF model when ``model`` wraps it, e.g. a
+    ``peft`` model). input_ids, attention_mask (B, L); ``kwargs`` go to the forward."""
     given = [im for im in images if im is not None]
     device = input_ids.device
     pixels = torch.cat([im[0] for im in given]).to(device) if given else None  # (patches, F)
     grid = torch.cat([im[1] for im in given]).to(device) if given else None  # (images, 3)
-    pos = mrope_positions(model, input_ids, attention_mask, grid)  # (3, B, L)
+    pos = mrope_positions(rope_model if rope_model is not None else model, input_ids, attention_mask, grid)  # (3, B, L)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, pixel_values=pixels,
                 image_grid_thw=grid, mm_token_type_ids=(input_ids == model.config.image_token_id).int(), **kwargs)
     out.logits = suppress_vision_markers(out.logits, model.config)  # (B, l, V) the policy the engine samples

@@ -221,7 +221,15 @@ class TrainConfig(Section):
     """Dropout on the LoRA input."""
     lora_target_modules: Annotated[list[NonEmptyStr], Meta(min_length=1)] = msgspec.field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    """Module names (suffixes) that get LoRA adapters."""
+    """Module names (suffixes) that get LoRA adapters. A vision-language policy gets them on its
+    language model's modules only: the vision tower's modules of the same names (Qwen2.5-VL's
+    ``gate_proj`` / ``up_proj`` / ``down_proj``) get none, so with LoRA the tower, merger included,
+    stays as it is."""
+    freeze_vision: bool = False
+    """Vision-language policy: the vision tower (Qwen2-VL's ``visual``: patch embedding and blocks)
+    gets no gradient and no optimizer state, in the supervised warm-up and in RL; its merger (the
+    projection of the tower's features into the language model) stays trainable, as does the
+    language model. Refused with a text model. With LoRA the tower is frozen anyway."""
 
     @property
     def micro_rows(self) -> int:

@@ -17,7 +17,9 @@ SHAPES = "data: {domains: [{name: see, source: shapes}]}\n"
 @pytest.mark.parametrize("config, model, needle", [
     (SHAPES, "text", "data.domains[0] (shapes) shows images: model.path"),
     ("data: {domains: [{name: a, source: arith}]}\n", "vlm", "is a vision-language model but no data.domains"),
-    (SHAPES + "train: {lora_rank: 4}\n", "vlm", "train.lora_rank: 4 is not supported with visual tasks"),
+    (SHAPES + "train: {strategy: fsdp2}\n", "vlm", "train.strategy: 'fsdp2' is not supported with visual tasks"),
+    ("data: {domains: [{name: a, source: arith}]}\ntrain: {freeze_vision: true}\n", "text",
+     "train.freeze_vision: true needs a vision-language model"),
     ("data: {domains: [{name: see, source: shapes, kwargs: {size: 224}}]}\n", "vlm",
      "data.domains[0].kwargs.size: image size 224x224 (50176 pixels) is outside"),
     ("data: {domains: [{name: see, source: shapes}, {name: a, source: arith}]}\n", "vlm",

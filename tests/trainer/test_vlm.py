@@ -4,6 +4,8 @@ cached decode steps) within the text models' tolerance."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import pytest
@@ -111,3 +113,122 @@ async def test_the_strategy_trains_a_vlm_on_samples_whose_images_are_in_the_blob
     assert len(losses) == 1 and losses[0] > 0
     with pytest.raises(ValueError, match="a sample has images but the policy is not a vision-language model"):
         TorchStrategy(model_dir).prepare(samples)
+
+
+def _shapes_samples(strat: object, store: object, seeds: tuple[int, ...]) -> list[object]:
+    """One GRPO group of ``shapes`` problems whose images are in ``store``: prompt (image tokens
+    expanded), the reference answer + EOS as the response, reward 1 for even positions, and the
+    behaviour logprobs the policy gives now (so the step's ratio starts at 1)."""
+    import envs
+    from blobs import decode_image
+    from trainer.batch import TrainSample
+
+    src = envs.make_source("shapes", colours=["red", "green", "blue"])
+    tok, hf = strat.tokenizer, strat.hf_model  # type: ignore[attr-defined]
+    samples = []
+    for i, seed in enumerate(seeds):
+        p = src.problem(seed)
+        h = store.put(p.images[0])  # type: ignore[attr-defined]
+        _, grid = pixel_inputs(strat.images.processor, [decode_image(p.images[0])])  # type: ignore[attr-defined]
+        prompt = encode_vlm_prompt(tok, p.prompt, grid, hf.config.image_token_id)
+        response = [*tok(p.reference, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+        samples.append(TrainSample(prompt, response, [0.0] * len(response), [1] * len(response),
+                                   reward=float(i % 2 == 0), sample_id=f"g0/{i}", group_id="g0", image_hashes=(h,)))
+    batch, _ = strat.prepare(samples)  # type: ignore[attr-defined]
+    lp = strat.logprobs(batch)  # type: ignore[attr-defined]  # (B, L - 1) in sample order
+    return [dataclasses.replace(s, old_logprobs=lp[row, len(s.prompt_ids) - 1 : len(s.prompt_ids) - 1 + len(s.response_ids)]
+                                .tolist()) for row, s in enumerate(samples)]
+
+
+def test_freeze_vision_leaves_the_tower_bit_identical_and_trains_the_rest(vlm_dir: Path, model_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    """``freeze_vision``: after a warm-up step and an RL step the tower's weights are bit-identical and
+    it has no optimizer state; the merger and the language model changed. A text model refuses it."""
+    from blobs import BlobStore
+    from trainer.sft import SFTExample
+    from trainer.strategy import TorchStrategy
+    from trainer.vlm import vision_parameters
+
+    store = BlobStore(tmp_path / "blobs")
+    strat = TorchStrategy(vlm_dir, micro_batch_size=4, blob_dir=store.root, lr=1e-2, freeze_vision=True)
+    hf = strat.hf_model
+    tower = vision_parameters(hf)
+    merger = {n: p for n, p in vision_parameters(hf, with_merger=True).items() if n not in tower}
+    assert tower and merger and all(".merger." in n for n in merger)
+    before = {n: p.detach().clone() for n, p in hf.named_parameters()}
+    samples = _shapes_samples(strat, store, (1, 2, 3, 4))
+    strat.warmup([[SFTExample(s.prompt_ids, s.response_ids, images=(store.get(s.image_hashes[0]),))  # type: ignore[attr-defined]
+                   for s in samples]], lr=1e-2, grad_clip=1.0)
+    strat.train_step(samples)  # type: ignore[arg-type]
+    assert all(torch.equal(before[n], p) for n, p in tower.items())
+    assert all(not p.requires_grad and p.grad is None for p in tower.values())
+    frozen = {id(p) for p in tower.values()}
+    assert strat.optimizer.state and not frozen & {id(p) for p in strat.optimizer.state}
+    assert not frozen & {id(p) for g in strat.optimizer.param_groups for p in g["params"]}
+    assert not torch.equal(before["model.visual.merger.mlp.0.weight"], merger["model.visual.merger.mlp.0.weight"])
+    q = "model.language_model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(before[q], dict(hf.named_parameters())[q])
+    with pytest.raises(ValueError, match="train.freeze_vision: true needs a vision-language model"):
+        TorchStrategy(model_dir, freeze_vision=True)
+
+
+def test_lora_targets_only_the_language_model_of_a_vlm() -> None:
+    """A module of the vision tower named like a target (Qwen2.5-VL's tower has ``gate_proj``) gets no
+    adapter; targets naming no language module are refused."""
+    from trainer.strategy import language_targets
+
+    def mlp() -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.gate_proj, m.fc1 = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        return m
+
+    toy = torch.nn.Module()
+    toy.model = torch.nn.Module()
+    toy.model.visual, toy.model.language_model = torch.nn.ModuleList([mlp()]), torch.nn.ModuleList([mlp()])
+    assert language_targets(toy, ["gate_proj"]) == ["model.language_model.0.gate_proj"]
+    assert language_targets(toy.model.language_model, ["gate_proj"]) == ["gate_proj"]  # no tower: as given
+    with pytest.raises(ValueError, match=r"train.lora_target_modules \['qkv'\] name no module of the language"):
+        language_targets(toy, ["qkv"])
+
+
+def test_lora_on_a_vlm_trains_language_adapters_and_publishes_a_complete_vlm(vlm_dir: Path, tmp_path: Path) -> None:
+    """LoRA on the tiny Qwen2-VL: adapters on the language model only; the warm-up folds them into the
+    base; an RL step moves the adapters only; the merged export is a complete VLM directory with the
+    plain model's names, and the engine's model loaded from it gives the strategy's logprobs."""
+    from blobs import BlobStore
+    from rollout.vlm import check_vlm_dir
+    from trainer.sft import SFTExample
+    from trainer.strategy import TorchStrategy, _lora_layers
+    from trainer.vlm import vision_parameters
+
+    store = BlobStore(tmp_path / "blobs")
+    strat = TorchStrategy(vlm_dir, micro_batch_size=4, blob_dir=store.root, lr=1e-2, lora_rank=4, lora_alpha=8.0)
+    hf = strat.hf_model
+    layers = _lora_layers(hf)
+    assert layers and all(n.startswith("model.language_model.") for n in layers)
+    tower = {n: p.detach().clone() for n, p in vision_parameters(hf, with_merger=True).items()}
+    samples = _shapes_samples(strat, store, (1, 2, 3, 4))
+    q = "model.language_model.layers.0.self_attn.q_proj"
+    base0 = layers[q].get_base_layer().weight.detach().clone()
+    strat.warmup([[SFTExample(s.prompt_ids, s.response_ids, images=(store.get(s.image_hashes[0]),))  # type: ignore[attr-defined]
+                   for s in samples]], lr=1e-2, grad_clip=1.0)
+    base1 = layers[q].get_base_layer().weight.detach().clone()
+    assert not torch.equal(base0, base1)  # folded into the base ...
+    assert not bool(layers[q].lora_B["default"].weight.any())  # ... and fresh adapters (B = 0)
+    samples = _shapes_samples(strat, store, (1, 2, 3, 4))
+    strat.train_step(samples)  # type: ignore[arg-type]
+    assert torch.equal(base1, layers[q].get_base_layer().weight) and bool(layers[q].lora_B["default"].weight.any())
+    assert all(torch.equal(tower[n], p) for n, p in vision_parameters(hf, with_merger=True).items())
+
+    out, _ = strat.export_weights(tmp_path / "published")
+    check_vlm_dir(out)
+    engine_model = load_vlm(out)
+    assert set(engine_model.state_dict()) == set(load_vlm(vlm_dir).state_dict())
+    batch, _ = strat.prepare(samples)  # type: ignore[arg-type]
+    lp = strat.logprobs(batch)  # (B, L - 1) the merged policy, as the strategy computes it
+    mask = batch.loss_mask > 0
+    images = [strat.images.of_hashes(s.image_hashes) for s in samples]  # type: ignore[union-attr, attr-defined]
+    with torch.no_grad():
+        want = vlm_token_logprobs(engine_model, batch.input_ids, batch.attention_mask, torch.cat([im[0] for im in images]),
+                                  torch.cat([im[1] for im in images]), strat.temperature)
+    assert_close(lp[mask], want[mask], hf.config.text_config.hidden_size)
