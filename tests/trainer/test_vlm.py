@@ -5,8 +5,8 @@ cached decode steps) within the text models' tolerance."""
 from __future__ import annotations
 
 import dataclasses
-
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -19,6 +19,11 @@ from rollout.sampling import sample_next
 from rollout.vlm import ImageInputs, encode_vlm_prompt, load_image_processor, load_vlm
 from tests.floats import assert_close
 from trainer.vlm import vlm_token_logprobs
+
+if TYPE_CHECKING:
+    from blobs import BlobStore
+    from trainer.batch import TrainSample
+    from trainer.strategy import TorchStrategy
 
 
 def _image(size: int, colour: tuple[int, int, int], corner: int) -> Image.Image:
@@ -115,7 +120,7 @@ async def test_the_strategy_trains_a_vlm_on_samples_whose_images_are_in_the_blob
         TorchStrategy(model_dir).prepare(samples)
 
 
-def _shapes_samples(strat: object, store: object, seeds: tuple[int, ...]) -> list[object]:
+def _shapes_samples(strat: TorchStrategy, store: BlobStore, seeds: tuple[int, ...]) -> list[TrainSample]:
     """One GRPO group of ``shapes`` problems whose images are in ``store``: prompt (image tokens
     expanded), the reference answer + EOS as the response, reward 1 for even positions, and the
     behaviour logprobs the policy gives now (so the step's ratio starts at 1)."""
@@ -124,18 +129,18 @@ def _shapes_samples(strat: object, store: object, seeds: tuple[int, ...]) -> lis
     from trainer.batch import TrainSample
 
     src = envs.make_source("shapes", colours=["red", "green", "blue"])
-    tok, hf = strat.tokenizer, strat.hf_model  # type: ignore[attr-defined]
+    tok, hf, processor = strat.tokenizer, strat.hf_model, strat.images.processor  # type: ignore[union-attr]
     samples = []
     for i, seed in enumerate(seeds):
         p = src.problem(seed)
-        h = store.put(p.images[0])  # type: ignore[attr-defined]
-        _, grid = pixel_inputs(strat.images.processor, [decode_image(p.images[0])])  # type: ignore[attr-defined]
+        h = store.put(p.images[0])
+        _, grid = pixel_inputs(processor, [decode_image(p.images[0])])
         prompt = encode_vlm_prompt(tok, p.prompt, grid, hf.config.image_token_id)
         response = [*tok(p.reference, add_special_tokens=False)["input_ids"], tok.eos_token_id]
         samples.append(TrainSample(prompt, response, [0.0] * len(response), [1] * len(response),
                                    reward=float(i % 2 == 0), sample_id=f"g0/{i}", group_id="g0", image_hashes=(h,)))
-    batch, _ = strat.prepare(samples)  # type: ignore[attr-defined]
-    lp = strat.logprobs(batch)  # type: ignore[attr-defined]  # (B, L - 1) in sample order
+    batch, _ = strat.prepare(samples)
+    lp = strat.logprobs(batch)  # (B, L - 1) in sample order
     return [dataclasses.replace(s, old_logprobs=lp[row, len(s.prompt_ids) - 1 : len(s.prompt_ids) - 1 + len(s.response_ids)]
                                 .tolist()) for row, s in enumerate(samples)]
 
@@ -157,9 +162,9 @@ def test_freeze_vision_leaves_the_tower_bit_identical_and_trains_the_rest(vlm_di
     assert tower and merger and all(".merger." in n for n in merger)
     before = {n: p.detach().clone() for n, p in hf.named_parameters()}
     samples = _shapes_samples(strat, store, (1, 2, 3, 4))
-    strat.warmup([[SFTExample(s.prompt_ids, s.response_ids, images=(store.get(s.image_hashes[0]),))  # type: ignore[attr-defined]
+    strat.warmup([[SFTExample(s.prompt_ids, s.response_ids, images=(store.get(s.image_hashes[0]),))
                    for s in samples]], lr=1e-2, grad_clip=1.0)
-    strat.train_step(samples)  # type: ignore[arg-type]
+    strat.train_step(samples)
     assert all(torch.equal(before[n], p) for n, p in tower.items())
     assert all(not p.requires_grad and p.grad is None for p in tower.values())
     frozen = {id(p) for p in tower.values()}
@@ -168,7 +173,7 @@ def test_freeze_vision_leaves_the_tower_bit_identical_and_trains_the_rest(vlm_di
     assert not torch.equal(before["model.visual.merger.mlp.0.weight"], merger["model.visual.merger.mlp.0.weight"])
     q = "model.language_model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(before[q], dict(hf.named_parameters())[q])
-    with pytest.raises(ValueError, match="train.freeze_vision: true needs a vision-language model"):
+    with pytest.raises(ValueError, match=r"train\.freeze_vision: true needs a vision-language model"):
         TorchStrategy(model_dir, freeze_vision=True)
 
 
@@ -210,13 +215,13 @@ def test_lora_on_a_vlm_trains_language_adapters_and_publishes_a_complete_vlm(vlm
     samples = _shapes_samples(strat, store, (1, 2, 3, 4))
     q = "model.language_model.layers.0.self_attn.q_proj"
     base0 = layers[q].get_base_layer().weight.detach().clone()
-    strat.warmup([[SFTExample(s.prompt_ids, s.response_ids, images=(store.get(s.image_hashes[0]),))  # type: ignore[attr-defined]
+    strat.warmup([[SFTExample(s.prompt_ids, s.response_ids, images=(store.get(s.image_hashes[0]),))
                    for s in samples]], lr=1e-2, grad_clip=1.0)
     base1 = layers[q].get_base_layer().weight.detach().clone()
     assert not torch.equal(base0, base1)  # folded into the base ...
     assert not bool(layers[q].lora_B["default"].weight.any())  # ... and fresh adapters (B = 0)
     samples = _shapes_samples(strat, store, (1, 2, 3, 4))
-    strat.train_step(samples)  # type: ignore[arg-type]
+    strat.train_step(samples)
     assert torch.equal(base1, layers[q].get_base_layer().weight) and bool(layers[q].lora_B["default"].weight.any())
     assert all(torch.equal(tower[n], p) for n, p in vision_parameters(hf, with_merger=True).items())
 
@@ -224,10 +229,10 @@ def test_lora_on_a_vlm_trains_language_adapters_and_publishes_a_complete_vlm(vlm
     check_vlm_dir(out)
     engine_model = load_vlm(out)
     assert set(engine_model.state_dict()) == set(load_vlm(vlm_dir).state_dict())
-    batch, _ = strat.prepare(samples)  # type: ignore[arg-type]
+    batch, _ = strat.prepare(samples)
     lp = strat.logprobs(batch)  # (B, L - 1) the merged policy, as the strategy computes it
     mask = batch.loss_mask > 0
-    images = [strat.images.of_hashes(s.image_hashes) for s in samples]  # type: ignore[union-attr, attr-defined]
+    images = [strat.images.of_hashes(s.image_hashes) for s in samples]
     with torch.no_grad():
         want = vlm_token_logprobs(engine_model, batch.input_ids, batch.attention_mask, torch.cat([im[0] for im in images]),
                                   torch.cat([im[1] for im in images]), strat.temperature)
