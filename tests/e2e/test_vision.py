@@ -56,6 +56,22 @@ def test_a_short_visual_run_accounts_for_every_sample(tmp_path: Path, bootstrap:
     assert (runs / run_id / "final" / "preprocessor_config.json").is_file()
 
 
+@pytest.mark.bench
+def test_a_short_visual_lora_run_publishes_complete_vlms(tmp_path: Path, bootstrap: str, repo_root: Path) -> None:
+    """LoRA on the language side (the example freezes the tower too): the engine loads every merged
+    version it is sent, and the final model is a complete VLM directory."""
+    env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=bootstrap)
+    runs = tmp_path / "runs"
+    run_id = f"e2e-vision-lora-{uuid.uuid4().hex[:6]}"
+    res = run(repo_root, run_id, runs, env, [*SHORT_VISION, "train.lora_rank=4", "train.lr=1e-3"])
+    assert res.returncode == 0, res.stdout + res.stderr
+    summary = json.loads((runs / run_id / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["samples"]["dead_letter"] == 0
+    assert_accounted(summary["samples"])
+    assert summary["weights_versions"] == [0, 1, 2]
+    assert (runs / run_id / "final" / "preprocessor_config.json").is_file()
+
+
 
 @pytest.mark.bench
 def test_a_visual_task_with_a_text_model_is_refused_in_one_line(tmp_path: Path, bootstrap: str,
