@@ -71,6 +71,22 @@ MAKE_RECORD = textwrap.dedent("""
         events.append(ev.EvalResult(run_id=rid, step=step, policy_version=step, split="heldout",
                                     metrics={"eval/accuracy": shift + 0.1 * step, "eval/math/accuracy": 0.5,
                                              "eval/code/accuracy": 0.2 + 0.05 * step}))
+    if shift:  # run-b is visual: its held-out evaluations recorded answers with images, one blob missing
+        import envs
+        from blobs import BlobStore, blob_dir_of, sha256_hex
+
+        problems = envs.make_source("shapes").heldout(3)
+        store = BlobStore(blob_dir_of(f"{runs_dir}/{rid}"))
+        for p in problems[:2]:
+            store.put(p.images[0])
+        for step in (1, 3):
+            answers = [ev.EvalAnswer(domain="see", prompt_id=p.prompt_id, prompt=p.prompt, reference=p.reference,
+                                     response=p.reference if i != 1 else "blue<b>", correct=i != 1,
+                                     image_hashes=[sha256_hex(p.images[0])]) for i, p in enumerate(problems)]
+            e = ev.EvalResult(run_id=rid, step=step, policy_version=step, split="heldout",
+                              metrics={"eval/accuracy": 0.5}, answers=answers[:step])
+            client.insert("events", [event_row(f"rs.{rid}.metrics", 0, 100 + step, rid, "metrics", None, e, None,
+                                               e.ts)], column_names=COLUMNS["events"])
     # one issued task that never came back
     events.append(ev.RolloutTask(run_id=rid, sample_id="lost", group_id="gx", index=0, group_size=1,
                                  prompt_id="px", domain="math", prompt="?"))
@@ -134,6 +150,7 @@ def test_report_one_run(runs_dir: Path) -> None:
     assert "waiting in queue" in index and "queue_s" not in index
     assert "<td>train.lr</td><td>1e-05</td><td>2e-05</td>" in index and "<td>run.seed</td>" not in index
     assert "5 versions: 0–4" in index and "samples.trained" in index  # weights summarised; summary.json
+    assert "Held-out answers" not in index and "class='answer'" not in index  # a text run: no answers section
 
 
 def test_report_two_runs_overlaid(runs_dir: Path, tmp_path: Path) -> None:
@@ -142,6 +159,13 @@ def test_report_two_runs_overlaid(runs_dir: Path, tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     index = check_report(out)
     assert "run-a vs run-b" in index and index.count("class='headline'") == 2
+    # run-b is visual: the last evaluation's answers (step 3), two images from its blob store, one missing
+    assert index.count("Held-out answers") == 1 and "run-b: Held-out answers at step 3" in index
+    section = index[index.index("run-b: Held-out answers"):index.index("<h2>Samples by status")]
+    assert section.count("<img class='answer' src=\"data:image/png;base64,") == 2
+    assert section.count("class='qa'") == 3 and "(2 of 3 right)" in section
+    assert section.count("✓ right") == 2 and "✗ wrong" in section and "blue&lt;b&gt;" in section  # escaped
+    assert "missing from the blob store" in section and "1 image(s) could not be read" in section
 
 
 def test_report_errors_are_one_line(runs_dir: Path) -> None:
