@@ -251,3 +251,18 @@ def test_extraction_reports_progress_per_query(runs_dir: Path) -> None:
         mine = [m for m in seen if m.startswith(f"{rid}: ")]
         assert [m.split(": ", 2)[1] for m in mine] == [f"query {i}/{len(names)}" for i in range(1, len(names) + 1)]
         assert mine[0].endswith(names[0]) and "previous took" in mine[-1]
+
+
+def test_a_visual_run_whose_blob_store_is_gone_gets_a_note(tmp_path: Path) -> None:
+    """The answers' images come from the run's blob store; without it each answer says why, the page
+    notes it, and nothing fails. A run whose answers show no images (a text run) gets no section."""
+    answer = {"domain": "see", "prompt_id": "shapes-3", "prompt": "What colour is the square?", "reference": "red",
+              "response": "red", "correct": True, "image_hashes": ["ab" * 32]}
+    run = {"run_id": "v", "answers": {"step": 2, "items": [answer]}, "blob_dir": str(tmp_path / "gone")}
+    images = rp.answer_images([run])
+    assert images == {("v", "ab" * 32): f"the run's blob store {tmp_path / 'gone'} is missing"}
+    section = page.answers_html(run, images)
+    assert "Held-out answers at step 2" in section and "<img" not in section
+    assert "blob store" in section and "1 image(s) could not be read" in section and "✓ right" in section
+    text = {"run_id": "t", "answers": {"step": 2, "items": [dict(answer, image_hashes=[])]}}
+    assert rp.answer_images([text]) == {} and page.answers_html(text, {}) == ""
