@@ -266,3 +266,26 @@ def test_a_visual_run_whose_blob_store_is_gone_gets_a_note(tmp_path: Path) -> No
     assert "blob store" in section and "1 image(s) could not be read" in section and "✓ right" in section
     text = {"run_id": "t", "answers": {"step": 2, "items": [dict(answer, image_hashes=[])]}}
     assert rp.answer_images([text]) == {} and page.answers_html(text, {}) == ""
+
+
+@pytest.mark.bench
+def test_report_of_a_visual_run_shows_held_out_images_and_answers(visual_run: Any, tmp_path: Path) -> None:
+    """A real visual run: the last evaluation's 8 recorded answers with their images; the same run
+    without its blob store reports too, each image replaced by the reason."""
+    res = cli("report", visual_run.run_id, "--runs-dir", str(visual_run.runs))
+    assert res.returncode == 0, res.stderr
+    index = (visual_run.runs / visual_run.run_id / "report" / "index.html").read_text()
+    assert "Held-out answers at step 2" in index
+    section = index[index.index("Held-out answers at step 2"):index.index("<h2>Samples by status")]
+    assert section.count("class='qa'") == 8 and section.count("<img class='answer'") == 8
+    assert "What colour is the square?" in section and "could not be read" not in section
+
+    blobs = visual_run.runs / visual_run.run_id / "blobs"
+    blobs.rename(tmp_path / "blobs")  # the run without its blob store (given back below: the run is shared)
+    try:
+        gone = cli("report", visual_run.run_id, "--runs-dir", str(visual_run.runs), "--out", str(tmp_path / "r"))
+    finally:
+        (tmp_path / "blobs").rename(blobs)
+    assert gone.returncode == 0, gone.stderr
+    index = (tmp_path / "r" / "index.html").read_text()
+    assert "<img class='answer'" not in index and "8 image(s) could not be read" in index
