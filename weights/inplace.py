@@ -53,12 +53,15 @@ def live_names(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> Map
     """``state`` with the names ``save_pretrained`` gives ``model``'s tensors on disk renamed to the
     model's own (transformers' reverse weight conversion, matched by tensor); unchanged when the
     model has no such conversion or ``state`` already uses live names."""
+    live = dict(model.state_dict(keep_vars=True))
+    if set(state) <= set(live):
+        return state
     try:
+        from transformers import PreTrainedModel
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # an older transformers: files and modules share their names
         return state
-    live = dict(model.state_dict(keep_vars=True))
-    if set(state) <= set(live):
+    if not isinstance(model, PreTrainedModel):
         return state
     by_id = {id(t): k for k, t in reversed(live.items())}  # a tied tensor: its first live name
     on_disk = revert_weight_conversion(model, dict(live))

@@ -128,7 +128,7 @@ class Evaluation:
 
     def _recorded(self, answered: list[Answered]) -> list[ev.EvalAnswer]:
         """The first :data:`ANSWERS_RECORDED` answers of each domain, their images in the blob store."""
-        cut, kept = ev.EVAL_TEXT_MAX_CHARS, {}
+        cut, kept = ev.EVAL_TEXT_MAX_CHARS, dict[str, int]()
         out = []
         for a in answered:
             kept[a.domain] = kept.get(a.domain, 0) + 1
