@@ -519,7 +519,7 @@ CSS = ("body{font-family:system-ui,'DejaVu Sans',sans-serif;margin:1.2em 2em;max
        "table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:2px 8px;"
        "font-size:13px;text-align:left;vertical-align:top}th{background:#f3f3f3}.note-p{color:#888}"
        ".answers{display:flex;flex-wrap:wrap;gap:10px}.qa{border:1px solid #d0d7de;border-radius:8px;padding:8px;"
-       "width:240px;font-size:13px}img.answer{width:168px;max-width:100%;border:none;image-rendering:pixelated}"
+       "width:240px;font-size:13px}img.answer{width:168px;max-width:100%;border:1px solid #ddd;image-rendering:pixelated}"
        ".q{margin:.3em 0}.ok{color:#1a7f37;font-weight:600}.bad{color:#cf222e;font-weight:600}"
        ".noimg{color:#cf222e;font-size:12px;word-break:break-all}")
 
