@@ -17,7 +17,7 @@ def report(
     out_dir: Path = typer.Option(None, "--out", help="Output directory (default runs/<run>/report/)."),
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Directory of run folders."),
 ) -> None:
-    """Plots and a self-contained index.html from a run's record (two runs: overlaid curves): a headline (accuracy before and after the warm-up and at the end, steps, samples, wall time; episode success for agentic runs), captioned plots, the config's difference from the defaults.
+    """Plots and a self-contained index.html from a run's record (two runs: overlaid curves): a headline (accuracy before and after the warm-up and at the end, steps, samples, wall time; episode success for agentic runs), captioned plots, a visual run's held-out images with the last evaluation's answers (from the run's blob store), the config's difference from the defaults.
 
     The record is read from --store / ROLLSTREAM_STORE when given, else from the store each run's config names, else from the run's embedded store <runs-dir>/<run>/store.
     """

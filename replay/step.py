@@ -14,6 +14,11 @@
 
 On CPU with the same torch thread count the numbers match the recorded ones to float round-off
 (the test checks 1e-6). Nothing of the run is modified: the replay trains a copy in memory.
+
+A visual run's samples name their images by digest (``image_hashes``); the trainer loads them from
+the run's blob store, ``runs/<id>/blobs``, as it did in the run (:mod:`trainer.vlm`). Every image
+of the steps to run is looked up before the checkpoint is restored: a missing or corrupt one is a
+:class:`ReplayError` naming the sample and the blob.
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import store as st
+from blobs import BlobError, BlobStore, blob_dir_of
 from replay.record import ReplayError, decode_payload
 from schemas import events as ev
 from schemas.config import RunConfig
 
-__all__ = ["ReplayError", "StepReplay", "compare", "recorded_batch", "recorded_steps", "replay_train_step"]
+__all__ = ["ReplayError", "StepReplay", "check_images", "compare", "recorded_batch", "recorded_steps", "replay_train_step"]
 
 
 @dataclass
@@ -82,6 +88,16 @@ def recorded_batch(client: Any, run_id: str, sample_ids: list[str]) -> list[ev.S
     return [by_id[sid] for sid in sample_ids]
 
 
+def check_images(samples: list[ev.ScoredSample], blobs: BlobStore) -> None:
+    """Raise :class:`ReplayError` naming the first sample whose image is missing from ``blobs``."""
+    for s in samples:
+        task = s.generation.task
+        for h in task.image_hashes:
+            if not blobs.has(h):
+                raise ReplayError(f"sample {task.sample_id}: image {h} is missing from the run's blob store "
+                                  f"{blobs.root} (replay step trains on the recorded images)")
+
+
 def compare(recorded: dict[str, float], replayed: dict[str, float]) -> list[tuple[str, float | None, float | None, float | None]]:
     """``(metric, recorded, replayed, |difference|)`` for every metric of either side but the
     timings (``perf/*``); the difference is ``None`` where a side is missing or not finite."""
@@ -130,14 +146,18 @@ def replay_train_step(cfg: RunConfig, run_id: str, step: int, *, dsn: str = "", 
                      for k in range(start, step + 1)}  # ReMax: the groups' greedy baselines
     finally:
         client.close()
-    say(f"restoring the checkpoint of step {start}")
     replayed: dict[str, float] = {}
     try:
+        check_images([s for k in batches for s in (*batches[k], *baselines[k])], BlobStore(blob_dir_of(run_dir)))
+        say(f"restoring the checkpoint of step {start}")
         trainer.load_checkpoint(start)
         for k in range(start, step + 1):
             say(f"{'re-running' if k < step else 'recomputing'} step {k} ({len(batches[k])} samples)")
             trainer.state.version = steps[k].policy_version
-            replayed = trainer.train_batch(batches[k], baselines[k])
+            try:
+                replayed = trainer.train_batch(batches[k], baselines[k])
+            except BlobError as e:  # a blob that changed since it was checked
+                raise ReplayError(f"step {k}: {e}") from None
     finally:
         trainer.close()  # a multi-rank strategy's processes
     recorded = dict(steps[step].metrics)

@@ -353,6 +353,26 @@ class SampleOutcome(Event, frozen=True, kw_only=True):
     """Trainer step that consumed it, ``-1`` if none."""
 
 
+class EvalAnswer(msgspec.Struct, frozen=True, kw_only=True):
+    """The greedy answer to one held-out problem, as an evaluation recorded it."""
+
+    domain: str
+    prompt_id: str
+    prompt: str
+    """The problem's text (cut to :data:`EVAL_TEXT_MAX_CHARS`)."""
+    reference: str
+    response: str
+    """The model's greedy answer (cut to :data:`EVAL_TEXT_MAX_CHARS`)."""
+    correct: bool
+    """As the domain's verifier judged it."""
+    image_hashes: list[str] = msgspec.field(default_factory=list)
+    """A visual problem's images in the run's blob store (sha256 digests); empty = text only."""
+
+
+EVAL_TEXT_MAX_CHARS = 2000
+"""An :class:`EvalAnswer`'s prompt and response are cut to this many characters."""
+
+
 class EvalResult(Event, frozen=True, kw_only=True):
     """Greedy evaluation on the fixed held-out set."""
 
@@ -361,6 +381,10 @@ class EvalResult(Event, frozen=True, kw_only=True):
     split: str
     metrics: dict[str, float]
     """E.g. ``eval/accuracy``, ``eval/response_len``."""
+    answers: list[EvalAnswer] = msgspec.field(default_factory=list)
+    """The greedy answers to the first few held-out problems of each single-turn domain (the trainer
+    records 8 a domain; ``rollstream report`` shows a visual run's with their images). Empty in
+    events recorded before it existed. (Added after v12.)"""
 
 
 # --------------------------------------------------------------------------- control

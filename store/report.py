@@ -11,6 +11,11 @@ Progress: the extraction runs :data:`QUERIES` queries (and :data:`AGENTIC_QUERIE
 multi-turn episodes); the child prints ``progress: ...`` on stderr before each one, and the parent
 hands those lines to its ``progress`` callback (the CLI shows them in its status line). The page
 itself (headline, plots, captions, tables) is :mod:`store.report_page`.
+
+Held-out answers: the last held-out ``EvalResult`` that recorded answers (``events.payload``) is
+extracted too; the parent reads the images those answers show from the run's blob store
+(``runs/<run_id>/blobs``, :func:`answer_images`) as PNG thumbnails for the page, or the reason a
+blob cannot be read.
 """
 
 from __future__ import annotations
@@ -28,14 +33,16 @@ from pathlib import Path
 from typing import Any
 
 import store as st
+from blobs import BlobError, BlobStore, blob_dir_of, decode_image, encode_png
+from schemas.topics import topic_name
 from store.queries import QUERIES as READY
 from store.report_page import STAGES, finite, make_figures, render_html
 
-__all__ = ["AGENTIC_QUERIES", "QUERIES", "ReportError", "default_out_dir", "extract", "load_runs", "make_figures",
-           "render_html", "write_report"]
+__all__ = ["AGENTIC_QUERIES", "QUERIES", "ReportError", "answer_images", "default_out_dir", "extract", "load_runs",
+           "make_figures", "render_html", "write_report"]
 
 QUERIES = ("train steps", "evals", "latency per stage", "reward by domain", "samples by status", "judges by domain",
-           "weights", "start and finish")
+           "weights", "start and finish", "held-out answers")
 """What :func:`extract` queries of every run, in order (one query each)."""
 AGENTIC_QUERIES = ("success by step", "turns per episode", "how episodes ended")
 """What it queries next of a run with multi-turn episodes."""
@@ -61,7 +68,7 @@ def extract(client: Any, run_id: str, progress: Callable[[str], None] = lambda m
 
     Runs the :data:`QUERIES` in order (then the :data:`AGENTIC_QUERIES` when the run has
     multi-turn episodes), calling ``progress("query i/n: what (previous took Xs)")`` before each."""
-    p = {"r": run_id, "run": run_id}
+    p = {"r": run_id, "run": run_id, "t": topic_name(run_id, "metrics")}
     agentic = client.query("SELECT count() FROM sample_generations WHERE run_id = {r:String} AND episode_id != ''",
                            parameters=p).result_rows[0][0] > 0  # milliseconds: not announced
     names = [*QUERIES, *(AGENTIC_QUERIES if agentic else ())]
@@ -110,6 +117,12 @@ def extract(client: Any, run_id: str, progress: Callable[[str], None] = lambda m
                      "AND kind IN ('RunStarted', 'RunFinished') GROUP BY kind"))
     times = {"started": _epoch(control.get("RunStarted")), "finished": _epoch(control.get("RunFinished")),
              "last_step": last_step_ts}
+    answers = None  # the last held-out evaluation that recorded answers (EvalResult.answers, in events)
+    for step, payload in q("SELECT JSONExtractInt(payload, 'step') AS s, payload FROM events "
+                           "WHERE topic = {t:String} AND run_id = {r:String} AND kind = 'EvalResult' "
+                           "AND JSONExtractString(payload, 'split') = 'heldout' AND JSONLength(payload, 'answers') > 0 "
+                           "ORDER BY s DESC, ts DESC LIMIT 1"):
+        answers = {"step": int(step), "items": json.loads(payload)["answers"]}
     episodes: dict[str, Any] = {"by_step": [], "turns": [], "endings": []}
     if agentic:
         episodes["by_step"] = [
@@ -123,7 +136,7 @@ def extract(client: Any, run_id: str, progress: Callable[[str], None] = lambda m
                                for e, n, _share, w in q(READY["episode-endings"])]
     return {"run_id": run_id, "train_steps": steps, "evals": evals, "staleness_hist": sorted(hist.items()),
             "latency": latency, "domain_reward": domain_reward, "status": status, "judges": judges,
-            "weights": weights, "times": times, "episodes": episodes}
+            "weights": weights, "times": times, "episodes": episodes, "answers": answers}
 
 
 def _dump_main(argv: list[str]) -> int:
@@ -239,6 +252,7 @@ def _run_files(run_id: str, runs_dir: Path) -> dict[str, Any]:
             out["config"] = yaml.safe_load(out["config_text"])
         except yaml.YAMLError:
             pass
+    out["blob_dir"] = str(blob_dir_of(run_dir))
     weights = run_dir / "weights"
     out["weights_on_disk"] = sorted(p.name for p in weights.iterdir() if p.is_dir()) if weights.is_dir() else []
     summ = run_dir / "summary.json"
@@ -272,6 +286,33 @@ def load_runs(run_ids: list[str], runs_dir: Path, store: str | None = None, time
     return datas
 
 
+THUMB_PX = 224
+"""A held-out answer's image is shown at most this many pixels wide or high (a PNG thumbnail)."""
+
+
+def answer_images(runs: list[dict[str, Any]]) -> dict[tuple[str, str], bytes | str]:
+    """``(run, digest) -> PNG thumbnail`` of every image the runs' recorded held-out answers show,
+    read from each run's blob store; a blob that cannot be read maps to the one-line reason."""
+    out: dict[tuple[str, str], bytes | str] = {}
+    for run in runs:
+        items = (run.get("answers") or {}).get("items") or []
+        digests = list(dict.fromkeys(h for a in items for h in a.get("image_hashes") or []))
+        root = Path(run.get("blob_dir") or blob_dir_of(Path("runs") / run["run_id"]))
+        blobs = BlobStore(root)
+        for h in digests:
+            if not root.is_dir():
+                out[run["run_id"], h] = f"the run's blob store {root} is missing"
+                continue
+            try:
+                img = decode_image(blobs.get(h), h)
+            except BlobError as e:
+                out[run["run_id"], h] = str(e)
+                continue
+            img.thumbnail((THUMB_PX, THUMB_PX))
+            out[run["run_id"], h] = encode_png(img)
+    return out
+
+
 def write_report(runs: list[dict[str, Any]], out_dir: Path,
                  progress: Callable[[str], None] = lambda m: None) -> Path:
     """Plot ``runs`` into ``out_dir`` (PNGs, data.json, index.html). Returns the index.html path."""
@@ -291,7 +332,8 @@ def write_report(runs: list[dict[str, Any]], out_dir: Path,
     progress("writing index.html...")
     (out_dir / "data.json").write_text(json.dumps(runs, indent=1, default=str))
     index = out_dir / "index.html"
-    index.write_text(render_html(runs, pngs, {stem: caption for stem, (_fig, caption) in figs.items()}))
+    index.write_text(render_html(runs, pngs, {stem: caption for stem, (_fig, caption) in figs.items()},
+                                 answer_images(runs)))
     return index
 
 

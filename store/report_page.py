@@ -9,6 +9,9 @@
 * **Plots** in reading order (:data:`FIGURES`), each with a written caption; the agentic plots
   (success rate, turns per episode, how episodes ended) only for runs with episodes.
 * **Config** as its difference from the defaults (``parse_config("")``), weights as a summary.
+* **Held-out answers** of a visual run (:func:`answers_html`): the last evaluation's recorded greedy
+  answers, each with its image, question, expected answer and whether it was right; only for runs
+  whose recorded answers show images (a text run's page has no such section).
 """
 
 from __future__ import annotations
@@ -514,11 +517,59 @@ CSS = ("body{font-family:system-ui,'DejaVu Sans',sans-serif;margin:1.2em 2em;max
        "gap:14px}figure{margin:0}img{width:100%;max-width:700px;border:1px solid #ddd}"
        "figcaption{font-size:13px;color:#444;max-width:700px}"
        "table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:2px 8px;"
-       "font-size:13px;text-align:left;vertical-align:top}th{background:#f3f3f3}.note-p{color:#888}")
+       "font-size:13px;text-align:left;vertical-align:top}th{background:#f3f3f3}.note-p{color:#888}"
+       ".answers{display:flex;flex-wrap:wrap;gap:10px}.qa{border:1px solid #d0d7de;border-radius:8px;padding:8px;"
+       "width:240px;font-size:13px}img.answer{width:168px;max-width:100%;border:1px solid #ddd;image-rendering:pixelated}"
+       ".q{margin:.3em 0}.ok{color:#1a7f37;font-weight:600}.bad{color:#cf222e;font-weight:600}"
+       ".noimg{color:#cf222e;font-size:12px;word-break:break-all}")
 
 
-def render_html(runs: list[dict[str, Any]], pngs: dict[str, bytes], captions: dict[str, str]) -> str:
-    """The self-contained page: headline, plots (PNG data URIs) with captions, tables."""
+def visual_answers(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's recorded held-out answers when they show images (a visual run), else ``[]``."""
+    items = (run.get("answers") or {}).get("items") or []
+    return items if any(a.get("image_hashes") for a in items) else []
+
+
+def answers_html(run: dict[str, Any], images: dict[tuple[str, str], bytes | str], multi: bool = False) -> str:
+    """The held-out answers section of a visual run: one card per recorded answer (its images from
+    ``images``: ``(run, digest) -> PNG``, or why a blob cannot be shown), empty for other runs."""
+    items = visual_answers(run)
+    if not items:
+        return ""
+    rid = run["run_id"]
+    cards, missing = [], 0
+    for a in items:
+        pics = []
+        for h in a.get("image_hashes") or []:
+            got = images.get((rid, h), "not read")
+            if isinstance(got, bytes):
+                pics.append(f"<img class='answer' src=\"data:image/png;base64,{base64.b64encode(got).decode()}\" "
+                            f"alt=\"held-out image {html.escape(h[:12])}\">")
+            else:
+                missing += 1
+                pics.append(f"<div class='noimg'>image {html.escape(h[:12])}… not shown: {html.escape(got)}</div>")
+        mark = "<span class='ok'>✓ right</span>" if a.get("correct") else "<span class='bad'>✗ wrong</span>"
+        cards.append(f"<div class='qa'>{''.join(pics)}<div class='q'>{html.escape(str(a.get('prompt', '')))}</div>"
+                     f"<div>expected <code>{html.escape(str(a.get('reference', '')))}</code></div>"
+                     f"<div>answered <code>{html.escape(str(a.get('response', '')))}</code> {mark}</div>"
+                     f"<div class='note'>{html.escape(str(a.get('domain', '')))} · "
+                     f"{html.escape(str(a.get('prompt_id', '')))}</div></div>")
+    step = (run.get("answers") or {}).get("step")
+    right = sum(bool(a.get("correct")) for a in items)
+    who = f"{rid}: " if multi else ""
+    note = (f"<p class='note-p'>{missing} image(s) could not be read from the run's blob store "
+            f"(<code>runs/{html.escape(rid)}/blobs</code>): the reason is in place of each.</p>") if missing else ""
+    return (f"<h2>{html.escape(who)}Held-out answers at step {step}</h2>"
+            f"<p>The greedy answers of the last evaluation (after {step} training steps) to the first "
+            f"{len(items)} held-out problems it recorded ({right} of {len(items)} right), with the images from "
+            "the run's blob store.</p>"
+            f"{note}<div class='answers'>{''.join(cards)}</div>")
+
+
+def render_html(runs: list[dict[str, Any]], pngs: dict[str, bytes], captions: dict[str, str],
+                images: dict[tuple[str, str], bytes | str] | None = None) -> str:
+    """The self-contained page: headline, plots (PNG data URIs) with captions, a visual run's
+    held-out answers (``images``: their thumbnails by run and digest), tables."""
     ids = [r["run_id"] for r in runs]
     title = "rollstream report: " + " vs ".join(ids)
     subtitle = "".join(f"<div class='sub'>{html.escape((r['run_id'] + ': ') if len(runs) > 1 else '')}"
@@ -548,6 +599,7 @@ def render_html(runs: list[dict[str, Any]], pngs: dict[str, bytes], captions: di
     return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
             f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>{subtitle}"
             f"{_headline_html(runs)}<div class='figs'>{imgs}</div>"
+            f"{''.join(answers_html(r, images or {}, len(runs) > 1) for r in runs)}"
             f"<h2>Samples by status</h2>{status_t}{judges_t}<h2>Time per stage</h2>{lat_t}"
             f"<h2>Weights</h2>{_table(['run', 'published', 'size in all', 'kept on disk'], weights_rows(runs))}"
             f"<h2>Config: what differs from the defaults</h2>{config_t}"

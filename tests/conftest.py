@@ -6,6 +6,9 @@ at the end. A broker that cannot be reached or started is a test FAILURE, never 
 
 ``store_dsn``: one embedded store for the whole test process (chDB lets a process open only one
 store directory); tests isolate themselves by ``run_id``.
+
+``visual_run``: one short recorded visual run (``examples/vision.yaml``, 2 steps), shared by the
+``bench`` tests of report, replay step and rescore on visual runs (35 s on a quiet machine).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -115,3 +119,47 @@ async def topics(kafka: KafkaSettings, run_id: str) -> AsyncIterator[list[str]]:
         names = await admin.ensure_run_topics(run_id)
         yield names
         await admin.delete_run_topics(run_id)
+
+
+SHORT_VISUAL = [
+    "train.steps=2", "train.warmup_sft_steps=2", "train.warmup_batch_size=8", "train.eval_every=2",
+    "train.checkpoint_every=2", "data.heldout_size=8", "rollout.group_size=4", "train.batch_size=8",
+    "train.micro_batch_size=8", "algorithm.entropy_loss_coef=0.01",  # a gradient at every step
+]
+"""A short visual run: a 2-step warm-up, 2 steps of 2 groups of 4, 8 held-out images evaluated at
+steps 0 and 2, checkpoints at steps 0 and 2."""
+
+
+@dataclass(frozen=True)
+class VisualRun:
+    run_id: str
+    runs: Path
+    """The runs directory (``runs/<run_id>/blobs`` holds its images)."""
+    env: dict[str, str]
+    """The environment its commands run with (the test broker)."""
+
+
+@pytest.fixture(scope="session")
+def visual_run(tmp_path_factory: pytest.TempPathFactory, bootstrap: str, repo_root: Path) -> Iterator[VisualRun]:
+    """One short recorded visual run (:data:`SHORT_VISUAL`) in its own embedded store; its topics are
+    deleted afterwards. For ``bench`` tests only: it takes 35 s (quiet machine) to 100 s."""
+    import asyncio
+    import subprocess
+    import sys
+
+    from runtime.bus import TopicAdmin
+
+    runs = tmp_path_factory.mktemp("visual") / "runs"
+    env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=bootstrap)
+    run_id = f"vis-{uuid.uuid4().hex[:8]}"
+    res = subprocess.run([sys.executable, "-m", "cli", "run", str(repo_root / "examples" / "vision.yaml"), "--run-id",
+                          run_id, *[a for kv in [*SHORT_VISUAL, f"run.runs_dir={runs}"] for a in ("--set", kv)]],
+                         capture_output=True, text=True, env=env, timeout=400, cwd=repo_root)
+    assert res.returncode == 0, res.stdout + res.stderr
+    yield VisualRun(run_id, runs, env)
+
+    async def cleanup() -> None:
+        async with TopicAdmin(KafkaSettings(bootstrap=bootstrap)) as admin:
+            await admin.delete_run_topics(run_id)
+
+    asyncio.run(cleanup())

@@ -31,11 +31,25 @@ def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return inv, int(inv.max()) + 1
 
 
+def _constant(x: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
+    """Whether each group's values are all equal: (K,) bool. x, inv (N,)."""
+    big = torch.finfo(x.dtype).max
+    hi = torch.full((k,), -big, dtype=x.dtype).scatter_reduce(0, inv, x, "amax")  # (K,)
+    lo = torch.full((k,), big, dtype=x.dtype).scatter_reduce(0, inv, x, "amin")  # (K,)
+    return hi == lo
+
+
 def group_mean(x: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """Mean of ``x`` over each sample's group, broadcast back.  x, group_ids (N,) -> (N,)."""
+    """Mean of ``x`` over each sample's group, broadcast back.  x, group_ids (N,) -> (N,).
+
+    A group whose values are all equal has that value as its mean exactly (a float32 sum of eight
+    0.1s is not 0.8), so its centred values are 0, not round-off that a division by
+    ``std + eps`` would blow up to about 1e-2."""
     inv, k = _group_index(group_ids)
     count = torch.zeros(k, dtype=x.dtype).index_add_(0, inv, torch.ones_like(x))  # (K,)
-    return (torch.zeros(k, dtype=x.dtype).index_add_(0, inv, x) / count)[inv]  # (N,)
+    mean = torch.zeros(k, dtype=x.dtype).index_add_(0, inv, x) / count  # (K,)
+    first = torch.zeros(k, dtype=x.dtype).scatter_(0, inv, x)  # (K,) a member's value (any: they are equal)
+    return torch.where(_constant(x, inv, k), first, mean)[inv]  # (N,)
 
 
 def group_std(x: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -136,7 +150,8 @@ def normalize_rewards(
     if mean_type == "group":
         mean = group_mean(r, group_ids)
     elif mean_type == "batch":
-        mean = r.mean().expand_as(r)
+        equal = r.numel() > 0 and bool((r == r[0]).all())
+        mean = (r[0] if equal else r.mean()).expand_as(r)  # equal rewards: exactly 0 after centring
     else:
         mean = torch.zeros_like(r)
     centred = r - mean  # (B,)
@@ -171,11 +186,9 @@ def grpo_advantages(
         flat_ids = torch.arange(rewards.shape[0]).repeat_interleave(rewards.shape[1])  # (G*n,)
         return grpo_advantages(rewards.reshape(-1), flat_ids, norm_std, eps).reshape(rewards.shape)
     r = rewards.float()  # (N,)
-    _, inv = torch.unique(group_ids, return_inverse=True)  # inv (N,) in 0..K-1
-    k = int(inv.max()) + 1 if inv.numel() else 0
+    inv, k = _group_index(group_ids)
     count = torch.zeros(k).index_add_(0, inv, torch.ones_like(r))  # (K,)
-    mean = torch.zeros(k).index_add_(0, inv, r) / count  # (K,)
-    centred = r - mean[inv]  # (N,)
+    centred = r - group_mean(r, group_ids)  # (N,); exactly 0 in a group of equal rewards
     if not norm_std:
         return centred
     sq = torch.zeros(k).index_add_(0, inv, centred**2)  # (K,)
@@ -229,7 +242,8 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
     count = torch.zeros(k).index_add_(0, inv, torch.ones_like(r))[inv]  # (B,)
     total = torch.zeros(k).index_add_(0, inv, r)[inv]  # (B,)
     baseline = (total - r) / (count - 1).clamp(min=1)  # (B,)
-    return torch.where(count > 1, r - baseline, torch.zeros_like(r))
+    signal = (count > 1) & ~_constant(r, inv, k)[inv]  # (B,) equal rewards: exactly 0, not round-off
+    return torch.where(signal, r - baseline, torch.zeros_like(r))
 
 
 def rloo_advantages_reference(rewards: list[float], group_ids: list[int]) -> list[float]:
@@ -557,7 +571,8 @@ def opo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, lengths: torc
     baseline = torch.where(
         total_len[inv] > 0, weighted[inv] / total_len[inv].clamp(min=1e-12), group_mean(r, group_ids)
     )  # (B,)
-    return r - baseline
+    constant = _constant(r, *_group_index(group_ids))[inv]  # (B,) equal rewards: exactly 0, not round-off
+    return torch.where(constant, 0.0, r - baseline)
 
 
 def opo_advantages_reference(rewards: list[float], group_ids: list[int], lengths: list[float]) -> list[float]:

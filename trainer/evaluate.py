@@ -14,7 +14,9 @@ A single-turn domain's answers are generated all at once and each is scored with
 ``score`` callable; a multi-turn domain's episodes are played all at once with its ``play``
 callable (success is the episode's). This module imports no engine and no environment: the caller
 passes an :class:`Engine` (the two calls evaluation makes) and, per domain, its problems and
-callables; the sampling parameters are the engine's own, opaque here.
+callables; the sampling parameters are the engine's own, opaque here. Given an ``answers`` list,
+the greedy pass also appends every single-turn answer to it (:class:`Answered`: the problem, the
+text, whether it was right), for the record.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-__all__ = ["Answer", "Domain", "Engine", "Episode", "Problem", "evaluate"]
+__all__ = ["Answer", "Answered", "Domain", "Engine", "Episode", "Problem", "evaluate"]
 
 P = TypeVar("P")
 """The engine's sampling parameters (opaque to evaluation)."""
@@ -103,12 +105,23 @@ class Domain(Generic[P]):
     play: Callable[[Problem, str, P], Awaitable[Episode]] | None = None
 
 
+@dataclass(frozen=True)
+class Answered:
+    """A greedy answer of a single-turn domain, judged."""
+
+    domain: str
+    problem: Problem
+    text: str
+    correct: bool
+
+
 async def evaluate(engine: Engine[P], domains: Sequence[Domain[P]], greedy: P,
-                   sampled: tuple[P, int] | None = None) -> dict[str, float]:
+                   sampled: tuple[P, int] | None = None, answers: list[Answered] | None = None) -> dict[str, float]:
     """Every metric of one evaluation (see the module doc): the greedy pass with ``greedy``, and
-    with ``sampled = (params, k)`` the sampled pass of ``k`` answers per problem."""
+    with ``sampled = (params, k)`` the sampled pass of ``k`` answers per problem. ``answers``: the
+    greedy pass appends its single-turn answers there, in each domain's problem order."""
     metrics: dict[str, float] = {}
-    correct, total, length = await _pass(engine, domains, greedy, 1, "accuracy", metrics)
+    correct, total, length = await _pass(engine, domains, greedy, 1, "accuracy", metrics, answers)
     metrics["eval/accuracy"] = correct / max(1, total)
     metrics["eval/response_len"] = length / max(1, total)
     if sampled is not None and sampled[1] > 0:
@@ -119,7 +132,7 @@ async def evaluate(engine: Engine[P], domains: Sequence[Domain[P]], greedy: P,
 
 
 async def _pass(engine: Engine[P], domains: Sequence[Domain[P]], params: P, k: int, name: str,
-                metrics: dict[str, float]) -> tuple[int, int, int]:
+                metrics: dict[str, float], answers: list[Answered] | None = None) -> tuple[int, int, int]:
     """``k`` answers (or episodes) per problem of every domain; sets ``eval/<domain>/<name>``.
     Returns (correct, answers, model tokens generated)."""
     correct = total = length = 0
@@ -128,7 +141,7 @@ async def _pass(engine: Engine[P], domains: Sequence[Domain[P]], params: P, k: i
             ok, tokens = await _episodes(domain, params, k, name, metrics)
             total += k * len(domain.problems)
         else:
-            ok, tokens, n = await _answers(engine, domain, params, k, name, metrics)
+            ok, tokens, n = await _answers(engine, domain, params, k, name, metrics, answers)
             total += n
         correct += ok
         length += tokens
@@ -136,8 +149,9 @@ async def _pass(engine: Engine[P], domains: Sequence[Domain[P]], params: P, k: i
 
 
 async def _answers(engine: Engine[P], domain: Domain[P], params: P, k: int, name: str,
-                   metrics: dict[str, float]) -> tuple[int, int, int]:
-    """A single-turn domain: ``k`` answers per problem, each scored. Returns (correct, tokens, answers)."""
+                   metrics: dict[str, float], answers: list[Answered] | None = None) -> tuple[int, int, int]:
+    """A single-turn domain: ``k`` answers per problem, each scored (and appended to ``answers``, in
+    problem order, when given). Returns (correct, tokens, answers)."""
     if domain.score is None:
         raise ValueError(f"domain {domain.name}: neither score nor play given")
     prompts: list[tuple[str, list[int], Sequence[bytes]]] = []
@@ -152,6 +166,10 @@ async def _answers(engine: Engine[P], domain: Domain[P], params: P, k: int, name
     done = [a async for a in engine.generate(prompts, params)]
     results = await asyncio.gather(*(domain.score(a.text, by_id[a.request_id].reference) for a in done))
     ok = sum(int(r) for r in results)
+    if answers is not None:
+        order = {rid: i for i, (rid, _, _) in enumerate(prompts)}
+        judged = sorted(zip(done, results, strict=True), key=lambda ar: order[ar[0].request_id])
+        answers += [Answered(domain.name, by_id[a.request_id], a.text, bool(r)) for a, r in judged]
     metrics[f"eval/{domain.name}/{name}"] = ok / max(1, len(prompts))
     return ok, sum(len(a.token_ids) for a in done), len(prompts)
 

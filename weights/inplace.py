@@ -5,7 +5,10 @@ anything holding a view of a parameter sees the new values: the slot decoder's f
 (:func:`rollout.slot_decoder.fuse_linears`) and its CUDA graphs follow a swap without a rebuild.
 A state may leave out a tensor tied to one it has (tied embeddings: ``save_pretrained`` writes
 one name). Keys the target lacks, untied tensors the state lacks and wrong shapes are checked
-first and reported in one ``KeyError`` line; nothing is copied then.
+first and reported in one ``KeyError`` line; nothing is copied then. A model whose files name its
+tensors otherwise than its modules do (Qwen2-VL: ``model.embed_tokens`` on disk for the live
+``model.language_model.embed_tokens``) gets a state under the file names renamed to the live ones,
+as transformers itself renames them when it saves (:func:`live_names`).
 """
 
 from __future__ import annotations
@@ -46,9 +49,31 @@ def copy_state_(targets: Mapping[str, torch.Tensor], state: Mapping[str, torch.T
         targets[key].copy_(value.to(device=targets[key].device, dtype=targets[key].dtype))
 
 
+def live_names(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """``state`` with the names ``save_pretrained`` gives ``model``'s tensors on disk renamed to the
+    model's own (transformers' reverse weight conversion, matched by tensor); unchanged when the
+    model has no such conversion or ``state`` already uses live names."""
+    live = dict(model.state_dict(keep_vars=True))
+    if set(state) <= set(live):
+        return state
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # an older transformers: files and modules share their names
+        return state
+    if not isinstance(model, PreTrainedModel):
+        return state
+    by_id = {id(t): k for k, t in reversed(live.items())}  # a tied tensor: its first live name
+    on_disk = revert_weight_conversion(model, dict(live))
+    rename = {disk: by_id[id(t)] for disk, t in on_disk.items() if id(t) in by_id and disk not in live}
+    return {rename.get(k, k): v for k, v in state.items()}
+
+
 def copy_weights_(model: torch.nn.Module, state: Mapping[str, torch.Tensor], where: str = "") -> None:
     """Copy ``state`` into ``model``'s parameters in place (and into the persistent buffers it
-    names; a buffer it leaves out keeps its value). See :func:`copy_state_`."""
+    names; a buffer it leaves out keeps its value); file names are mapped to live ones
+    (:func:`live_names`). See :func:`copy_state_`."""
+    state = live_names(model, state)
     params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     buffers = {k: v for k, v in model.state_dict(keep_vars=True).items() if k in state and k not in params}
     copy_state_({**params, **buffers}, state, where)

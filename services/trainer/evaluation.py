@@ -8,6 +8,10 @@ problem at the rollout's temperature and top-p; both stop where rollout stops (`
 Single-turn answers are scored as the reward router scores them (bounded by ``reward.timeout_s``,
 off the event loop: a verifier that hangs or crashes scores 0); multi-turn problems are played as
 greedy or sampled episodes against in-process environments (no environment workers needed).
+Given an ``answers`` list, it gets the greedy answers to the first :data:`ANSWERS_RECORDED` held-out
+problems of each single-turn domain as :class:`schemas.events.EvalAnswer` (for ``EvalResult.answers``);
+a visual problem's images are written to the run's blob store (once: the held-out set is fixed) and
+the answer names their digests.
 """
 
 from __future__ import annotations
@@ -17,17 +21,22 @@ from pathlib import Path
 from typing import Any
 
 import envs
+from blobs import BlobStore
 from envs.base import episode_ref
 from rollout.agent import AgentLimits, LocalEnvClient, Trajectory, run_episode
 from rollout.engine import Completion, Engine, GenerationRequest, TorchEngine
 from rollout.factory import make_engine
 from rollout.sampling import SamplingParams
 from rollout.vlm import ImageInputs
+from schemas import events as ev
 from schemas.config import DomainConfig, RunConfig
 from schemas.errors import to_thread
-from trainer.evaluate import Domain, Problem, evaluate
+from trainer.evaluate import Answered, Domain, Problem, evaluate
 
-__all__ = ["Evaluation"]
+__all__ = ["ANSWERS_RECORDED", "Evaluation"]
+
+ANSWERS_RECORDED = 8
+"""Greedy answers an evaluation records per single-turn domain (its first held-out problems)."""
 
 
 class EngineCalls:
@@ -64,8 +73,11 @@ class EngineCalls:
 class Evaluation:
     """The evaluation engine and the held-out problems of a run (see the module doc)."""
 
-    def __init__(self, cfg: RunConfig, model_dir: str, *, device: str, max_batch: int) -> None:
+    def __init__(self, cfg: RunConfig, model_dir: str, *, device: str, max_batch: int,
+                 blob_dir: str | Path | None = None) -> None:
         self.cfg = cfg
+        self.blobs = BlobStore(blob_dir) if blob_dir else None
+        """The run's blob store: a recorded visual answer's images go there."""
         self.engine = make_engine(cfg, model_dir, max_batch=max_batch, device=device, seed=cfg.run.seed,
                                   policy_version=0, local=True)
         self.sources = [envs.make_source(d.source, **d.kwargs) for d in cfg.data.domains]
@@ -97,8 +109,9 @@ class Evaluation:
 
         return Domain(d.name, problems, system, score=score)
 
-    async def run(self, weights: Path, version: int) -> dict[str, float]:
-        """Every metric of an evaluation of ``version`` (its weights at ``weights`` when they exist)."""
+    async def run(self, weights: Path, version: int, answers: list[ev.EvalAnswer] | None = None) -> dict[str, float]:
+        """Every metric of an evaluation of ``version`` (its weights at ``weights`` when they exist);
+        ``answers`` gets the recorded greedy answers (see the module doc)."""
         if weights.exists():
             await self.engine.load_weights(weights, version)
         ro, k = self.cfg.rollout, self.cfg.train.eval_samples
@@ -107,4 +120,26 @@ class Evaluation:
         if k > 0:
             sampled = (SamplingParams(max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
                                       stop=tuple(ro.stop)), k)
-        return await evaluate(EngineCalls(self.engine), self.domains, greedy, sampled)
+        answered: list[Answered] = []
+        metrics = await evaluate(EngineCalls(self.engine), self.domains, greedy, sampled, answered)
+        if answers is not None:
+            answers += await to_thread(self._recorded, answered)
+        return metrics
+
+    def _recorded(self, answered: list[Answered]) -> list[ev.EvalAnswer]:
+        """The first :data:`ANSWERS_RECORDED` answers of each domain, their images in the blob store."""
+        cut, kept = ev.EVAL_TEXT_MAX_CHARS, dict[str, int]()
+        out = []
+        for a in answered:
+            kept[a.domain] = kept.get(a.domain, 0) + 1
+            if kept[a.domain] > ANSWERS_RECORDED:
+                continue
+            hashes = []
+            if a.problem.images:
+                if self.blobs is None:
+                    raise RuntimeError("evaluation: a held-out problem has images but there is no blob store (blob_dir)")
+                hashes = [self.blobs.put(b) for b in a.problem.images]
+            out.append(ev.EvalAnswer(domain=a.domain, prompt_id=a.problem.prompt_id, prompt=a.problem.prompt[:cut],
+                                     reference=a.problem.reference, response=a.text[:cut], correct=a.correct,
+                                     image_hashes=hashes))
+        return out

@@ -98,7 +98,8 @@ class Trainer(BatchService):
         self.device = device
         self.strategy = make_strategy(cfg, settings.model_dir, device=device, blob_dir=blob_dir_of(self.run_dir))
         # the evaluation runs a local torch engine whatever rollout.engine is
-        self.evaluation = Evaluation(cfg, settings.model_dir, device=device, max_batch=settings.eval_batch)
+        self.evaluation = Evaluation(cfg, settings.model_dir, device=device, max_batch=settings.eval_batch,
+                                     blob_dir=blob_dir_of(self.run_dir))
         self.checkpoints = Checkpoints(self.run_dir, cfg.train.keep_checkpoints)
         self.publisher = WeightsPublisher(settings.run_id, self.run_dir, resolve_handoff(cfg))
         self.state = TrainerState()
@@ -171,11 +172,13 @@ class Trainer(BatchService):
         return await self.weights_event()
 
     async def eval_event(self, split: str) -> ev.EvalResult:
-        """An evaluation of the current version as the ``EvalResult`` to publish."""
+        """An evaluation of the current version as the ``EvalResult`` to publish (with the greedy
+        answers to a few held-out problems)."""
         version = self.state.version
-        metrics = await self.evaluation.run(self.publisher.local_ref(version), version)
+        answers: list[ev.EvalAnswer] = []
+        metrics = await self.evaluation.run(self.publisher.local_ref(version), version, answers)
         return ev.EvalResult(run_id=self.s.run_id, step=self.state.step, policy_version=version, split=split,
-                             metrics=metrics)
+                             metrics=metrics, answers=answers)
 
     # ----------------------------------------------------------------- hooks
 
@@ -205,7 +208,7 @@ class Trainer(BatchService):
             first = await self.eval_event(due[0])
             await runner.send("metrics", first, *[
                 ev.EvalResult(run_id=first.run_id, step=0, policy_version=first.policy_version, split=split,
-                              metrics=first.metrics) for split in due[1:]], key="0")
+                              metrics=first.metrics, answers=first.answers) for split in due[1:]], key="0")
         self._evaluated.add(0)
 
     def resume_from(self, history: History) -> None:

@@ -345,11 +345,11 @@ def _expected_rescore(r: Recorded, verifier: str | None) -> dict[str, Any]:
     }
 
 
-def _check(report: dict[str, Any], want: dict[str, Any]) -> None:
+def _check(report: dict[str, Any], want: dict[str, Any], domain: str = "arith") -> None:
     got = report["total"]
     for k, v in want.items():
         assert got[k] == pytest.approx(v, abs=1e-3), k
-    assert report["domains"]["arith"] == got  # one domain
+    assert report["domains"][domain] == got  # one domain
 
 
 @pytest.mark.slow
@@ -429,3 +429,21 @@ def test_replay_input_errors_are_one_line(tmp_path: Path) -> None:
         rollstream("replay", "rescore", "r1", "--from-step", "5", "--to-step", "2", "--runs-dir", runs, env=env))
     assert "run id" in one_error_line(rollstream("replay", "into", "r1", "bad id!", env=env))
     assert "cannot replay run r1 into itself" in one_error_line(rollstream("replay", "into", "r1", "r1", env=env))
+
+
+@pytest.mark.bench
+def test_rescore_of_a_visual_run(visual_run: Any, bootstrap: str) -> None:
+    """A visual run's recorded answers re-scored: with the recorded config nothing changes, with the
+    format verifier every number is what the record's answers give here."""
+    vis = Recorded(visual_run.run_id, visual_run.runs, visual_run.env, bootstrap)
+    summary = json.loads((vis.runs / vis.run_id / "summary.json").read_text())
+    same = vis.replay("rescore", "--format", "json")
+    assert same.returncode == 0, same.stderr
+    report = json.loads(same.stdout)
+    _check(report, _expected_rescore(vis, None), "colour")
+    assert report["verifiers"] == {"colour": "exact"} and report["train_steps"] == 2
+    assert report["total"]["trained_samples"] == summary["samples"]["trained"]
+    assert report["total"]["rewards_changed"] == 0 and report["examples"] == []
+    other = vis.replay("rescore", "--set", "data.domains.0.verifier=format", "--format", "json")
+    assert other.returncode == 0, other.stderr
+    _check(json.loads(other.stdout), _expected_rescore(vis, "format"), "colour")

@@ -74,3 +74,31 @@ def test_cli_train_step_prints_recorded_beside_replayed(recorded: Path, bootstra
         bad = cli(*args)
         assert bad.returncode == code and msg in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+
+
+@pytest.mark.bench
+def test_a_visual_step_recomputes_with_its_images(visual_run: Any, tmp_path: Path) -> None:
+    """A visual run's step 1, re-run from the checkpoint of step 0, with the images loaded by digest
+    from the run's blob store: the record to 1e-6; without the blob store, one line naming the image."""
+    def replay(runs: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "cli", "replay", "step", visual_run.run_id, "1", "--format",
+                               "json", "--runs-dir", str(runs)], capture_output=True, text=True, timeout=300,
+                              env=visual_run.env)
+
+    res = replay(visual_run.runs)
+    assert res.returncode == 0, res.stderr
+    r = json.loads(res.stdout)
+    assert r["step"] == 1 and r["from_checkpoint"] == 0
+    rows = {m["metric"]: m for m in r["metrics"]}
+    assert rows["actor/grad_norm"]["replayed"] > 0 and rows["actor/entropy"]["replayed"] > 0
+    assert r["max_abs_diff"] <= 1e-6, [m for m in r["metrics"] if m["abs_diff"] is not None and m["abs_diff"] > 1e-6]
+
+    blobs = visual_run.runs / visual_run.run_id / "blobs"
+    blobs.rename(tmp_path / "blobs")  # the run without its blob store (given back below: the run is shared)
+    try:
+        bad = replay(visual_run.runs)
+    finally:
+        (tmp_path / "blobs").rename(blobs)
+    lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
+    assert bad.returncode == 1 and len(lines) == 1 and "Traceback" not in bad.stderr, bad.stderr
+    assert "is missing from the run's blob store" in lines[0] and lines[0].startswith("error: sample ")

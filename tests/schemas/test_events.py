@@ -227,6 +227,17 @@ def test_task_image_hashes_added_after_v11_default_to_none_in_old_payloads() -> 
     assert gen.task.image_hashes == ["ab" * 32]
 
 
+def test_eval_answers_added_after_v12_default_to_none_in_old_payloads() -> None:
+    """EvalResult.answers (the greedy answers to a few held-out problems): a v12 evaluation has none,
+    a v13 one carries an answer naming its image's digest."""
+    dec = msgspec.msgpack.Decoder(TOPICS["metrics"].event_type)
+    old = dec.decode((FIXTURES / "v12" / "EvalResult.msgpack").read_bytes())
+    assert isinstance(old, ev.EvalResult) and old.answers == [] and old.metrics == {"eval/accuracy": 0.5}
+    new = dec.decode((FIXTURES / "v13" / "EvalResult.msgpack").read_bytes())
+    assert isinstance(new, ev.EvalResult) and [(a.reference, a.correct, a.image_hashes) for a in new.answers] == \
+        [("red", True, ["cd" * 32])]
+
+
 def test_generation_peak_memory_added_after_v11_defaults_to_unreported_in_old_payloads() -> None:
     """Generation.peak_memory_gib (the rollout worker's peak memory): a v11 generation has none (0),
     a new one carries it through its topic."""

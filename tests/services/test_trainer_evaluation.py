@@ -12,9 +12,11 @@ from typing import Any
 import pytest
 
 import envs
+from blobs import BlobStore
 from rollout.engine import Completion, GenerationRequest
+from schemas import events as ev
 from schemas.config import parse_config
-from services.trainer.evaluation import Evaluation
+from services.trainer.evaluation import ANSWERS_RECORDED, Evaluation
 
 
 def evaluation(model_dir: Path, yaml: str) -> Evaluation:
@@ -73,3 +75,27 @@ async def test_sampled_episodes_play_each_held_out_room_k_times(tmp_path: Path, 
     assert 0 <= metrics["eval/lake/accuracy_sampled"] <= 1 and metrics["eval/accuracy_sampled"] == \
         metrics["eval/lake/accuracy_sampled"]
     assert {"eval/lake/return", "eval/lake/turns"} <= set(metrics)
+
+
+async def test_the_first_held_out_answers_are_recorded(tmp_path: Path, model_dir: Path) -> None:
+    c = evaluation(model_dir, "data: {heldout_size: 10}")
+    answers: list[ev.EvalAnswer] = []
+    metrics = await c.run(tmp_path / "no-weights-yet", 0, answers)
+    problems = c.domains[0].problems
+    assert [a.prompt_id for a in answers] == [p.prompt_id for p in problems[:ANSWERS_RECORDED]]
+    assert [(a.domain, a.prompt, a.reference) for a in answers[:1]] == [("arith", problems[0].prompt,
+                                                                         problems[0].reference)]
+    assert all(a.image_hashes == [] for a in answers)  # a text task
+    assert sum(a.correct for a in answers) <= round(metrics["eval/accuracy"] * 10)
+
+
+async def test_a_visual_answer_names_its_image_in_the_blob_store(tmp_path: Path, vlm_dir: Path) -> None:
+    cfg = parse_config("data: {heldout_size: 2, domains: [{name: see, source: shapes}]}\nrollout: {max_new_tokens: 4}")
+    c = Evaluation(cfg, str(vlm_dir), device="cpu", max_batch=8, blob_dir=tmp_path / "blobs")
+    answers: list[ev.EvalAnswer] = []
+    await c.run(tmp_path / "no-weights-yet", 0, answers)
+    problems = c.domains[0].problems
+    assert len(answers) == 2 and all(len(a.image_hashes) == 1 for a in answers)
+    store = BlobStore(tmp_path / "blobs")
+    assert [store.get(a.image_hashes[0]) for a in answers] == [p.images[0] for p in problems]
+    assert {a.reference for a in answers} <= {"red", "green", "blue", "yellow", "black"}

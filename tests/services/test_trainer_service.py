@@ -389,4 +389,6 @@ async def test_start_evaluates_the_same_weights_once(tmp_path: Path, model_dir: 
         assert evaluated == ["init"]
         assert order == [("weights", ""), ("metrics", "init"), ("metrics", "heldout")]
         assert evals[0].metrics == evals[1].metrics and evals[0].event_id != evals[1].event_id
+        assert evals[0].answers == evals[1].answers  # the same answers, recorded with both
+    assert all(len(e.answers) == 2 for e in evals)  # the greedy answers to both held-out problems
     assert all(e.step == 0 and e.policy_version == 0 for e in evals)

@@ -71,6 +71,22 @@ MAKE_RECORD = textwrap.dedent("""
         events.append(ev.EvalResult(run_id=rid, step=step, policy_version=step, split="heldout",
                                     metrics={"eval/accuracy": shift + 0.1 * step, "eval/math/accuracy": 0.5,
                                              "eval/code/accuracy": 0.2 + 0.05 * step}))
+    if shift:  # run-b is visual: its held-out evaluations recorded answers with images, one blob missing
+        import envs
+        from blobs import BlobStore, blob_dir_of, sha256_hex
+
+        problems = envs.make_source("shapes").heldout(3)
+        store = BlobStore(blob_dir_of(f"{runs_dir}/{rid}"))
+        for p in problems[:2]:
+            store.put(p.images[0])
+        for step in (1, 3):
+            answers = [ev.EvalAnswer(domain="see", prompt_id=p.prompt_id, prompt=p.prompt, reference=p.reference,
+                                     response=p.reference if i != 1 else "blue<b>", correct=i != 1,
+                                     image_hashes=[sha256_hex(p.images[0])]) for i, p in enumerate(problems)]
+            e = ev.EvalResult(run_id=rid, step=step, policy_version=step, split="heldout",
+                              metrics={"eval/accuracy": 0.5}, answers=answers[:step])
+            client.insert("events", [event_row(f"rs.{rid}.metrics", 0, 100 + step, rid, "metrics", None, e, None,
+                                               e.ts)], column_names=COLUMNS["events"])
     # one issued task that never came back
     events.append(ev.RolloutTask(run_id=rid, sample_id="lost", group_id="gx", index=0, group_size=1,
                                  prompt_id="px", domain="math", prompt="?"))
@@ -134,6 +150,7 @@ def test_report_one_run(runs_dir: Path) -> None:
     assert "waiting in queue" in index and "queue_s" not in index
     assert "<td>train.lr</td><td>1e-05</td><td>2e-05</td>" in index and "<td>run.seed</td>" not in index
     assert "5 versions: 0–4" in index and "samples.trained" in index  # weights summarised; summary.json
+    assert "Held-out answers" not in index and "class='answer'" not in index  # a text run: no answers section
 
 
 def test_report_two_runs_overlaid(runs_dir: Path, tmp_path: Path) -> None:
@@ -142,6 +159,13 @@ def test_report_two_runs_overlaid(runs_dir: Path, tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     index = check_report(out)
     assert "run-a vs run-b" in index and index.count("class='headline'") == 2
+    # run-b is visual: the last evaluation's answers (step 3), two images from its blob store, one missing
+    assert index.count("Held-out answers") == 1 and "run-b: Held-out answers at step 3" in index
+    section = index[index.index("run-b: Held-out answers"):index.index("<h2>Samples by status")]
+    assert section.count("<img class='answer' src=\"data:image/png;base64,") == 2
+    assert section.count("class='qa'") == 3 and "(2 of 3 right)" in section
+    assert section.count("✓ right") == 2 and "✗ wrong" in section and "blue&lt;b&gt;" in section  # escaped
+    assert "missing from the blob store" in section and "1 image(s) could not be read" in section
 
 
 def test_report_errors_are_one_line(runs_dir: Path) -> None:
@@ -227,3 +251,41 @@ def test_extraction_reports_progress_per_query(runs_dir: Path) -> None:
         mine = [m for m in seen if m.startswith(f"{rid}: ")]
         assert [m.split(": ", 2)[1] for m in mine] == [f"query {i}/{len(names)}" for i in range(1, len(names) + 1)]
         assert mine[0].endswith(names[0]) and "previous took" in mine[-1]
+
+
+def test_a_visual_run_whose_blob_store_is_gone_gets_a_note(tmp_path: Path) -> None:
+    """The answers' images come from the run's blob store; without it each answer says why, the page
+    notes it, and nothing fails. A run whose answers show no images (a text run) gets no section."""
+    answer = {"domain": "see", "prompt_id": "shapes-3", "prompt": "What colour is the square?", "reference": "red",
+              "response": "red", "correct": True, "image_hashes": ["ab" * 32]}
+    run = {"run_id": "v", "answers": {"step": 2, "items": [answer]}, "blob_dir": str(tmp_path / "gone")}
+    images = rp.answer_images([run])
+    assert images == {("v", "ab" * 32): f"the run's blob store {tmp_path / 'gone'} is missing"}
+    section = page.answers_html(run, images)
+    assert "Held-out answers at step 2" in section and "<img" not in section
+    assert "blob store" in section and "1 image(s) could not be read" in section and "✓ right" in section
+    text = {"run_id": "t", "answers": {"step": 2, "items": [dict(answer, image_hashes=[])]}}
+    assert rp.answer_images([text]) == {} and page.answers_html(text, {}) == ""
+
+
+@pytest.mark.bench
+def test_report_of_a_visual_run_shows_held_out_images_and_answers(visual_run: Any, tmp_path: Path) -> None:
+    """A real visual run: the last evaluation's 8 recorded answers with their images; the same run
+    without its blob store reports too, each image replaced by the reason."""
+    res = cli("report", visual_run.run_id, "--runs-dir", str(visual_run.runs))
+    assert res.returncode == 0, res.stderr
+    index = (visual_run.runs / visual_run.run_id / "report" / "index.html").read_text()
+    assert "Held-out answers at step 2" in index
+    section = index[index.index("Held-out answers at step 2"):index.index("<h2>Samples by status")]
+    assert section.count("class='qa'") == 8 and section.count("<img class='answer'") == 8
+    assert "What colour is the square?" in section and "could not be read" not in section
+
+    blobs = visual_run.runs / visual_run.run_id / "blobs"
+    blobs.rename(tmp_path / "blobs")  # the run without its blob store (given back below: the run is shared)
+    try:
+        gone = cli("report", visual_run.run_id, "--runs-dir", str(visual_run.runs), "--out", str(tmp_path / "r"))
+    finally:
+        (tmp_path / "blobs").rename(blobs)
+    assert gone.returncode == 0, gone.stderr
+    index = (tmp_path / "r" / "index.html").read_text()
+    assert "<img class='answer'" not in index and "8 image(s) could not be read" in index

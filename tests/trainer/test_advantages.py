@@ -371,3 +371,37 @@ def test_remax_subtracts_the_greedy_reward_and_refuses_two_baselines_in_a_group(
         remax_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), torch.tensor([3, 3]))
     with pytest.raises(ValueError, match="different greedy baselines"):
         remax_advantages_reference([1.0, 0.0], [0.0, 1.0], [3, 3])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    value=st.floats(-10, 10, allow_nan=False, width=32),
+    size=st.integers(2, 16),
+    other=st.lists(st.floats(-10, 10, allow_nan=False, width=32), min_size=2, max_size=6),
+)
+def test_a_group_of_equal_rewards_gets_exactly_zero_advantage(value: float, size: int, other: list[float]) -> None:
+    # A float32 mean of equal rewards is not the reward (eight 0.1s sum to 0.8000001); divided by
+    # std + eps that round-off made GRPO advantages of about ±0.03 in groups with no signal, which
+    # also kept them out of skip_zero_advantage. Exactly 0 is what the estimators define.
+    rewards = torch.tensor([value] * size + other)  # (B,) float32
+    ids = torch.tensor([0] * size + [1] * len(other))
+    lengths = torch.arange(1.0, len(rewards) + 1)
+    outs = {
+        "grpo": grpo_advantages(rewards, ids),
+        "dr_grpo": dr_grpo_advantages(rewards, ids),
+        "rloo": rloo_advantages(rewards, ids),
+        "gpg": gpg_advantages(rewards, ids)[0],
+        "opo": opo_advantages(rewards, ids, lengths),
+        "normalize group/group": normalize_rewards(rewards, ids),
+        "normalize group/batch": normalize_rewards(rewards, ids, "group", "batch"),
+    }
+    for name, adv in outs.items():
+        assert torch.equal(adv[:size], torch.zeros(size)), name
+    assert torch.equal(normalize_rewards(rewards[:size], ids[:size], "batch", "batch"), torch.zeros(size))
+
+
+def test_the_round_off_case_that_was_seen() -> None:
+    # rcpB step 31 (SmolLM2 recipe run): every group [0.1] * 8, format reward only.
+    rewards = torch.tensor([0.1] * 8 + [0.3] * 8)
+    ids = torch.tensor([0] * 8 + [1] * 8)
+    assert grpo_advantages(rewards, ids).abs().max().item() == 0.0

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from trainer.evaluate import Domain, Problem, evaluate
+from trainer.evaluate import Answered, Domain, Problem, evaluate
 
 
 @dataclass(frozen=True)
@@ -132,3 +132,17 @@ async def test_episodes_of_a_multi_turn_domain_and_the_totals_over_domains() -> 
 async def test_a_domain_without_a_way_to_judge_it_is_an_error() -> None:
     with pytest.raises(ValueError, match="domain d: neither score nor play"):
         await evaluate(Engine([]), [Domain("d", [Q("a", "x", "1")])], GREEDY)
+
+
+async def test_the_greedy_answers_are_handed_back_in_problem_order_judged() -> None:
+    problems = [Q(f"p{i}", f"{i}+1=", str(i + 1)) for i in range(3)]
+
+    async def odd_only(text: str, reference: str) -> bool:
+        return int(reference) % 2 == 1
+
+    answers: list[Answered] = []
+    metrics = await evaluate(Engine(problems), [Domain("arith", problems, score=odd_only)], GREEDY, (SAMPLED, 2),
+                             answers)
+    assert [(a.domain, a.problem.prompt_id, a.text, a.correct) for a in answers] == \
+        [("arith", "p0", "1", True), ("arith", "p1", "2", False), ("arith", "p2", "3", True)]  # greedy pass only
+    assert metrics["eval/accuracy"] == pytest.approx(2 / 3)

@@ -105,6 +105,24 @@ def test_load_weights_into_restores_a_saved_model(model_dir: Path) -> None:
         load_weights_into(torch.nn.Linear(2, 2), model_dir)
 
 
+def test_a_vlm_loads_the_files_save_pretrained_wrote_under_other_names(vlm_dir: Path, tmp_path: Path) -> None:
+    """Qwen2-VL's files name ``model.embed_tokens`` what its modules call
+    ``model.language_model.embed_tokens`` (and ``visual.`` its ``model.visual.``): a checkpoint the
+    trainer wrote with ``save_pretrained`` loads back into a live model all the same."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(vlm_dir, local_files_only=True)
+    model.save_pretrained(tmp_path)
+    on_disk = read_weights(tmp_path)
+    assert "model.embed_tokens.weight" in on_disk and "model.embed_tokens.weight" not in model.state_dict()
+    want = values(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    load_weights_into(model, tmp_path)
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+
+
 def test_weights_match_is_bitwise_with_ties_and_dtypes(tmp_path: Path) -> None:
     model = Tied()
     targets = {k: v.detach() for k, v in model.state_dict().items()}  # detached: ties by storage
