@@ -7,7 +7,7 @@ image blobs and turns them into a vision processor's inputs. It imports nothing 
 """
 
 from blobs.images import decode_image, encode_png, pixel_inputs
-from blobs.store import BLOBS_DIR, BlobError, BlobStore, blob_dir_of, is_digest, sha256_hex
+from blobs.store import BLOBS_DIR, BlobError, BlobStore, blob_dir_of, is_digest, sha256_hex, share_blobs
 
 __all__ = [
     "BLOBS_DIR",
@@ -19,4 +19,5 @@ __all__ = [
     "is_digest",
     "pixel_inputs",
     "sha256_hex",
+    "share_blobs",
 ]

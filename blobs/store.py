@@ -41,6 +41,28 @@ def blob_dir_of(run_dir: str | Path) -> Path:
     return Path(run_dir) / BLOBS_DIR
 
 
+def share_blobs(src: str | Path, dst: str | Path) -> int:
+    """Put every blob of the store at ``src`` into the store at ``dst`` (hard links; copies across
+    filesystems); blobs ``dst`` holds already are left alone. Returns how many were added."""
+    import shutil
+
+    added = 0
+    for path in sorted(Path(src).glob("??/*")):
+        digest = path.parent.name + path.name
+        if not is_digest(digest):
+            continue  # a writer's temporary file
+        final = Path(dst) / path.parent.name / path.name
+        if final.is_file():
+            continue
+        final.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, final)
+        except OSError:
+            shutil.copyfile(path, final)
+        added += 1
+    return added
+
+
 class BlobStore:
     """The blobs under ``root`` (created on the first :meth:`put`)."""
 

@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 import yaml
 
+from blobs import blob_dir_of, share_blobs
 from replay.record import (
     Progress,
     ReplayError,
@@ -114,6 +115,8 @@ class IntoSummary:
     """Non-empty when the recorded config did not validate and was written as recorded."""
     bootstrap: str = ""
     """The Kafka the copy went to (:func:`runtime.probe.find_bootstrap`)."""
+    blobs: int = 0
+    """Blobs (a visual run's images) the new run's blob store got from the source run's."""
 
     @property
     def total(self) -> int:
@@ -123,7 +126,7 @@ class IntoSummary:
         return {"run_id": self.run_id, "into": self.into,
                 "steps": list(self.steps) if self.steps else None, "topics": self.published,
                 "total": self.total, "read": self.read, "config": self.config_path,
-                "config_note": self.config_note, "kafka": self.bootstrap}
+                "config_note": self.config_note, "kafka": self.bootstrap, "blobs": self.blobs}
 
 
 async def replay_into(s: ReplaySettings, progress: Progress = no_progress) -> IntoSummary:
@@ -166,6 +169,8 @@ async def replay_into(s: ReplaySettings, progress: Progress = no_progress) -> In
     config_path = Path(s.runs_dir).resolve() / s.into / "config.yaml"
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    runs_dir = Path(s.runs_dir).resolve()  # the events name images by digest: the new run reads them here
+    blobs = share_blobs(blob_dir_of(runs_dir / s.run_id), blob_dir_of(runs_dir / s.into))
 
     published: Counter[str] = Counter({n: 0 for n in names})
     read = 0
@@ -189,7 +194,7 @@ async def replay_into(s: ReplaySettings, progress: Progress = no_progress) -> In
         except KafkaError as e:  # a send the broker refused (size, authorization, ...)
             raise ReplayError(f"publishing into run {s.into} failed: {one_line(e)}") from None
     return IntoSummary(s.run_id, s.into, (sl.first, sl.last) if sl else None, dict(published), read,
-                       str(config_path), note, bootstrap)
+                       str(config_path), note, bootstrap, blobs)
 
 
 def into_table(summary: IntoSummary) -> Any:
@@ -203,4 +208,6 @@ def into_table(summary: IntoSummary) -> Any:
     for name, n in summary.published.items():
         t.add_row(topic_name(summary.into, name), str(n))
     t.add_row("total", str(summary.total))
+    if summary.blobs:
+        t.caption = f"{summary.blobs} blob(s) (images) shared into runs/{summary.into}/blobs"
     return t

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from blobs import BlobError, BlobStore, blob_dir_of, is_digest, sha256_hex
+from blobs import BlobError, BlobStore, blob_dir_of, is_digest, sha256_hex, share_blobs
 
 
 def test_put_names_a_blob_by_the_sha256_of_its_bytes(tmp_path: Path) -> None:
@@ -53,3 +53,15 @@ def test_a_malformed_digest_is_refused(tmp_path: Path, bad: str) -> None:
 
 def test_the_blob_store_of_a_run_is_beside_its_record(tmp_path: Path) -> None:
     assert blob_dir_of(tmp_path / "run1") == tmp_path / "run1" / "blobs"
+
+
+def test_share_blobs_gives_a_new_run_the_source_runs_blobs(tmp_path: Path) -> None:
+    src, dst = BlobStore(tmp_path / "a" / "blobs"), BlobStore(tmp_path / "b" / "blobs")
+    digests = [src.put(b"image one"), src.put(b"image two")]
+    dst.put(b"image two")  # held already: left alone
+    (src.root / digests[0][:2] / f".{digests[0][2:]}.tmp-1").write_bytes(b"a writer's partial file")
+    assert share_blobs(src.root, dst.root) == 1
+    assert [dst.get(d) for d in digests] == [b"image one", b"image two"]
+    assert not any(p.name.startswith(".") for p in dst.root.rglob("*"))
+    assert share_blobs(src.root, dst.root) == 0
+    assert share_blobs(tmp_path / "no run" / "blobs", dst.root) == 0  # a text run has no blob store

@@ -447,3 +447,19 @@ def test_rescore_of_a_visual_run(visual_run: Any, bootstrap: str) -> None:
     other = vis.replay("rescore", "--set", "data.domains.0.verifier=format", "--format", "json")
     assert other.returncode == 0, other.stderr
     _check(json.loads(other.stdout), _expected_rescore(vis, "format"), "colour")
+
+
+@pytest.mark.bench
+def test_into_of_a_visual_run_gives_the_new_run_its_images(visual_run: Any, bootstrap: str) -> None:
+    from blobs import BlobStore, blob_dir_of
+
+    vis = Recorded(visual_run.run_id, visual_run.runs, visual_run.env, bootstrap)
+    into = f"{vis.run_id}-into"
+    res = vis.replay("into", into, "--format", "json")
+    assert res.returncode == 0, res.stderr
+    src = sorted(p.relative_to(blob_dir_of(vis.runs / vis.run_id)) for p in blob_dir_of(vis.runs / vis.run_id).rglob("*")
+                 if p.is_file())
+    assert json.loads(res.stdout)["blobs"] == len(src) > 0
+    copy = BlobStore(blob_dir_of(vis.runs / into))
+    tasks = [r.event for r in consume(vis, into) if isinstance(r.event, ev.RolloutTask)]
+    assert tasks and all(copy.has(d) for t in tasks for d in t.image_hashes)
