@@ -535,10 +535,7 @@ def gpg_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torc
     """
     r = rewards.float()  # (B,)
     inv, k = _group_index(group_ids)
-    big = torch.finfo(r.dtype).max
-    hi = torch.full((k,), -big).scatter_reduce(0, inv, r, "amax")[inv]  # (B,)
-    lo = torch.full((k,), big).scatter_reduce(0, inv, r, "amin")[inv]  # (B,)
-    valid = hi > lo  # (B,)
+    valid = ~_constant(r, inv, k)[inv]  # (B,) groups whose rewards differ
     n_valid = int(valid.sum())
     alpha = r.numel() / n_valid if n_valid else 1.0
     return torch.where(valid, alpha * (r - group_mean(r, group_ids)), torch.zeros_like(r)), alpha
