@@ -8,6 +8,8 @@
   of ``loss_mask`` / ``old_logprobs`` describes the token predicted from positions ``<= t``.
 * :func:`segment_layout`, :func:`split_rows` and :func:`merge_rows`: a windowed episode's
   independent segments as rows of their own, and back.
+* :func:`shared_prefix_layout`: the rows of a micro-batch packed into one sequence in which the
+  rows of one group forward their common prefix (the prompt) once (``train.shared_prefix``).
 
 Which samples make a batch (groups, staleness, the group rules) is the trainer service's
 decision: :mod:`services.trainer.groups`.
@@ -96,6 +98,14 @@ class TokenBatch:
         :meth:`rows` then hold similar lengths and each is trimmed to less padding. Row order
         changes nothing else: every loss is a sum over rows weighted by share."""
         return self.take(torch.argsort(self.attention_mask.sum(dim=1), stable=True))
+
+    def by_group(self) -> TokenBatch:
+        """The same rows, the rows of a group together (groups in order of first appearance, each
+        shortest first): consecutive micro-batches of :meth:`rows` then hold whole groups, whose
+        common prompt :func:`shared_prefix_layout` forwards once."""
+        order = torch.argsort(self.attention_mask.sum(dim=1), stable=True)  # (B,)
+        groups = self.extras["group_ids"][order]  # (B,) dense ints in order of first appearance
+        return self.take(order[torch.argsort(groups, stable=True)])
 
     def take(self, index: torch.Tensor) -> TokenBatch:
         """The rows ``index`` selects (a (B,) bool mask or row indices, in their order)."""
@@ -215,6 +225,55 @@ def merge_rows(x: torch.Tensor, layout: Sequence[Segment], samples: int, width: 
     for r, (b, lo, hi) in enumerate(layout):
         out[b, lo : hi - 1] = x[r, : hi - lo - 1]
     return out
+
+
+# --------------------------------------------------------------------------- shared prefixes
+
+
+def shared_prefix_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pack right-padded rows ``(b, l)`` into one sequence of ``N`` tokens in which the rows of a
+    group (``group_ids`` (b,)) forward their longest common prefix once, then each row's own rest.
+
+    Returns the packed ``ids`` (N,), ``positions`` (N,) (each row's own positions: its rest
+    continues after the shared prefix), ``allowed`` (N, N) bool (query ``q`` may attend key ``k``:
+    the same group, ``k <= q``, and ``k`` is in the shared prefix or in ``q``'s own row) and
+    ``index`` (b, l): where each (row, column) sits in the sequence (a padding column points at
+    its row's last token). Every row's hidden states equal those of its own padded forward: the
+    prefix's tokens see the same tokens in both, so the result (and its gradient) is exact."""
+    lens = attention_mask.sum(dim=1).tolist()  # (b,)
+    members: dict[int, list[int]] = {}
+    for r, g in enumerate(group_ids.tolist()):
+        members.setdefault(int(g), []).append(r)
+    ids: list[torch.Tensor] = []
+    pos: list[torch.Tensor] = []
+    owner: list[torch.Tensor] = []  # -1: a group's shared prefix, else the row of the token
+    group: list[torch.Tensor] = []
+    index = torch.zeros(attention_mask.shape, dtype=torch.long, device=input_ids.device)  # (b, l)
+    n = 0
+    for g, rows in enumerate(members.values()):
+        shortest = min(lens[r] for r in rows)
+        same = (input_ids[rows, :shortest] == input_ids[rows[0], :shortest]).all(dim=0)  # (shortest,)
+        shared = int(same.long().cumprod(dim=0).sum())  # the longest common prefix
+        start = n
+        ids.append(input_ids[rows[0], :shared])
+        pos.append(torch.arange(shared, device=input_ids.device))
+        owner.append(torch.full((shared,), -1, dtype=torch.long, device=input_ids.device))
+        n += shared
+        for r in rows:
+            own = lens[r] - shared
+            cols = torch.arange(attention_mask.shape[1], device=input_ids.device).clamp(max=lens[r] - 1)  # (l,)
+            index[r] = torch.where(cols < shared, start + cols, n + cols - shared)
+            ids.append(input_ids[r, shared : lens[r]])
+            pos.append(torch.arange(shared, lens[r], device=input_ids.device))
+            owner.append(torch.full((own,), r, dtype=torch.long, device=input_ids.device))
+            n += own
+        group.append(torch.full((n - start,), g, dtype=torch.long, device=input_ids.device))
+    flat_owner, flat_group = torch.cat(owner), torch.cat(group)  # (N,) each
+    at = torch.arange(n, device=input_ids.device)  # (N,)
+    allowed = ((flat_group[:, None] == flat_group[None, :]) & (at[None, :] <= at[:, None])
+               & ((flat_owner[None, :] == -1) | (flat_owner[None, :] == flat_owner[:, None])))  # (N, N)
+    return torch.cat(ids), torch.cat(pos), allowed, index
 
 
 # --------------------------------------------------------------------------- tensors

@@ -43,7 +43,15 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 from schemas.config import AlgorithmConfig, RunConfig, TrainConfig, resolve_dtype
 from trainer import algorithm as alg
 from trainer import losses as L
-from trainer.batch import TokenBatch, TrainSample, collate, merge_rows, segment_layout, split_rows
+from trainer.batch import (
+    TokenBatch,
+    TrainSample,
+    collate,
+    merge_rows,
+    segment_layout,
+    shared_prefix_layout,
+    split_rows,
+)
 from trainer.logprobs import causal_parts, head_logprobs, token_logprobs
 from trainer.losses import entropy_from_logits, masked_mean
 from trainer.sft import SFTExample, sft_warmup
@@ -216,7 +224,7 @@ def strategy_kwargs(cfg: RunConfig, device: str) -> dict[str, Any]:
         lr_warmup_steps=cfg.train.lr_warmup_steps, device=device,
         lora_rank=cfg.train.lora_rank, lora_alpha=cfg.train.lora_alpha, lora_dropout=cfg.train.lora_dropout,
         lora_target_modules=cfg.train.lora_target_modules, skip_zero_advantage=cfg.train.skip_zero_advantage,
-        freeze_vision=cfg.train.freeze_vision,
+        freeze_vision=cfg.train.freeze_vision, shared_prefix=cfg.train.shared_prefix,
     )
 
 
@@ -301,6 +309,7 @@ class TorchStrategy:
         skip_zero_advantage: bool = False,
         blob_dir: str | Path | None = None,
         freeze_vision: bool = False,
+        shared_prefix: bool = True,
     ) -> None:
         if lora_rank < 0:
             raise ValueError(f"lora_rank={lora_rank} must be >= 0 (0 = no LoRA)")
@@ -341,6 +350,8 @@ class TorchStrategy:
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
+        self.shared_prefix = shared_prefix
+        """Rows of one group forward their common prefix once (:meth:`_hidden`, the chunked head's path)."""
         self.logprob_chunk_tokens = logprob_chunk_tokens
         self.temperature = temperature
         algo = algo or AlgorithmConfig()
@@ -513,13 +524,20 @@ class TorchStrategy:
 
     def _hidden(self, model: torch.nn.Module, decoder: torch.nn.Module, micro: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The last hidden states of ``micro`` (N, H) and the row of each (sample, position) in them
-        (b, l). Padded: ``N = b · l``. Packed (``micro_batch_tokens``): the samples' tokens one after
-        the other in one sequence (``N`` = their sum), position ids restarting at each sample, which
-        transformers turns into an attention within each sample."""
+        (b, l). Shared prefixes (``shared_prefix``, the default): the rows packed into one sequence
+        in which a group's common prompt is forwarded once (:func:`trainer.batch.shared_prefix_layout`,
+        an explicit attention mask). Padded: ``N = b · l``. Packed (``micro_batch_tokens``): the
+        samples' tokens one after the other (``N`` = their sum), position ids restarting at each
+        sample, which transformers turns into an attention within each sample."""
         ids, attn = micro.input_ids.to(self.device), micro.attention_mask.to(self.device)  # (b, l)
         b, width = ids.shape
         off = model.adapters_off() if isinstance(model, _AdaptersDisabled) else contextlib.nullcontext()
         with off:
+            if self._shares_prefixes(micro):
+                flat, pos, allowed, index = shared_prefix_layout(ids, attn, micro.extras["group_ids"].to(self.device))
+                h = self._decode(model, decoder, input_ids=flat[None], position_ids=pos[None],
+                                 attention_mask=allowed[None, None])[0]  # (N, H)
+                return h, index
             if not self.micro_batch_tokens:
                 h = self._decode(model, decoder, input_ids=ids, attention_mask=attn)  # (b, l, H)
                 return h.reshape(b * width, -1), torch.arange(b * width, device=self.device).view(b, width)
@@ -531,6 +549,13 @@ class TorchStrategy:
         starts = lens.cumsum(0) - lens  # (b,)
         index = (starts[:, None] + torch.arange(width, device=self.device)).clamp(max=h.shape[0] - 1)  # (b, l)
         return h, index
+
+    def _shares_prefixes(self, micro: TokenBatch) -> bool:
+        """Whether :meth:`_hidden` forwards ``micro`` with shared prefixes: ``shared_prefix`` is on,
+        the rows carry their groups, and the model's attention takes a boolean 4-D mask (``sdpa``,
+        the one this strategy loads)."""
+        impl = getattr(getattr(self.hf_model, "config", None), "_attn_implementation", None)
+        return self.shared_prefix and "group_ids" in micro.extras and impl == "sdpa"
 
     def _decode(self, model: torch.nn.Module, decoder: torch.nn.Module, **inputs: Any) -> torch.Tensor:
         """The last hidden states (b, l, H) of ``model``'s ``decoder`` on ``inputs``."""
@@ -822,15 +847,18 @@ class TorchStrategy:
         return batch.take(keep)
 
     def micro_batches(self, batch: TokenBatch) -> tuple[TokenBatch, list[tuple[TokenBatch, float]]]:
-        """The rows of a prepared ``batch`` that train (:meth:`gradient_rows`), shortest first (so
-        each micro-batch is trimmed to less padding), and their micro-batches of
+        """The rows of a prepared ``batch`` that train (:meth:`gradient_rows`), the rows of each group
+        together (``shared_prefix``: a micro-batch then holds whole groups, whose prompt is forwarded
+        once) or else shortest first (so each micro-batch is trimmed to less padding), and their
+        micro-batches of
         ``micro_batch_size`` rows with each one's share of the whole batch's normaliser (its
         tokens for ``token-mean``, else its sequences). Micro-batches with nothing trained (share
         0: no loss, no gradient) are left out. Every rank of a multi-rank strategy prepares the
         same batch, so every rank gets the same list."""
         by_tokens = self.algo.loss_agg_mode == "token-mean"
         total = max(batch.num_tokens if by_tokens else batch.num_seqs, 1)
-        trained = self.gradient_rows(batch).by_length()
+        trained = self.gradient_rows(batch)
+        trained = trained.by_group() if self.shared_prefix else trained.by_length()
         micros = []
         for start, stop in self._groups(trained):
             micro = trained.rows(start, stop)

@@ -156,6 +156,14 @@ class TrainConfig(Section):
     they are packed into one sequence without padding (position ids restart at every sample, so
     attention stays within each sample). 0 = off (``micro_batch_size``). ``strategy: torch`` and
     ``fsdp2`` (refused with ``megatron``)."""
+    shared_prefix: bool = True
+    """The samples of one group share their prompt: the trainer forwards it once per micro-batch and
+    every response of the group attends to it (one packed sequence with an explicit attention
+    mask, no padding), instead of once per sample. Exact: the logprobs and gradients equal the
+    padded forward's up to float round-off. With a group of 8 and short answers, several times
+    fewer tokens go through the model (docs/architecture.md, "Shared prompts"). Micro-batches then
+    keep each group's samples together. ``strategy: torch`` and ``fsdp2`` with a text model; a
+    vision-language model and ``megatron`` forward every sample on its own (false: always so)."""
     logprob_chunk_tokens: Annotated[int, Meta(ge=1, le=1 << 20)] = 1024
     """The token logprobs and entropies of the loss are computed from the last hidden states this
     many positions at a time (forward, and recomputed in backward): the whole-vocabulary logits of

@@ -99,3 +99,65 @@ def test_by_length_orders_rows_shortest_first_and_keeps_each_row_whole() -> None
     assert out.extras["tag"].tolist() == [10.0 * i for i in order]
     assert torch.equal(out.input_ids, batch.input_ids[order]) and torch.equal(out.old_logprobs, batch.old_logprobs[order])
     assert out.rows(0, 2).input_ids.shape == (2, 3)  # the short micro-batch is trimmed to 3 columns
+
+
+def grouped_rows(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded rows of a few groups: each group's rows share a prompt, some answers start
+    alike (so a common prefix runs into the answers), one row is its group's prompt alone, one
+    group has one row and one group's rows share nothing."""
+    import random
+
+    rng = random.Random(seed)
+    rows: list[list[int]] = []
+    groups: list[int] = []
+    for g in range(4):
+        prompt = [rng.randrange(3, 50) for _ in range(rng.randrange(2, 7))]
+        for i in range(1 if g == 2 else rng.randrange(2, 5)):
+            head = [7, 8] if i % 2 else []
+            own = [rng.randrange(3, 50) for _ in range(rng.randrange(0 if i == 1 else 1, 5))]
+            start = [] if g == 3 else prompt  # group 3: no common prompt
+            rows.append((start or [rng.randrange(3, 50)]) + head + own)
+            groups.append(g)
+    order = list(range(len(rows)))
+    rng.shuffle(order)  # a group's rows need not be neighbours
+    rows, groups = [rows[i] for i in order], [groups[i] for i in order]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])  # (b, l)
+    attn = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])  # (b, l)
+    return ids, attn, torch.tensor(groups)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_shared_prefix_layout_gives_each_row_exactly_its_own_context(seed: int) -> None:
+    """Each (row, column) sits at a token with that row's id and position, and attends exactly the
+    tokens of its own row's columns up to it; a group's common prefix appears once."""
+    from trainer.batch import shared_prefix_layout
+
+    ids, attn, groups = grouped_rows(seed)
+    flat, pos, allowed, index = shared_prefix_layout(ids, attn, groups)
+    lens = attn.sum(1).tolist()
+    n = flat.shape[0]
+    assert pos.shape == (n,) and allowed.shape == (n, n) and index.shape == ids.shape
+    for r, length in enumerate(lens):
+        assert flat[index[r, :length]].tolist() == ids[r, :length].tolist()
+        assert pos[index[r, :length]].tolist() == list(range(length))
+        assert bool((index[r, length:] == index[r, length - 1]).all())  # padding: the row's last token
+        for c in range(length):
+            seen = set(torch.nonzero(allowed[index[r, c]]).flatten().tolist())
+            assert seen == set(index[r, : c + 1].tolist())
+    expected = 0  # each group: its common prefix once, then every row's rest
+    for g in groups.unique().tolist():
+        members = [r for r in range(len(lens)) if groups[r] == g]
+        shared = 0
+        while shared < min(lens[r] for r in members) and len({int(ids[r, shared]) for r in members}) == 1:
+            shared += 1
+        expected += shared + sum(lens[r] - shared for r in members)
+    assert n == expected < sum(lens)
+
+
+def test_by_group_keeps_groups_together_shortest_first() -> None:
+    samples = [TrainSample([1] * p, [2] * r, [0.0] * r, [1] * r, 0.0, f"s{i}", group_id=g)
+               for i, (p, r, g) in enumerate([(3, 2, "a"), (2, 1, "b"), (3, 1, "a"), (2, 4, "b"), (3, 3, "a")])]
+    b = collate(samples, pad_id=0).by_group()
+    assert b.extras["group_ids"].tolist() == [0, 0, 0, 1, 1]
+    assert b.attention_mask.sum(1).tolist() == [4, 5, 6, 3, 6]

@@ -3,6 +3,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -403,9 +404,9 @@ def test_packed_micro_batches_equal_padded(model_dir: Path) -> None:
     """``micro_batch_tokens``: the samples of a micro-batch in one sequence without padding give the
     padded path's logprobs and gradient, whatever the token budget's grouping."""
     samples = make_samples(8)
-    padded = TorchStrategy(model_dir, micro_batch_size=8, temperature=0.8)
-    packed = TorchStrategy(model_dir, micro_batch_tokens=10_000, temperature=0.8)
-    small = TorchStrategy(model_dir, micro_batch_tokens=20, temperature=0.8)
+    padded = TorchStrategy(model_dir, micro_batch_size=8, temperature=0.8, shared_prefix=False)
+    packed = TorchStrategy(model_dir, micro_batch_tokens=10_000, temperature=0.8, shared_prefix=False)
+    small = TorchStrategy(model_dir, micro_batch_tokens=20, temperature=0.8, shared_prefix=False)
     batch = collate(samples, padded.pad_id)
     m = batch.loss_mask > 0
     assert_close(packed.logprobs(batch)[m], padded.logprobs(batch)[m], hidden_size(padded))
@@ -415,6 +416,44 @@ def test_packed_micro_batches_equal_padded(model_dir: Path) -> None:
         g, mets = step_grads(s, samples)
         assert mets["loss/policy"] == pytest.approx(m_pad["loss/policy"], abs=rounding_tol(1.0, grad_terms(s, samples)))
         assert_same_grads(g, g_pad, grad_terms(padded, samples))
+
+
+def grouped_samples(seed: int = 0) -> list[TrainSample]:
+    """Groups of 1 to 4 samples of one prompt each, some answers starting alike."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(4):
+        prompt = [1] + [rng.randrange(4, 60) for _ in range(rng.randrange(2, 8))]
+        for i in range(1 if g == 1 else rng.randrange(2, 5)):
+            resp = ([9, 10] if i % 2 else []) + [rng.randrange(4, 60) for _ in range(rng.randrange(1, 6))] + [2]
+            out.append(TrainSample(prompt, resp, [-rng.random() * 3 for _ in resp], [1] * len(resp),
+                                   rng.uniform(-1, 1), f"s{g}.{i}", group_id=f"g{g}"))
+    rng.shuffle(out)
+    return out
+
+
+@pytest.mark.parametrize("sizing", [{"micro_batch_size": 3}, {"micro_batch_size": 16}, {"micro_batch_tokens": 30}])
+def test_shared_prefixes_equal_the_padded_forward(model_dir: Path, sizing: dict[str, Any]) -> None:
+    """``shared_prefix``: a group's prompt forwarded once gives the padded path's logprobs, entropy
+    bonus and every parameter's gradient (micro-batches that split a group included), in fewer
+    tokens through the model."""
+    samples = grouped_samples()
+    algo = AlgorithmConfig(entropy_loss_coef=0.01)
+    padded = TorchStrategy(model_dir, micro_batch_size=16, temperature=0.8, algo=algo, shared_prefix=False)
+    shared = TorchStrategy(model_dir, temperature=0.8, algo=algo, **sizing)
+    batch = collate(samples, padded.pad_id)
+    m = batch.loss_mask > 0
+    assert_close(shared.logprobs(batch)[m], padded.logprobs(batch)[m], hidden_size(padded))
+    micros = [micro for micro, _ in shared.micro_batches(shared.prepare(samples)[0])[1]]
+    assert all(shared._shares_prefixes(micro) for micro in micros)
+    decoder = shared._parts(shared.model)[0]  # type: ignore[index]
+    with torch.no_grad():
+        forwarded = sum(shared._hidden(shared.model, decoder, micro)[0].shape[0] for micro in micros)
+    assert forwarded < sum(int(micro.attention_mask.sum()) for micro in micros)  # prompts forwarded once
+    g_pad, m_pad = step_grads(padded, samples)
+    g, mets = step_grads(shared, samples)
+    assert mets["loss/policy"] == pytest.approx(m_pad["loss/policy"], abs=rounding_tol(1.0, grad_terms(shared, samples)))
+    assert_same_grads(g, g_pad, grad_terms(padded, samples))
 
 
 def test_token_budget_groups_consecutive_rows(model_dir: Path) -> None:

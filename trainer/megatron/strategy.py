@@ -184,7 +184,7 @@ class MegatronStrategy(TorchStrategy):
             temperature=cfg.rollout.temperature, algo=cfg.algorithm,
             max_len=cfg.rollout.max_new_tokens, dtype=resolve_dtype(cfg.model.dtype, device),
             total_steps=t.steps, min_lr_ratio=t.min_lr_ratio, lr_warmup_steps=t.lr_warmup_steps, device="cpu",
-            skip_zero_advantage=t.skip_zero_advantage,
+            skip_zero_advantage=t.skip_zero_advantage, shared_prefix=False,  # its own forward: rows as they are
         )
         self.device = torch.device(device)
         hf_model = self.model
