@@ -8,8 +8,15 @@ an integer seed, and a question:
 * ``question: count`` — squares on a 3 x 3 grid of cells: 1..``max_count`` of the target colour
   (the first of ``colours``) and as many others of the other colours as fit; the answer is how
   many are of the target colour.
+* ``question: quadrant`` — one square of the target colour inside one of the four quadrants and
+  0..``max_distractors`` squares of the other colours in other quadrants; the answer is the
+  quadrant's name (``top-left``, ``top-right``, ``bottom-left``, ``bottom-right``).
+* ``question: number`` — a number of 1..``max_digits`` digits (0-9 for one digit) drawn with a
+  built-in 5 x 7 bitmap font (:data:`FONT`) at a random scale, place and colour of ``colours``;
+  the answer is the number's digits.
 
-The problem carries the image as PNG bytes (:attr:`envs.base.Problem.images`); the feeder writes
+``max_count``, ``max_distractors`` and ``max_digits`` belong to one question each; setting one for
+another question is refused. The problem carries the image as PNG bytes (:attr:`envs.base.Problem.images`); the feeder writes
 them to the run's blob store and the task carries their sha256 digests. The verifier is
 ``exact`` (the stripped response equals the reference).
 
@@ -44,7 +51,26 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "yellow": (230, 200, 20), "black": (0, 0, 0),
 }
 """The colours a ``shapes`` image may use, by name."""
-QUESTIONS = ("colour", "count")
+QUESTIONS = ("colour", "count", "quadrant", "number")
+QUADRANTS = ("top-left", "top-right", "bottom-left", "bottom-right")
+"""The answers of ``question: quadrant``, in reading order."""
+_OWN_KWARGS = {"max_count": "count", "max_distractors": "quadrant", "max_digits": "number"}
+_FONT_ROWS = {
+    "0": (".###.", "#...#", "#..##", "#.#.#", "##..#", "#...#", ".###."),
+    "1": ("..#..", ".##..", "..#..", "..#..", "..#..", "..#..", ".###."),
+    "2": (".###.", "#...#", "....#", "...#.", "..#..", ".#...", "#####"),
+    "3": ("#####", "...#.", "..#..", "...#.", "....#", "#...#", ".###."),
+    "4": ("...#.", "..##.", ".#.#.", "#..#.", "#####", "...#.", "...#."),
+    "5": ("#####", "#....", "####.", "....#", "....#", "#...#", ".###."),
+    "6": ("..##.", ".#...", "#....", "####.", "#...#", "#...#", ".###."),
+    "7": ("#####", "....#", "...#.", "..#..", ".#...", ".#...", ".#..."),
+    "8": (".###.", "#...#", "#...#", ".###.", "#...#", "#...#", ".###."),
+    "9": (".###.", "#...#", "#...#", ".####", "....#", "...#.", ".##.."),
+}
+FONT: dict[str, np.ndarray] = {
+    d: np.array([[c == "#" for c in row] for row in rows], dtype=bool) for d, rows in _FONT_ROWS.items()
+}
+"""The digits' glyphs: (7, 5) bool arrays, ink where True; drawn 1 cell apart."""
 _GRID = 3
 _MAX_SEED = 2**31 - 1
 
@@ -66,6 +92,8 @@ class ShapesSource:
     colours: tuple[str, ...] = ("red", "green", "blue")
     size: int = 56
     max_count: int = 3
+    max_distractors: int = 3
+    max_digits: int = 1
     heldout_fraction: float = 0.05
     salt: str = "shapes"
     name: str = "shapes"
@@ -82,6 +110,10 @@ class ShapesSource:
             raise ValueError(f"shapes: size={self.size} must be in [28, 448] pixels")
         if not 1 <= self.max_count <= _GRID * _GRID:
             raise ValueError(f"shapes: max_count={self.max_count} must be in [1, {_GRID * _GRID}]")
+        if not 0 <= self.max_distractors <= 3:
+            raise ValueError(f"shapes: max_distractors={self.max_distractors} must be in [0, 3]")
+        if not 1 <= self.max_digits <= 3:
+            raise ValueError(f"shapes: max_digits={self.max_digits} must be in [1, 3]")
         check_heldout_fraction("shapes", self.heldout_fraction)
 
     @property
@@ -89,6 +121,10 @@ class ShapesSource:
         """The question every problem of this source asks."""
         if self.question == "colour":
             return f"What colour is the square? ({', '.join(self.colours)})"
+        if self.question == "quadrant":
+            return f"Where is the {self.colours[0]} square? ({', '.join(QUADRANTS)})"
+        if self.question == "number":
+            return "What number is shown?"
         return f"How many {self.colours[0]} squares?"
 
     def draw(self, seed: int) -> tuple[np.ndarray, str]:
@@ -102,6 +138,10 @@ class ShapesSource:
             x, y = rng.randint(0, s - side), rng.randint(0, s - side)
             img[y : y + side, x : x + side] = COLOURS[colour]
             return img, colour
+        if self.question == "quadrant":
+            return self._quadrant(rng, img)
+        if self.question == "number":
+            return self._number(rng, img)
         cell = s // _GRID
         pad = max(1, cell // 6)
         cells = rng.sample(range(_GRID * _GRID), _GRID * _GRID)
@@ -112,6 +152,36 @@ class ShapesSource:
             y, x = (c // _GRID) * cell, (c % _GRID) * cell
             img[y + pad : y + cell - pad, x + pad : x + cell - pad] = COLOURS[colour]
         return img, str(n)
+
+    def _quadrant(self, rng: random.Random, img: np.ndarray) -> tuple[np.ndarray, str]:
+        """A target square in quadrant ``t`` (strictly inside it), distractors in others."""
+        half = self.size // 2
+        t = rng.randrange(4)
+        others = [q for q in range(4) if q != t]
+        distract = rng.sample(others, rng.randint(0, self.max_distractors))
+        for q in (t, *distract):
+            colour = self.colours[0] if q == t else rng.choice(self.colours[1:])
+            side = rng.randint(max(2, half // 3), half * 2 // 3)
+            oy, ox = (q // 2) * half, (q % 2) * half
+            y, x = oy + rng.randint(1, half - side - 1), ox + rng.randint(1, half - side - 1)
+            img[y : y + side, x : x + side] = COLOURS[colour]
+        return img, QUADRANTS[t]
+
+    def _number(self, rng: random.Random, img: np.ndarray) -> tuple[np.ndarray, str]:
+        """A number in :data:`FONT`, scaled by a whole factor, 1-pixel margin at least."""
+        k = rng.randint(1, self.max_digits)
+        text = str(rng.randint(0 if k == 1 else 10 ** (k - 1), 10**k - 1))
+        width = 6 * len(text) - 1  # cells: 5 per glyph, 1 between glyphs
+        top = min((self.size - 2) // width, (self.size - 2) // 7)
+        scale = rng.randint(max(1, top // 2), top)
+        ink = np.zeros((7, width), dtype=bool)  # (7, cells)
+        for i, d in enumerate(text):
+            ink[:, 6 * i : 6 * i + 5] = FONT[d]
+        ink = ink.repeat(scale, axis=0).repeat(scale, axis=1)  # (7 * scale, width * scale)
+        y = rng.randint(1, self.size - 1 - ink.shape[0])
+        x = rng.randint(1, self.size - 1 - ink.shape[1])
+        img[y : y + ink.shape[0], x : x + ink.shape[1]][ink] = COLOURS[rng.choice(self.colours)]
+        return img, text
 
     def problem(self, seed: int) -> Problem:
         """Problem ``seed`` (whichever split it belongs to)."""
@@ -152,4 +222,8 @@ def make_shapes(**kwargs: Any) -> ShapesSource:
         if not isinstance(colours, list | tuple) or not all(isinstance(c, str) for c in colours):
             raise ValueError(f"shapes: colours={colours!r} must be a list of colour names")
         kwargs = {**kwargs, "colours": tuple(colours)}
-    return ShapesSource(**kwargs)  # type: ignore[arg-type]
+    source = ShapesSource(**kwargs)  # type: ignore[arg-type]
+    for key, owner in _OWN_KWARGS.items():
+        if key in kwargs and source.question != owner:
+            raise ValueError(f"shapes: {key} is for question: {owner}, not question: {source.question}; remove it")
+    return source
