@@ -4,7 +4,8 @@ A blob is a byte string named by the hex sha256 of its bytes; it lives at
 ``<root>/<first two hex digits>/<the other 62>``. :meth:`BlobStore.put` writes the bytes to a
 temporary file beside their final name, flushes them, then renames it into place, so a reader
 never sees a partial blob; writing bytes that are already stored does nothing (same name, same
-bytes), so concurrent writers of one blob are harmless. :meth:`BlobStore.get` checks the digest
+bytes), so concurrent writers of one blob (processes, or threads of one) are harmless: each writes
+its own temporary file. :meth:`BlobStore.get` checks the digest
 of what it reads; a missing or corrupt blob, or a malformed digest, is a :class:`BlobError` whose
 message names the digest and the reason (the dead letter of a sample whose image is gone).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import uuid
 from pathlib import Path
 
 BLOBS_DIR = "blobs"
@@ -86,7 +88,7 @@ class BlobStore:
         if final.is_file():
             return digest
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
             with open(tmp, "wb") as f:
                 f.write(data)

@@ -60,6 +60,13 @@ class Verifier(Protocol):
     def __call__(self, response: str, reference: str, **kwargs: Any) -> VerifyResult: ...
 
 
+def observation_images(env: Any) -> tuple[bytes, ...]:
+    """The images (PNG bytes) the latest observation of ``env`` shows: a visual environment's
+    ``observation_images()`` (e.g. ``frozenlake_pixels``), ``()`` for a text environment."""
+    shown = getattr(env, "observation_images", None)
+    return tuple(bytes(b) for b in shown()) if callable(shown) else ()
+
+
 @dataclass(frozen=True)
 class Problem:
     """One prompt of a task source with its ground truth."""

@@ -84,8 +84,9 @@ def prepare_model(cfg: RunConfig, run_dir: Path, progress: Callable[[str], None]
 def check_vision(cfg: RunConfig, model_dir: Path) -> None:
     """A :class:`RunError` (one line naming the key) unless the run's tasks and model agree: visual
     domains (:func:`envs.is_visual`) need a vision-language model (and the torch engine and strategy,
-    no critic, single-turn), whose processor keeps their images' size; a vision-language model needs
-    visual domains only, and ``train.freeze_vision`` needs a vision-language model."""
+    no critic, no history windows for a visual environment), whose processor keeps their images'
+    size; a vision-language model needs visual domains only, and ``train.freeze_vision`` needs a
+    vision-language model."""
     import envs
     from rollout.vlm import VLMError, check_image_size, check_vlm_dir, is_vlm_dir, load_image_processor
 
@@ -94,7 +95,8 @@ def check_vision(cfg: RunConfig, model_dir: Path) -> None:
     if not visual:
         if vlm:
             raise RunError(f"model {model_dir} is a vision-language model but no data.domains entry shows images "
-                           "(visual sources: shapes); use a text model (model.init.vision: false) or a visual task")
+                           f"(visual sources: {', '.join(sorted(envs.registry.VISUAL_SOURCES))}); use a text model "
+                           "(model.init.vision: false) or a visual task")
         if cfg.train.freeze_vision:
             raise RunError("train.freeze_vision: true needs a vision-language model with visual tasks; this run's "
                            "model is a text model (set train.freeze_vision: false)")
@@ -112,14 +114,20 @@ def check_vision(cfg: RunConfig, model_dir: Path) -> None:
     for key, (value, want) in needs.items():
         if value != want:
             raise RunError(f"{key}: {value!r} is not supported with visual tasks yet (use {want!r})")
+    episodic = next((d.name for d in cfg.data.domains if envs.is_episodic(d.source)), None)
+    if episodic is not None and cfg.rollout.history_turns is not None:
+        raise RunError(f"rollout.history_turns: {cfg.rollout.history_turns} is not supported with a visual environment "
+                       f"({episodic!r}) yet (history windows do not show images; leave it unset)")
     processor = load_image_processor(model_dir)
     for i, d in visual:
-        size = getattr(envs.make_source(d.source, **d.kwargs), "size", None)
+        source = envs.make_source(d.source, **d.kwargs)
+        size = getattr(source, "image_px", getattr(source, "size", None))
         try:
             if isinstance(size, int):
                 check_image_size(processor, size, size)
         except VLMError as e:
-            raise RunError(f"data.domains[{i}].kwargs.size: {e}") from None
+            key = "size" if not hasattr(source, "image_px") else "size and cell_px"
+            raise RunError(f"data.domains[{i}].kwargs.{key}: {e}") from None
 
 
 def used_judges(cfg: RunConfig) -> dict[str, JudgeModelConfig]:

@@ -92,7 +92,7 @@ def check_images(samples: list[ev.ScoredSample], blobs: BlobStore) -> None:
     """Raise :class:`ReplayError` naming the first sample whose image is missing from ``blobs``."""
     for s in samples:
         task = s.generation.task
-        for h in task.image_hashes:
+        for h in [*task.image_hashes, *s.generation.image_hashes]:
             if not blobs.has(h):
                 raise ReplayError(f"sample {task.sample_id}: image {h} is missing from the run's blob store "
                                   f"{blobs.root} (replay step trains on the recorded images)")

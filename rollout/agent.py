@@ -14,6 +14,13 @@ episode or a limit is reached:
 * every turn records its weights versions and its reward (:attr:`Trajectory.step_rewards`; the
   return is their sum); an environment error ends it (``finish="env_error"``), keeping the turns.
 
+Images (a vision-language policy): an observation may show images (``Observation.image_hashes``,
+digests in the run's blob store); ``run_episode``'s ``images`` loader reads them and runs them
+through the engine's image processor, the observation's user turn holds their placeholders
+(expanded to the images' token counts), and every later model turn's request carries every image
+shown so far (:attr:`Trajectory.image_hashes`, in order). An image that cannot be loaded ends the
+episode as an environment error.
+
 With ``history_turns = k`` every model turn gets a prompt of its own from a window of the
 conversation (:func:`window_messages`); the episode is then one segment per turn
 (:attr:`Trajectory.segment_starts`). Turns are found by text deltas of the rendered conversation,
@@ -26,12 +33,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
+import torch
+
 from rollout.engine import Engine, GenerationRequest
 from rollout.sampling import SamplingParams
+from rollout.vlm import IMAGE_PAD, ImageInputs, expand_image_tokens, join_images
 
 Finish = Literal["terminated", "truncated", "max_turns", "context", "env_error", "cancelled"]
 
@@ -65,6 +75,13 @@ class Observation:
     """Non-empty: the environment failed on this step (crash, timeout); the episode ends."""
     env_s: float = 0.0
     """Seconds the environment took (simulated latency included)."""
+    image_hashes: tuple[str, ...] = ()
+    """The images this observation shows (digests in the run's blob store), before its text."""
+
+
+ImageLoader = Callable[[list[str]], Awaitable[ImageInputs]]
+"""``load(digests)``: the images of a vision-language engine (read from the run's blob store, through
+its image processor); raises with the reason when one is missing or undecodable."""
 
 
 class EnvClient(Protocol):
@@ -98,6 +115,8 @@ class Trajectory:
     segment_starts: list[int] = field(default_factory=list)
     """History windows: where each model turn's own prompt (after the first turn's) starts in
     ``response_ids``; empty = one sequence."""
+    image_hashes: list[str] = field(default_factory=list)
+    """Every image the sequence shows (the observations' that entered it), in order."""
     finish: Finish = "max_turns"
     last_finish_reason: str = "stop"
     """The engine's finish reason of the last model turn (``stop`` / ``length``)."""
@@ -125,7 +144,22 @@ class Turns:
 
     def __init__(self, tokenizer: Any, chat: bool, system_prompt: str = "") -> None:
         self.tok, self.chat = tokenizer, chat
-        self.messages: list[dict[str, str]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        self.messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+
+    def _user(self, observation: str, grid: torch.Tensor | None) -> dict[str, Any]:
+        """A user turn: the observation's text, after its images' placeholders when it shows some."""
+        if grid is None:
+            return {"role": "user", "content": observation}
+        if not self.chat:
+            raise ValueError("an observation with images needs a chat template (a vision-language model's)")
+        return {"role": "user", "content": [*({"type": "image"} for _ in range(len(grid))),
+                                            {"type": "text", "text": observation}]}
+
+    def _expand(self, ids: list[int], grid: torch.Tensor | None) -> list[int]:
+        """``ids`` with each image placeholder repeated as many times as its image has tokens."""
+        if grid is None:
+            return ids
+        return expand_image_tokens(ids, grid, int(self.tok.convert_tokens_to_ids(IMAGE_PAD)))
 
     def _render(self, generation_prompt: bool) -> str:
         return str(self.tok.apply_chat_template(self.messages, add_generation_prompt=generation_prompt, tokenize=False))
@@ -133,16 +167,21 @@ class Turns:
     def _ids(self, text: str, specials: bool) -> list[int]:
         return list(self.tok(text, add_special_tokens=specials)["input_ids"])
 
-    def start(self, observation: str) -> list[int]:
-        """Prompt ids: the system turn (if any) and the first observation as the user turn."""
+    def start(self, observation: str, grid: torch.Tensor | None = None) -> list[int]:
+        """Prompt ids: the system turn (if any) and the first observation as the user turn (after
+        the placeholders of its images, whose ``grid_thw`` (images, 3) is ``grid``)."""
+        user = self._user(observation, grid)
         if not self.chat:
             return self._ids(observation, specials=True)
-        self.messages.append({"role": "user", "content": observation})
-        return self._ids(self._render(True), specials=False)
+        self.messages.append(user)
+        return self._expand(self._ids(self._render(True), specials=False), grid)
 
-    def after_turn(self, turn_ids: list[int], action: str, observation: str) -> list[int]:
+    def after_turn(self, turn_ids: list[int], action: str, observation: str,
+                   grid: torch.Tensor | None = None) -> list[int]:
         """The environment's tokens after a model turn (``turn_ids`` as sampled) that answered
-        ``action`` and got ``observation``: everything up to the next generation prompt."""
+        ``action`` and got ``observation`` (showing the images of ``grid``, if any): everything up
+        to the next generation prompt."""
+        user = self._user(observation, grid)
         if not self.chat:
             return self._ids("\n" + observation + "\n", specials=False)
         # what the template writes after an assistant message's content (its end-of-turn marker),
@@ -153,7 +192,7 @@ class Turns:
         tail = with_marker[with_marker.rindex(marker) + len(marker):]
         self.messages[-1] = {"role": "assistant", "content": action}
         closed = self._render(False)
-        self.messages.append({"role": "user", "content": observation})
+        self.messages.append(user)
         opened = self._render(True)
         if not opened.startswith(closed) or not closed.endswith(tail):
             raise ValueError("the chat template is not prefix-stable across turns (rendering a new user turn "
@@ -161,7 +200,7 @@ class Turns:
         last = str(self.tok.decode(turn_ids[-1:])) if turn_ids else ""
         if last and tail.startswith(last) and turn_ids[-1] in self.tok.all_special_ids:
             tail = tail[len(last):]  # the model already wrote its end-of-turn token
-        return self._ids(tail + opened[len(closed):], specials=False)
+        return self._expand(self._ids(tail + opened[len(closed):], specials=False), grid)
 
 
 def window_messages(observations: list[str], actions: list[str], history_turns: int,
@@ -217,21 +256,45 @@ async def run_episode(
     system_prompt: str = "",
     turn_guard: Callable[[], contextlib.AbstractAsyncContextManager[None]] | None = None,
     cancelled: Callable[[], bool] | None = None,
+    images: ImageLoader | None = None,
 ) -> Trajectory:
     """Play one episode (see the module doc). Never raises for the environment's fault.
 
     ``turn_guard()`` is entered around every model turn's generation (the rollout worker passes
     :meth:`SwapLock.turn`, so weights are never swapped inside a turn). ``cancelled()`` is asked
     before every model turn: true ends the episode there (``finish="cancelled"``; a redundant
-    episode whose group finished without it)."""
+    episode whose group finished without it). ``images`` loads the images observations show (a
+    vision-language engine); without it an observation with images ends the episode."""
     guard = turn_guard or contextlib.nullcontext
     turns = Turns(tokenizer, engine.chat, system_prompt)
+    windowed = limits.history_turns is not None
     t0 = time.perf_counter()
+
+    async def load(obs: Observation) -> tuple[Observation, ImageInputs | None]:
+        """The observation's images; an error observation when they cannot be shown."""
+        if obs.error or not obs.image_hashes:
+            return obs, None
+        try:
+            if images is None:
+                raise ValueError("the environment shows images but the policy is not a vision-language model")
+            if windowed:
+                raise ValueError("history windows (rollout.history_turns) do not show images")
+            return obs, await images(list(obs.image_hashes))
+        except Exception as e:
+            return replace(obs, error=f"image unusable: {e}"), None
+
     try:
         first = await client.reset(episode_id, env, env_kwargs, seed)
     except Exception as e:  # the client itself failed (timeout waiting for the env worker, ...)
         first = Observation("", error=f"reset failed: {type(e).__name__}: {e}")
-    traj = Trajectory(prompt_ids=turns.start(first.text) if not first.error else [], env_s=first.env_s)
+    first, shown = await load(first)
+    try:
+        prompt_ids = turns.start(first.text, shown.grid_thw if shown is not None else None) if not first.error else []
+    except ValueError as e:  # placeholders and images disagree, no chat template for images
+        first, prompt_ids = replace(first, error=f"image unusable: {e}"), []
+    traj = Trajectory(prompt_ids=prompt_ids, env_s=first.env_s)
+    if shown is not None:
+        traj.image_hashes += first.image_hashes
     traj.observations.append(first.text)
     traj.infos.append(dict(first.info))
     if first.error:
@@ -239,7 +302,6 @@ async def run_episode(
         return traj
     # the model's own position limit bounds the context too (the engine refuses longer prompts)
     context = min(limits.max_context_tokens, int(getattr(engine, "max_positions", limits.max_context_tokens)))
-    windowed = limits.history_turns is not None
     prompt = list(traj.prompt_ids)  # what the next model turn reads: everything so far, or its window
     for step in range(1, limits.max_turns + 1):
         if cancelled is not None and cancelled():
@@ -249,7 +311,7 @@ async def run_episode(
         if room < 1:
             traj.finish = "context"
             break
-        req = GenerationRequest(f"{episode_id}/t{step}", prompt, replace(params, max_new_tokens=room))
+        req = GenerationRequest(f"{episode_id}/t{step}", prompt, replace(params, max_new_tokens=room), images=shown)
         completion = None
         async with guard():
             async for c in engine.generate([req]):
@@ -284,6 +346,10 @@ async def run_episode(
         if step == limits.max_turns:
             traj.finish = "max_turns"
             break
+        obs, seen = await load(obs)
+        if obs.error:
+            traj.finish, traj.error = "env_error", obs.error
+            break
         if windowed:
             assert limits.history_turns is not None
             env_ids = window_prompt(tokenizer, engine.chat, traj.observations, traj.actions, limits.history_turns,
@@ -294,11 +360,21 @@ async def run_episode(
             traj.segment_starts.append(len(traj.response_ids))
             prompt = list(env_ids)
         else:
-            env_ids = turns.after_turn(completion.token_ids, action, obs.text)
+            try:
+                env_ids = turns.after_turn(completion.token_ids, action, obs.text,
+                                           seen.grid_thw if seen is not None else None)
+            except ValueError as e:
+                if seen is None:
+                    raise  # the chat template, not an image
+                traj.finish, traj.error = "env_error", f"image unusable: {e}"
+                break
             if len(prompt) + len(completion.token_ids) + len(env_ids) >= context:
                 traj.finish = "context"
                 break
             prompt = prompt + list(completion.token_ids) + env_ids
+            if seen is not None:
+                shown = join_images(shown, seen)
+                traj.image_hashes += obs.image_hashes
         traj.response_ids += env_ids
         traj.logprobs += [0.0] * len(env_ids)
         traj.loss_mask += [0] * len(env_ids)
@@ -348,22 +424,39 @@ class SwapLock:
                 self._cond.notify_all()
 
 
+def env_images(env: Any) -> tuple[bytes, ...]:
+    """The images (PNG bytes) of a visual environment's latest observation (its
+    ``observation_images()``, as :func:`envs.base.observation_images`); ``()`` for a text one."""
+    shown = getattr(env, "observation_images", None)
+    return tuple(bytes(b) for b in shown()) if callable(shown) else ()
+
+
 class LocalEnvClient:
     """An :class:`EnvClient` that runs registered environments in this process (tests, offline
-    benchmarks); the env workers serve the same protocol over Kafka."""
+    benchmarks, the trainer's evaluation); the env workers serve the same protocol over Kafka. A
+    visual environment's images go to ``blobs`` (a :class:`blobs.BlobStore`) as the env workers'
+    do; without one such an observation is an error."""
 
-    def __init__(self, make_env: Any) -> None:
+    def __init__(self, make_env: Any, blobs: Any = None) -> None:
         self._make = make_env
+        self.blobs = blobs
         self.episodes: dict[str, Any] = {}
+
+    def _stored(self, instance: Any) -> tuple[str, ...]:
+        shown = env_images(instance)
+        if shown and self.blobs is None:
+            raise ValueError("the environment shows images but this client has no blob store")
+        return tuple(self.blobs.put(b) for b in shown)
 
     async def reset(self, episode_id: str, env: str, kwargs: dict[str, Any], seed: int) -> Observation:
         try:
             instance = self._make(env, prompt="", reference="", **kwargs)
             text, info = instance.reset(seed)
+            hashes = self._stored(instance)
         except Exception as e:
             return Observation("", error=f"{type(e).__name__}: {e}", terminated=True)
         self.episodes[episode_id] = instance
-        return Observation(text, info=dict(info))
+        return Observation(text, info=dict(info), image_hashes=hashes)
 
     async def step(self, episode_id: str, step: int, action: str, *, history: list[str],
                    policy_version: int) -> Observation:
@@ -372,10 +465,11 @@ class LocalEnvClient:
             return Observation("", error=f"unknown episode {episode_id}", terminated=True)
         try:
             res = instance.step(action)
+            hashes = self._stored(instance)
         except Exception as e:
             return Observation("", error=f"{type(e).__name__}: {e}", terminated=True)
         return Observation(res.observation, reward=float(res.reward), terminated=bool(res.terminated),
-                           truncated=bool(res.truncated), info=dict(res.info))
+                           truncated=bool(res.truncated), info=dict(res.info), image_hashes=hashes)
 
 
 def expert_episode(
@@ -388,6 +482,8 @@ def expert_episode(
     end_of_turn_id: int,
     system_prompt: str = "",
     limits: AgentLimits = AgentLimits(),
+    image_grid: Callable[[Sequence[bytes]], torch.Tensor] | None = None,
+    images: list[bytes] | None = None,
 ) -> tuple[list[int], list[int], list[int]]:
     """An expert's episode as the agent loop would have produced it, for the supervised warm-up:
     ``(prompt_ids, target_ids, target_mask)``.
@@ -397,12 +493,28 @@ def expert_episode(
     an EOS token) with mask 1, each environment turn the tokens :class:`Turns` renders, mask 0 —
     the same layout :func:`run_episode` produces. It stops when the episode ends, after
     ``limits.max_turns`` turns, or where the next turn would not fit in ``limits.max_context_tokens``.
+
+    A visual environment (:func:`env_images`): ``image_grid(images)`` gives their ``grid_thw`` (a
+    vision-language policy's processor; required then), and the images the returned tokens show
+    are appended to ``images``, in order.
     """
     turns = Turns(tokenizer, chat, system_prompt)
+
+    def grid_of(shown: tuple[bytes, ...]) -> torch.Tensor | None:
+        if not shown:
+            return None
+        if image_grid is None or images is None:
+            raise ValueError("the environment shows images: expert_episode needs image_grid and images")
+        return image_grid(shown)
+
     text, _ = env.reset(seed=seed)
-    prompt = turns.start(text)
+    shown = env_images(env)
+    prompt = turns.start(text, grid_of(shown))
+    if images is not None:
+        images += shown
     target: list[int] = []
     mask: list[int] = []
+    later: list[tuple[int, int]] = []  # (where an observation's tokens start in target, its images)
     for i, action in enumerate(actions[: limits.max_turns]):
         turn_ids = [*tokenizer(action, add_special_tokens=False)["input_ids"], end_of_turn_id]
         if len(prompt) + len(target) + len(turn_ids) > limits.max_context_tokens:
@@ -412,12 +524,18 @@ def expert_episode(
         obs, _, terminated, truncated, _ = env.step(action)
         if terminated or truncated or i + 1 == len(actions):
             break
-        env_ids = turns.after_turn(turn_ids, action, obs)
+        shown = env_images(env)
+        env_ids = turns.after_turn(turn_ids, action, obs, grid_of(shown))
+        if shown and images is not None:
+            later.append((len(target), len(shown)))
+            images += shown
         target += env_ids
         mask += [0] * len(env_ids)
     while mask and mask[-1] == 0:  # never end on environment tokens
         target.pop()
         mask.pop()
+    while later and later[-1][0] >= len(target) and images is not None:  # their observation was cut off too
+        del images[len(images) - later.pop()[1]:]
     return prompt, target, mask
 
 
@@ -441,6 +559,8 @@ def expert_windows(
     if history_turns is None:
         raise ValueError("expert_windows needs limits.history_turns (use expert_episode for one sequence)")
     text, _ = env.reset(seed=seed)
+    if env_images(env):
+        raise ValueError("history windows (rollout.history_turns) do not show images; the environment shows some")
     observations: list[str] = [text]
     played: list[str] = []
     out: list[tuple[list[int], list[int]]] = []

@@ -61,6 +61,13 @@ class ImageInputs:
     grid_thw: torch.Tensor  # (images, 3) long
 
 
+def join_images(first: ImageInputs | None, then: ImageInputs) -> ImageInputs:
+    """The images of ``first`` followed by those of ``then`` (a prompt showing both, in that order)."""
+    if first is None:
+        return then
+    return ImageInputs(torch.cat([first.pixel_values, then.pixel_values]), torch.cat([first.grid_thw, then.grid_thw]))
+
+
 def mrope_section(head_dim: int) -> list[int]:
     """Multimodal RoPE's split of ``head_dim / 2`` frequencies into (time, height, width), in Qwen2-VL's
     proportions (16, 24, 24 of 64)."""

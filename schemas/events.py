@@ -173,6 +173,10 @@ class EnvObservation(Event, frozen=True, kw_only=True):
     """The episode ended as failed on this step (the environment raised or timed out, or the
     episode could not be built or rebuilt); ``error`` says why and ``terminated`` is set
     (added after v3)."""
+    image_hashes: list[str] = msgspec.field(default_factory=list)
+    """The images this observation shows (a visual environment's, e.g. ``frozenlake_pixels``), in
+    order: the sha256 hex digests of their bytes, which the environment worker wrote to the run's
+    blob store (:mod:`blobs`). Empty = text only. (Added after v13.)"""
 
 
 # --------------------------------------------------------------------------- generations
@@ -241,6 +245,11 @@ class Generation(Event, frozen=True, kw_only=True):
     peak_memory_gib: float = 0.0
     """The rollout worker's peak memory so far, GiB (``runtime.memory``: CUDA's peak allocation on a
     CUDA engine, else the process's peak resident set); 0 = not reported. (Added after v11.)"""
+    image_hashes: list[str] = msgspec.field(default_factory=list)
+    """Multi-turn: the images the environment's observations showed, in the order the sequence
+    shows them (sha256 digests in the run's blob store; after the task's own ``image_hashes``, which
+    come first). The trainer feeds ``task.image_hashes + image_hashes`` with the sequence. Empty =
+    none. (Added after v13.)"""
 
 
 # --------------------------------------------------------------------------- scored

@@ -67,8 +67,8 @@ def check_generation(gen: ev.Generation) -> str | None:
     """A generation's per-token lists must line up (``response_ids``, ``logprobs``,
     ``loss_mask``), its ``segment_starts`` increasing and on untrained tokens, its prompt be non-empty, its token ids in ``[0, MAX_TOKEN_ID]`` and its length
     at most ``MAX_TOKENS``, its logprobs finite and ``<= 0``, its loss mask 0/1, its policy versions
-    ordered (``0 <= policy_version <= policy_version_end``), its timings finite, and its task
-    possible."""
+    ordered (``0 <= policy_version <= policy_version_end``), its timings finite, its image hashes
+    sha256 digests, and its task possible."""
     sid = gen.task.sample_id
     if not len(gen.response_ids) == len(gen.logprobs) == len(gen.loss_mask):
         return (f"generation {sid}: response_ids ({len(gen.response_ids)}), logprobs ({len(gen.logprobs)}) and "
@@ -103,6 +103,9 @@ def check_generation(gen: ev.Generation) -> str | None:
     bad = _first_bad((gen.queued_s, gen.gen_s, gen.env_s))
     if bad is not None:
         return f"generation {sid}: timings hold non-finite values ({bad})"
+    odd = next((h for h in gen.image_hashes if not _DIGEST.match(h)), None)
+    if odd is not None:
+        return f"generation {sid}: image hash {odd[:80]!r} is not a sha256 hex digest (64 lowercase hex digits)"
     return check_task(gen.task)
 
 

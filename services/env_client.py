@@ -43,7 +43,7 @@ Send = Callable[[ev.Event, str], Awaitable[object]]
 def observation_of(msg: ev.EnvObservation) -> Observation:
     """The agent loop's view of an environment worker's answer."""
     return Observation(msg.observation, reward=msg.reward, terminated=msg.terminated, truncated=msg.truncated,
-                       info=dict(msg.info), error=msg.error, env_s=msg.env_s)
+                       info=dict(msg.info), error=msg.error, env_s=msg.env_s, image_hashes=tuple(msg.image_hashes))
 
 
 class KafkaEnvClient:

@@ -11,6 +11,8 @@ requests reach one worker of the group); each becomes one handler call that answ
 * The same step again gets the same answer, event id included; an older step is out of order.
 * Every reset, step and rebuild runs in its own daemon thread bounded by ``env.step_timeout_s``;
   an environment that raises or times out ends its episode as failed with the one-line reason.
+* A visual environment's observation images (:func:`envs.base.observation_images`) are written to
+  the run's blob store and the answer carries their digests (``EnvObservation.image_hashes``).
 * Up to ``EnvSettings.concurrency`` requests at once, two of one episode never together; at most
   ``env.max_episodes`` live episodes are held (the least recently used evicted).
 
@@ -31,6 +33,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from blobs import BlobStore, blob_dir_of
+from envs.base import observation_images
 from envs.latency import draw_latency_s
 from runtime.bus import Record
 from runtime.runner import Context, Counters, Service, ServiceSettings, derive_event_id, run_service
@@ -64,6 +68,9 @@ class EnvSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     shutdown_grace_s: float = 10.0
     """On stop or partition revocation, how long in-flight requests may still run, seconds (those cut
     off are not committed; the next owner answers them by rebuilding the episode)."""
+    blob_dir: str = ""
+    """The run's blob store (``<run dir>/blobs``), where a visual environment's observation images
+    are written; empty: none (an environment that shows images then fails its episode)."""
 
 
 class EnvFailure(Exception):
@@ -108,6 +115,7 @@ class EnvWorker(Service):
         self.abandoned_threads = 0
         """Environment calls that timed out (their threads run on, unreferenced)."""
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+        self.blobs = BlobStore(settings.blob_dir) if settings.blob_dir else None
 
     # -- the handler
 
@@ -153,11 +161,11 @@ class EnvWorker(Service):
         self._forget(msg.episode_id)  # a reset starts the episode afresh
         self.ended.pop(msg.episode_id, None)
         try:
-            env, (text, info) = await self._call(
-                lambda: _play(msg.env, msg.seed, [], None), self.cfg.step_timeout_s, "reset")
+            env, (text, info), images = await self._call(
+                lambda: self._shown(*_play(msg.env, msg.seed, [], None)), self.cfg.step_timeout_s, "reset")
         except EnvFailure as e:
             return self._failed(msg, 0, str(e)), True
-        obs = self._answer(msg, 0, text, info=info)
+        obs = self._answer(msg, 0, text, info=info, image_hashes=images)
         self._remember(msg.episode_id, Episode(msg.env, msg.seed, env, [], obs))
         return obs, True
 
@@ -198,10 +206,11 @@ class EnvWorker(Service):
         # have moved without the episode's record; the redelivered step then rebuilds it
         self._forget(eid)
         try:
-            result = await self._call(lambda: env.step(msg.action), self.cfg.step_timeout_s, f"step {msg.step}")
+            _, result, images = await self._call(lambda: self._shown(env, env.step(msg.action)),
+                                                 self.cfg.step_timeout_s, f"step {msg.step}")
         except EnvFailure as e:
             return self._failed(msg, msg.step, str(e))
-        obs = self._answer(msg, msg.step, *_unpack(result))
+        obs = self._answer(msg, msg.step, *_unpack(result), image_hashes=images)
         ep.actions.append(msg.action)
         ep.last = obs
         self._remember(eid, ep)
@@ -213,12 +222,13 @@ class EnvWorker(Service):
         self.rebuilds += 1
         log.info("env: rebuilding episode %s from seed %d and %d actions", eid, msg.seed, len(history))
         try:
-            env, result = await self._call(lambda: _play(spec, msg.seed, history, msg.action),
-                                           self.cfg.step_timeout_s * (len(history) + 2), f"rebuild to step {msg.step}")
+            env, result, images = await self._call(lambda: self._shown(*_play(spec, msg.seed, history, msg.action)),
+                                                   self.cfg.step_timeout_s * (len(history) + 2),
+                                                   f"rebuild to step {msg.step}")
         except EnvFailure as e:
             self._forget(eid)
             return self._failed(msg, msg.step, str(e))
-        obs = self._answer(msg, msg.step, *_unpack(result))
+        obs = self._answer(msg, msg.step, *_unpack(result), image_hashes=images)
         self._remember(eid, Episode(spec, msg.seed, env, [*history, msg.action], obs))
         return obs
 
@@ -261,15 +271,24 @@ class EnvWorker(Service):
             raise EnvFailure(f"timeout: {what} took longer than {timeout_s:g} s (env.step_timeout_s); "
                              "the environment was dropped") from None
 
+    def _shown(self, env: Any, result: T) -> tuple[Any, T, list[str]]:
+        """``(env, result, digests)``: the images ``env``'s latest observation shows, written to the
+        blob store (in the environment's thread); an :class:`EnvFailure` when there is no store."""
+        images = observation_images(env)
+        if images and self.blobs is None:
+            raise EnvFailure("the environment shows images but this environment worker has no blob store")
+        return env, result, [self.blobs.put(b) for b in images] if self.blobs is not None else []
+
     # -- answers and bookkeeping
 
     def _answer(self, msg: ev.EnvReset | ev.EnvStep, step: int, observation: Any, reward: Any = 0.0,
                 terminated: Any = False, truncated: Any = False, info: Any = None,
-                error: str = "", failed: bool = False) -> ev.EnvObservation:
+                error: str = "", failed: bool = False, image_hashes: list[str] | None = None) -> ev.EnvObservation:
         return ev.EnvObservation(
             run_id=msg.run_id, event_id=derive_event_id(msg.event_id, self.name, 0), episode_id=msg.episode_id,
             step=step, observation=str(observation), reward=float(reward), terminated=bool(terminated),
             truncated=bool(truncated), info=_scalars(info), error=error, failed=failed,
+            image_hashes=list(image_hashes or []),
         )
 
     def _failed(self, msg: ev.EnvReset | ev.EnvStep, step: int, error: str) -> ev.EnvObservation:
@@ -366,7 +385,8 @@ def settings_from(start: ServiceStart) -> EnvSettings:
     once as can be in flight, one per episode and one episode per rollout handler call (a worker may
     own every partition of ``env.requests``: alone, or while the others restart)."""
     cfg = start.config
-    return EnvSettings(run_id=start.run_id, config=cfg, concurrency=cfg.rollout.workers * cfg.rollout.max_batch)
+    return EnvSettings(run_id=start.run_id, config=cfg, concurrency=cfg.rollout.workers * cfg.rollout.max_batch,
+                       blob_dir=str(blob_dir_of(start.run_dir)))
 
 
 async def run(settings: EnvSettings, stop: asyncio.Event | None = None) -> Counters:

@@ -9,6 +9,8 @@ for any weights, like an engine error or a weights timeout, naming its sample an
 * Multi-turn domains: a task is one episode played by :func:`rollout.agent.run_episode` against
   the environment workers over Kafka (:class:`services.env_client.KafkaEnvClient`); weights are
   swapped between turns, never inside one. An episode the environment failed is dead-lettered.
+  A visual environment's observation images are read from the blob store like a task's; one that
+  cannot be read or decoded ends the episode, so the sample is dead-lettered with the reason.
 * Weights: a background consumer (no group) follows the compacted ``weights`` topic and hot-swaps
   every new ``WeightsPublished`` into the engine; a task starts only once the engine holds a
   version at least as new as its ``policy_version`` (on-policy with ``async_ratio: 0``).
@@ -342,15 +344,22 @@ class RolloutWorker(Service):
                              "model (model.path must be a Qwen2-VL directory, rollout.engine torch)")
         if self.blobs is None:
             raise ValueError(f"task {task.sample_id}: has images but this worker has no blob store")
-        store, engine, hashes = self.blobs, self.engine, list(task.image_hashes)
+        try:
+            return await self._read_images(list(task.image_hashes))
+        except BlobError as e:
+            raise ValueError(f"task {task.sample_id}: image unusable: {e}") from None
+
+    async def _read_images(self, hashes: list[str]) -> ImageInputs:
+        """The blobs ``hashes`` through the engine's image processor (``BlobError`` naming a missing,
+        corrupt or undecodable one; ``ValueError`` without a blob store or a vision-language engine)."""
+        store, engine = self.blobs, self.engine
+        if store is None or not isinstance(engine, TorchEngine) or not engine.vlm:
+            raise ValueError("this rollout worker has no blob store or no vision-language engine")
 
         def read() -> ImageInputs:
             return engine.image_inputs([store.get(h) for h in hashes], hashes)
 
-        try:
-            return await to_thread(read)
-        except BlobError as e:
-            raise ValueError(f"task {task.sample_id}: image unusable: {e}") from None
+        return await to_thread(read)
 
     async def _episode(self, task: ev.RolloutTask, ctx: Context) -> None:
         """Play the task's episode and emit it as one ``Generation`` (see the module doc)."""
@@ -373,7 +382,7 @@ class RolloutWorker(Service):
                 self.engine, self.engine.tokenizer, self.env_client, episode_id=episode_id, env=name,
                 env_kwargs=kwargs, seed=ref.seed, params=params, limits=limits,
                 system_prompt=self.system_prompts.get(task.domain) or "", turn_guard=self.swap_lock.turn,
-                cancelled=lambda: task.sample_id in self.cancelled)
+                cancelled=lambda: task.sample_id in self.cancelled, images=self._read_images)
         finally:
             self.env_client.forget(episode_id)
         if traj.finish == "cancelled":
@@ -408,6 +417,7 @@ def generation_of(task: ev.RolloutTask, traj: Trajectory, episode_id: str, worke
         step_rewards=list(traj.step_rewards), turn_versions=[a for a, _ in traj.versions], state_hashes=hashes,
         env_finish=traj.finish, env_error=traj.error, success=traj.success,
         segment_starts=list(traj.segment_starts), peak_memory_gib=peak_memory_gib,
+        image_hashes=list(traj.image_hashes),
     )
 
 

@@ -156,6 +156,16 @@ LEFT JOIN (SELECT step, toNullable(any(metrics['eval/accuracy'])) AS accuracy FR
            WHERE run_id = {run:String} AND split = 'heldout' GROUP BY step) AS e ON e.step = t.step
 ORDER BY step
 """,
+    "answers": """\
+-- columns: step, domain, prompt, expected, answer, correct
+SELECT JSONExtractInt(payload, 'step') AS step, JSONExtractString(a, 'domain') AS domain,
+       JSONExtractString(a, 'prompt') AS prompt, JSONExtractString(a, 'reference') AS expected,
+       JSONExtractString(a, 'response') AS answer, JSONExtractBool(a, 'correct') AS correct
+FROM events FINAL
+ARRAY JOIN JSONExtractArrayRaw(payload, 'answers') AS a
+WHERE run_id = {run:String} AND kind = 'EvalResult' AND JSONExtractString(payload, 'split') = 'heldout'
+ORDER BY step, domain, prompt
+""",
     "recorder-lag": """\
 -- columns: ts, lag_records, partitions, recorded_total, skipped_total
 SELECT ts, lag_records, partitions, recorded_total, skipped_total

@@ -59,7 +59,8 @@ class TrainSample:
     baseline: float | None = None
     """ReMax: the reward of the group's greedy response (the baseline); ``None`` = none."""
     image_hashes: tuple[str, ...] = ()
-    """A visual task's images (digests in the run's blob store); the trainer's forward shows them."""
+    """The images the sequence shows, in order (digests in the run's blob store): a visual task's,
+    then a visual environment's observations' (``Generation.image_hashes``); the forward shows them."""
 
 
 @dataclass(frozen=True)
@@ -302,7 +303,7 @@ def samples_from_scored(scored: list[ScoredSample], baselines: Sequence[ScoredSa
             state_hashes=tuple(s.generation.state_hashes),
             segment_starts=tuple(s.generation.segment_starts),
             baseline=by_group.get(s.generation.task.group_id),
-            image_hashes=tuple(s.generation.task.image_hashes),
+            image_hashes=(*s.generation.task.image_hashes, *s.generation.image_hashes),
         )
         for s in scored
     ]

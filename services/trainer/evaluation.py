@@ -7,7 +7,8 @@ and evaluates them greedily, and with ``train.eval_samples`` k > 0 also k sample
 problem at the rollout's temperature and top-p; both stop where rollout stops (``rollout.stop``).
 Single-turn answers are scored as the reward router scores them (bounded by ``reward.timeout_s``,
 off the event loop: a verifier that hangs or crashes scores 0); multi-turn problems are played as
-greedy or sampled episodes against in-process environments (no environment workers needed).
+greedy or sampled episodes against in-process environments (no environment workers needed; a
+visual environment's images go through the run's blob store as in rollout).
 Given an ``answers`` list, it gets the greedy answers to the first :data:`ANSWERS_RECORDED` held-out
 problems of each single-turn domain as :class:`schemas.events.EvalAnswer` (for ``EvalResult.answers``);
 a visual problem's images are written to the run's blob store (once: the held-out set is fixed) and
@@ -88,15 +89,23 @@ class Evaluation:
                                   history_turns=ro.history_turns)
         self.domains = [self._domain(d, src) for d, src in zip(cfg.data.domains, self.sources, strict=True)]
 
+    async def _episode_images(self, hashes: list[str]) -> ImageInputs:
+        """An episode's observation images, from the blob store through the engine's processor."""
+        store, engine = self.blobs, self.engine
+        if store is None or not isinstance(engine, TorchEngine) or not engine.vlm:
+            raise ValueError("the evaluation has no blob store or no vision-language engine")
+        return await to_thread(lambda: engine.image_inputs([store.get(h) for h in hashes], hashes))
+
     def _domain(self, d: DomainConfig, source: Any) -> Domain[SamplingParams]:
         system = d.system_prompt or self.cfg.model.system_prompt
         problems = source.heldout(self.cfg.data.heldout_size)
         if envs.is_episodic(d.source):
             async def play(p: Problem, episode_id: str, params: SamplingParams) -> Trajectory:
                 ref = episode_ref(p.reference)
-                return await run_episode(self.engine, self.engine.tokenizer, LocalEnvClient(envs.make_env),
+                return await run_episode(self.engine, self.engine.tokenizer, LocalEnvClient(envs.make_env, self.blobs),
                                          episode_id=episode_id, env=ref.env, env_kwargs=ref.kwargs, seed=ref.seed,
-                                         params=params, limits=self.limits, system_prompt=system)
+                                         params=params, limits=self.limits, system_prompt=system,
+                                         images=self._episode_images)
 
             return Domain(d.name, problems, system, play=play)
         verifier, reward = d.verifier or source.default_verifier, self.cfg.reward

@@ -3,7 +3,8 @@
 Each step draws ``train.warmup_batch_size`` problems (domains mixed by ``data.domains[].ratio``,
 from ``Random(f"{seed}/warmup")``): a single-turn problem gives prompt -> worked solution in the
 answer format its domain rewards + EOS; a multi-turn one gives the source's expert episode played in
-a local environment and rendered as the agent loop renders an episode (one example, or with
+a local environment and rendered as the agent loop renders an episode (a visual environment's
+images with it; one example, or with
 ``rollout.history_turns`` one per turn, its window as the prompt). Prompts are rendered as rollout
 renders them (a visual problem: its image tokens then the text, for a vision-language policy).
 ``Strategy.warmup`` trains on the batches with its own optimizer.
@@ -65,7 +66,7 @@ def warm_up(strategy: Strategy, cfg: RunConfig, sources: Sequence[Any], chat: bo
                 p = src.sample(rng)
                 system = domain.system_prompt or cfg.model.system_prompt
                 if envs.is_episodic(domain.source):
-                    out += expert_examples(tok, src, p, chat, system, limits)
+                    out += expert_examples(tok, src, p, chat, system, limits, image_grid(strategy))
                     continue
                 demo = format_answer(src.demonstration(p, rng), domain.answer)
                 target = [*tok(demo, add_special_tokens=False)["input_ids"], tok.eos_token_id]
@@ -80,6 +81,14 @@ def warm_up(strategy: Strategy, cfg: RunConfig, sources: Sequence[Any], chat: bo
     return strategy.warmup(batches(), lr=cfg.train.warmup_lr, grad_clip=cfg.train.grad_clip)
 
 
+def image_grid(strategy: Strategy) -> Any:
+    """``images -> grid_thw`` of a vision-language policy's image processor (None: a text policy)."""
+    if not isinstance(strategy, TorchStrategy) or strategy.images is None:
+        return None
+    source = strategy.images
+    return lambda images: source.of_bytes(images)[1]
+
+
 def image_prompt(strategy: Strategy, problem: envs.Problem, system: str) -> list[int]:
     """A visual problem's prompt ids for a vision-language policy: its images' tokens, then the text
     (:func:`rollout.vlm.encode_vlm_prompt`, as the rollout engine encodes it)."""
@@ -92,11 +101,12 @@ def image_prompt(strategy: Strategy, problem: envs.Problem, system: str) -> list
 
 
 def expert_examples(tokenizer: Any, source: Any, problem: envs.Problem, chat: bool, system: str,
-                    limits: AgentLimits) -> list[SFTExample]:
+                    limits: AgentLimits, image_grid: Any = None) -> list[SFTExample]:
     """A multi-turn warm-up episode: the source's expert actions played in a local environment and
     rendered as the agent loop renders an episode: one example holding the whole episode
-    (:func:`rollout.agent.expert_episode`), or with ``rollout.history_turns`` one example per turn,
-    its window as the prompt (:func:`rollout.agent.expert_windows`)."""
+    (:func:`rollout.agent.expert_episode`; a visual environment's images with it, ``image_grid``
+    giving their ``grid_thw``), or with ``rollout.history_turns`` one example per turn, its window
+    as the prompt (:func:`rollout.agent.expert_windows`)."""
     ref = episode_ref(problem.reference)
     env = envs.make_env(ref.env, prompt="", reference="", **ref.kwargs)
     actions = list(source.expert_actions(ref.seed))
@@ -104,6 +114,7 @@ def expert_examples(tokenizer: Any, source: Any, problem: envs.Problem, chat: bo
     if limits.history_turns is not None:
         return [SFTExample(prompt, target) for prompt, target in expert_windows(
             tokenizer, chat, env, ref.seed, actions, end_of_turn_id=eot, limits=limits, system_prompt=system)]
+    shown: list[bytes] = []
     prompt, target, mask = expert_episode(tokenizer, chat, env, ref.seed, actions, end_of_turn_id=eot,
-                                          system_prompt=system, limits=limits)
-    return [SFTExample(prompt, target, mask)]
+                                          system_prompt=system, limits=limits, image_grid=image_grid, images=shown)
+    return [SFTExample(prompt, target, mask, images=tuple(shown))]

@@ -65,3 +65,21 @@ def test_share_blobs_gives_a_new_run_the_source_runs_blobs(tmp_path: Path) -> No
     assert not any(p.name.startswith(".") for p in dst.root.rglob("*"))
     assert share_blobs(src.root, dst.root) == 0
     assert share_blobs(tmp_path / "no run" / "blobs", dst.root) == 0  # a text run has no blob store
+
+
+def test_threads_writing_the_same_blob_at_once_all_get_it(tmp_path: Path) -> None:
+    """Episodes of one group reset together in an env worker's threads and store the same frame."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    store, start = BlobStore(tmp_path), threading.Barrier(6)
+    data = [bytes([i]) * 4096 for i in range(4)]
+
+    def put(i: int) -> str:
+        start.wait()
+        return store.put(data[i % 4])
+
+    with ThreadPoolExecutor(6) as pool:
+        digests = list(pool.map(put, range(6)))
+    assert digests == [sha256_hex(data[i % 4]) for i in range(6)]
+    assert sorted(p.name.startswith(".") for p in tmp_path.rglob("*") if p.is_file()) == [False] * 4

@@ -292,3 +292,105 @@ def test_expert_windows_render_each_turn_as_the_loop_does(chat_dir: Path) -> Non
                            end_of_turn_id=tok.eos_token_id,
                            limits=AgentLimits(max_turns=2, max_context_tokens=4000, history_turns=0))
     assert len(short) == 2
+
+
+class Frames:
+    """Shows a 56-pixel frame (a 2 x 2 lake, the player on cell ``turn % 4``) with every observation;
+    ends after ``length`` turns. ``broken``: its images are not images."""
+
+    def __init__(self, length: int = 3, broken: bool = False, **_: Any) -> None:
+        self.length, self.broken, self.t = length, broken, 0
+
+    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        self.t = 0
+        return "go", {}
+
+    def step(self, action: str) -> StepResult:
+        self.t += 1
+        return StepResult("ok", 0.25, self.t >= self.length, False, {})
+
+    def observation_images(self) -> tuple[bytes, ...]:
+        from envs.frozenlake_pixels import draw_lake
+        from envs.vision import png_bytes
+
+        return (b"not a png",) if self.broken else (png_bytes(draw_lake(("SF", "FG"), self.t % 4, 28)),)
+
+
+async def test_an_episode_showing_images_gets_the_same_logprobs_from_the_trainer(vlm_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    """A visual environment's images (one per observation) go to the blob store, into the turns'
+    prompts and the engine's prefill; the trainer, fed the generation's digests, recomputes the
+    behaviour logprobs of every turn; an undecodable image ends the episode as an env error."""
+    import dataclasses
+
+    from blobs import BlobStore
+    from schemas import events as ev
+    from services.rollout_worker import generation_of
+    from trainer.batch import samples_from_scored
+
+    store = BlobStore(tmp_path / "blobs")
+    eng = TorchEngine(vlm_dir, max_batch=2, seed=3)
+
+    async def load(hashes: list[str]) -> Any:
+        return eng.image_inputs([store.get(h) for h in hashes], hashes)
+
+    def play(**kw: Any) -> Any:
+        return run_episode(eng, eng.tokenizer, LocalEnvClient(lambda name, prompt="", reference="", **k: Frames(**k),
+                                                              store),
+                           episode_id="v1", env="frames", env_kwargs=kw, seed=0,
+                           params=SamplingParams(max_new_tokens=2, temperature=1.0),
+                           limits=AgentLimits(max_turns=3, max_tokens_per_turn=2, max_context_tokens=64), images=load)
+
+    traj = await play()
+    image_id = eng.model.config.image_token_id
+    ids = traj.prompt_ids + traj.response_ids
+    assert traj.num_turns >= 2 and len(traj.image_hashes) >= 2  # a later turn's image is in the sequence
+    assert ids.count(image_id) == 4 * len(traj.image_hashes) and traj.prompt_ids.count(image_id) == 4
+    assert all(store.has(h) for h in traj.image_hashes) and len(set(traj.image_hashes)) == len(traj.image_hashes)
+
+    task = ev.RolloutTask(run_id="r", sample_id="g0/0", group_id="g0", index=0, group_size=1, prompt_id="frames:0",
+                          domain="see", prompt="", reference="")
+    gen = generation_of(task, traj, "v1", "w0", eng.tokenizer, queued_s=0.0)
+    assert gen.image_hashes == traj.image_hashes
+    (sample,) = samples_from_scored([ev.ScoredSample(run_id="r", generation=gen, reward=1.0)])
+    strat = TorchStrategy(vlm_dir, blob_dir=store.root)
+    batch, _ = strat.prepare([sample])
+    lp = strat.logprobs(batch)  # (1, L - 1)
+    mask = batch.loss_mask > 0
+    assert int(mask.sum()) == sum(traj.loss_mask) > 0
+    assert_close(lp[mask], batch.old_logprobs[mask], strat.hf_model.config.text_config.hidden_size)
+    # the later images matter: with the first frame in their place the trainer's logprobs differ beyond that
+    first = (sample.image_hashes[0],) * len(sample.image_hashes)
+    swapped, _ = strat.prepare([dataclasses.replace(sample, image_hashes=first)])
+    assert float((strat.logprobs(swapped)[mask] - lp[mask]).abs().max()) > 1e-4
+
+    broken = await play(broken=True)
+    assert broken.finish == "env_error" and broken.num_turns == 0 and broken.image_hashes == []
+    assert "image unusable: blob" in broken.error and "not a decodable image" in broken.error
+
+
+def test_expert_episode_of_a_visual_environment_carries_its_images(vlm_dir: Path) -> None:
+    """The warm-up's expert episode shows the images the environment showed, placeholders expanded;
+    with ``frames: first`` only the first observation's."""
+    import envs
+    from blobs import decode_image, pixel_inputs
+    from rollout.agent import expert_episode
+    from rollout.model_init import load_tokenizer
+    from rollout.vlm import load_image_processor
+
+    tok, processor = load_tokenizer(vlm_dir), load_image_processor(vlm_dir)
+    image_id = int(tok.convert_tokens_to_ids("<|image_pad|>"))
+
+    def grid(images: Any) -> torch.Tensor:
+        return pixel_inputs(processor, [decode_image(b) for b in images])[1]
+
+    actions = envs.frozenlake.expert_actions(11, size=4)
+    for frames, shown in (("every", len(actions)), ("first", 1)):
+        env = envs.make_env("frozenlake_pixels", prompt="", reference="", size=4, cell_px=14, frames=frames)
+        images: list[bytes] = []
+        prompt, target, mask = expert_episode(tok, True, env, 11, actions, end_of_turn_id=tok.eos_token_id,
+                                              image_grid=grid, images=images)
+        assert len(images) == shown and (prompt + target).count(image_id) == 4 * shown
+        assert prompt.count(image_id) == 4 and sum(mask) > 0
+    with pytest.raises(ValueError, match="needs image_grid and images"):
+        expert_episode(tok, True, env, 11, actions, end_of_turn_id=tok.eos_token_id)

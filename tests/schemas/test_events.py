@@ -246,3 +246,15 @@ def test_generation_peak_memory_added_after_v11_defaults_to_unreported_in_old_pa
     assert isinstance(old, ev.Generation) and old.peak_memory_gib == 0.0 and old.response_ids
     new = dec.decode(msgspec.msgpack.encode(msgspec.structs.replace(old, peak_memory_gib=3.25)))
     assert isinstance(new, ev.Generation) and new.peak_memory_gib == 3.25
+
+
+def test_observation_images_added_after_v13_default_to_none_in_old_payloads() -> None:
+    """EnvObservation.image_hashes and Generation.image_hashes (a visual environment's images): a v13
+    observation and generation show none, v14 ones name the image's digest."""
+    obs = msgspec.msgpack.Decoder(TOPICS["env.responses"].event_type)
+    gens = msgspec.msgpack.Decoder(TOPICS["generations"].event_type)
+    for version, want in (("v13", []), ("v14", ["ef" * 32])):
+        o = obs.decode((FIXTURES / version / "EnvObservation.msgpack").read_bytes())
+        g = gens.decode((FIXTURES / version / "Generation.msgpack").read_bytes())
+        assert isinstance(o, ev.EnvObservation) and o.image_hashes == want and o.observation == "7"
+        assert isinstance(g, ev.Generation) and g.image_hashes == want and g.task.image_hashes == ["ab" * 32]

@@ -114,11 +114,13 @@ class Agent:
 
 
 @contextlib.asynccontextmanager
-async def env_service(kafka: KafkaSettings, run_id: str, **env: Any) -> AsyncIterator[asyncio.Task[Any]]:
+async def env_service(kafka: KafkaSettings, run_id: str, blob_dir: str = "", **env: Any
+                      ) -> AsyncIterator[asyncio.Task[Any]]:
     """The env worker (``services.env_worker.run``) in this process until the block ends."""
     cfg = RunConfig(kafka=kafka, env=EnvWorkersConfig(**env))
     stop = asyncio.Event()
-    job = asyncio.create_task(run(EnvSettings(run_id=run_id, config=cfg, concurrency=16, shutdown_grace_s=2.0), stop))
+    job = asyncio.create_task(run(EnvSettings(run_id=run_id, config=cfg, concurrency=16, shutdown_grace_s=2.0,
+                                              blob_dir=blob_dir), stop))
     try:
         yield job
         assert not job.done(), f"the worker ended early: {job.exception() if not job.cancelled() else 'cancelled'}"
@@ -191,6 +193,31 @@ async def test_frozenlake_expert_reaches_the_goal(kafka: KafkaSettings, run_id: 
     assert last is not None and goal.observation == last.observation
     assert all(o.env_s > 0 for o in obs)  # env time plus the simulated latency
     assert all(len(a.answers[(o.episode_id, o.step)]) == 1 for o in obs)  # one answer per request
+
+
+async def test_a_visual_environments_images_go_to_the_blob_store(kafka: KafkaSettings, run_id: str,
+                                                                  topics: list[str], tmp_path: Path) -> None:
+    """frozenlake_pixels over Kafka: every answer names its frame's digest, the frame is in the blob
+    store, and a worker that rebuilds the episode from a step's history names the same frame."""
+    from blobs import BlobStore, sha256_hex
+    from envs.base import observation_images
+
+    spec = ev.EnvSpec(name="frozenlake_pixels", kwargs={"size": 4, "cell_px": 14, "frames": "every"})
+    actions = lake_expert(11, size=4)[:2]
+    async with env_service(kafka, run_id, blob_dir=str(tmp_path / "blobs")), agent(kafka, run_id) as a:
+        obs = await play(a, "see", spec, 11, actions)
+        await a.send(a.step("again", 2, actions[1], actions[:1], spec, 11))  # not held: rebuilt
+        rebuilt = await a.wait("again", 2)
+    env = envs.make_env(spec.name, prompt="", reference="", **spec.kwargs)
+    env.reset(seed=11)
+    frames = [observation_images(env)[0]]
+    for action in actions:
+        env.step(action)
+        frames.append(observation_images(env)[0])
+    assert [o.image_hashes for o in obs] == [[sha256_hex(f)] for f in frames] and len(set(frames)) == 3
+    assert rebuilt.image_hashes == obs[-1].image_hashes and not rebuilt.error
+    store = BlobStore(tmp_path / "blobs")
+    assert [store.get(o.image_hashes[0]) for o in obs] == frames
 
 
 @pytest.mark.parametrize("max_episodes", [1024, 1], ids=["held", "evicted-each-step"])

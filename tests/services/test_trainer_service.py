@@ -44,6 +44,9 @@ def test_impossible_values_are_named() -> None:
     assert "impossible in a group of 0" in str(check_task(task))
     assert "unknown domain 'arith'" in str(check_task(ok.generation.task, domains={"math"}))
     assert check_task(ok.generation.task, domains={"arith"}) is None
+    assert check_generation(msgspec.structs.replace(ok.generation, image_hashes=["ab" * 32])) is None
+    odd = msgspec.structs.replace(ok.generation, image_hashes=["AB" * 32])
+    assert "image hash 'ABAB" in str(check_generation(odd)) and "not a sha256 hex digest" in str(check_generation(odd))
 
 
 

@@ -74,7 +74,11 @@ def run_events(run_id: str) -> list[ev.Event]:
         out.append(ev.WeightsPublished(run_id=run_id, ts=t_step + 12.5, policy_version=step + 1, step=step,
                                        uri=f"/w/v{step + 1}", checksum="ab" * 32, num_bytes=1024))
     out.append(ev.EvalResult(run_id=run_id, ts=t + 95.0, step=1, policy_version=2, split="heldout",
-                             metrics={"eval/accuracy": 0.5, "eval/arith/accuracy": 0.75}))
+                             metrics={"eval/accuracy": 0.5, "eval/arith/accuracy": 0.75},
+                             answers=[ev.EvalAnswer(domain="arith", prompt_id="h0", prompt="3+4=", reference="7",
+                                                    response="7", correct=True),
+                                      ev.EvalAnswer(domain="arith", prompt_id="h1", prompt="5+6=", reference="11",
+                                                    response="12", correct=False)]))
 
     # a multi-turn episode of two actions
     t_ep = t + 100.0

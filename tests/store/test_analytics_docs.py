@@ -116,6 +116,7 @@ def test_queries_see_the_facts_of_the_run(recorded: tuple[Any, str]) -> None:
     assert status == {("trained", ""): 9, ("dropped_stale", "stale: gap 2 > 1"): 1,
                       ("filtered", "all-equal rewards"): 1,
                       ("dead_letter", "handle: engine error: CUDA out of memory"): 1, ("scored", ""): 1}
+    assert run("step, domain, prompt") == [(1, "arith", "3+4=", "7", "7", True), (1, "arith", "5+6=", "11", "12", False)]
     curve = run("step, policy_version")
     assert [(r[0], r[2], r[7]) for r in curve] == [(0, 0.3, None), (1, 0.5, 0.5)]
     lag = run("ts, lag_records")
