@@ -550,12 +550,19 @@ class TorchStrategy:
         index = (starts[:, None] + torch.arange(width, device=self.device)).clamp(max=h.shape[0] - 1)  # (b, l)
         return h, index
 
-    def _shares_prefixes(self, micro: TokenBatch) -> bool:
-        """Whether :meth:`_hidden` forwards ``micro`` with shared prefixes: ``shared_prefix`` is on,
-        the rows carry their groups, and the model's attention takes a boolean 4-D mask (``sdpa``,
-        the one this strategy loads)."""
+    @property
+    def _prefix_sharing(self) -> bool:
+        """Whether prompts are shared at all: ``shared_prefix`` is on, the logprobs come from the
+        hidden states (:meth:`_hidden`, the chunked head) and the model's attention takes a
+        boolean 4-D mask (``sdpa``, the one this strategy loads). Else rows are forwarded on their
+        own and :meth:`micro_batches` orders them by length."""
         impl = getattr(getattr(self.hf_model, "config", None), "_attn_implementation", None)
-        return self.shared_prefix and "group_ids" in micro.extras and impl == "sdpa"
+        return self.shared_prefix and self.chunked_head and impl == "sdpa"
+
+    def _shares_prefixes(self, micro: TokenBatch) -> bool:
+        """Whether :meth:`_hidden` forwards ``micro`` with shared prefixes (:attr:`_prefix_sharing`,
+        and the rows carry their groups)."""
+        return self._prefix_sharing and "group_ids" in micro.extras
 
     def _decode(self, model: torch.nn.Module, decoder: torch.nn.Module, **inputs: Any) -> torch.Tensor:
         """The last hidden states (b, l, H) of ``model``'s ``decoder`` on ``inputs``."""
@@ -848,8 +855,8 @@ class TorchStrategy:
 
     def micro_batches(self, batch: TokenBatch) -> tuple[TokenBatch, list[tuple[TokenBatch, float]]]:
         """The rows of a prepared ``batch`` that train (:meth:`gradient_rows`), the rows of each group
-        together (``shared_prefix``: a micro-batch then holds whole groups, whose prompt is forwarded
-        once) or else shortest first (so each micro-batch is trimmed to less padding), and their
+        together (:attr:`_prefix_sharing`: a micro-batch then holds whole groups, whose prompt is
+        forwarded once) or else shortest first (so each micro-batch is trimmed to less padding), and their
         micro-batches of
         ``micro_batch_size`` rows with each one's share of the whole batch's normaliser (its
         tokens for ``token-mean``, else its sequences). Micro-batches with nothing trained (share
@@ -858,7 +865,7 @@ class TorchStrategy:
         by_tokens = self.algo.loss_agg_mode == "token-mean"
         total = max(batch.num_tokens if by_tokens else batch.num_seqs, 1)
         trained = self.gradient_rows(batch)
-        trained = trained.by_group() if self.shared_prefix else trained.by_length()
+        trained = trained.by_group() if self._prefix_sharing else trained.by_length()
         micros = []
         for start, stop in self._groups(trained):
             micro = trained.rows(start, stop)
