@@ -12,8 +12,9 @@ mode, which the supervisor runs instead of ``rollstream service``) three factori
 * the rollout engine (:class:`InstantEngine`): answers at once with one of two precomputed
   completions (a 19-token worked answer; its token ids, logprobs, loss mask and policy version are
   a valid ``Generation``), picked by the sample id's crc32;
-* the verifier (:func:`instant_score`, for the reward router and the trainer's evaluation): reward
-  1 for the right one of the two, 0 for the other;
+* the verifier function (:func:`instant_verify`, whatever verifier name the reward router and the
+  trainer's evaluation look up): reward 1 for the right one of the two, 0 for the other; the
+  scoring path around it (answer extraction, the verifier thread and its time bound) is the real one;
 * the training backend (:class:`NoTrainStrategy`): a step trains nothing; the trainer keeps every
   rule (groups, staleness by policy version, outcomes, checkpoints, evaluations) and publishes every
   version (a directory holding a marker file, and its ``WeightsPublished``).
@@ -114,8 +115,7 @@ class InstantEngine:
             self.policy_version = version
 
 
-def instant_score(verifier: Any, response: str, reference: str, kwargs: dict[str, Any] | None = None,
-                  **_: Any) -> Any:
+def instant_verify(response: str, reference: str, **_: Any) -> Any:
     """The verifier, instant: correct when ``response`` is the precomputed right answer."""
     from envs.base import VerifyResult
 
@@ -166,10 +166,11 @@ class NoTrainStrategy:
 
 def install_stubs(service: str) -> None:
     """Replace, in this process, the factories ``service`` uses (before the service imports them)."""
-    import envs
-
     if service in ("reward", "trainer"):
-        envs.score_response = instant_score  # the router and the evaluation call envs.score_response
+        import envs.verifiers
+
+        # the router and the evaluation run every verifier through run_verifier[_async], which look it up
+        envs.verifiers.get_verifier = lambda name: instant_verify  # type: ignore[assignment]
     if service == "rollout":
         import services.rollout_worker as rw
 
@@ -237,7 +238,7 @@ PROCESS = re.compile(r"pipeline_ceiling\.py (?:service (\S+)|(run))")
 IDLE = re.compile(r"(Selector\.select|^select|^Condition\.wait|^Event\.wait|^Popen\._wait) \(|^_worker \(concurrent/futures/thread\.py")
 """Leaf frames of a waiting thread (py-spy's ``--nonblocking`` samples them too)."""
 OURS = ("services/", "envs/", "trainer/", "rollout/", "schemas/", "launch/", "store/")
-STUBS = re.compile(r"^(InstantEngine|NoTrainStrategy|instant_score|answer_of|char_ids)")
+STUBS = re.compile(r"^(InstantEngine|NoTrainStrategy|instant_verify|answer_of|char_ids)")
 MECHANISMS: list[tuple[str, re.Pattern[str]]] = [(name, re.compile(rx)) for name, rx in (
     ("socket writes (asyncio transport)", r"^(_SelectorSocketTransport\.write|StreamWriter\.write) "),
     ("zstd (de)compression", r"^zstd_(encode|decode) "),
@@ -254,7 +255,7 @@ MECHANISMS: list[tuple[str, re.Pattern[str]]] = [(name, re.compile(rx)) for name
     ("chDB insert, rows (recorder's store)", r"\((store/|chdb/|clickhouse_connect/)"),
     ("runtime loops, handler calls, offsets", r"\(runtime/"),
     ("service handlers (ours; the bench's stubs apart)", r"\((services|envs|trainer|rollout|schemas|launch)/"),
-    ("the bench's stubs", r"^(InstantEngine|NoTrainStrategy|instant_score|answer_of|char_ids)"),
+    ("the bench's stubs", r"^(InstantEngine|NoTrainStrategy|instant_verify|answer_of|char_ids)"),
 )]
 """What a profile sample's time is spent in: the leaf-most frame (asyncio's and the threads' own
 frames skipped, but for socket writes) that one of these matches decides."""

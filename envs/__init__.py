@@ -28,9 +28,9 @@ from envs.registry import (
     register_source,
     register_verifier,
 )
-from envs.scoring import score_response
+from envs.scoring import score_response, score_response_async
 from envs.single_turn import SingleTurnEnv, make_env
-from envs.verifiers import run_verifier
+from envs.verifiers import run_verifier, run_verifier_async
 
 __all__ = [
     "Env",
@@ -59,8 +59,10 @@ __all__ = [
     "register_source",
     "register_verifier",
     "run_verifier",
+    "run_verifier_async",
     "sandbox",
     "score_response",
+    "score_response_async",
     "sokoban",
     "tool_use",
     "verifiers",

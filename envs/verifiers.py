@@ -8,6 +8,7 @@ a verifier's fault and never blocks longer than ``timeout_s`` (plus process star
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import os
@@ -15,7 +16,7 @@ import queue
 import re
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from fractions import Fraction
 from typing import Any, Literal
@@ -141,8 +142,8 @@ class _Workers:
         self.started = 0
         """Worker threads started so far."""
 
-    def run(self, call: Callable[[], VerifyResult], timeout_s: float) -> VerifyResult | None:
-        """``call()``'s result, or ``None`` if it did not finish within ``timeout_s``."""
+    def submit(self, call: Callable[[], VerifyResult]) -> Future[VerifyResult]:
+        """Start ``call()`` on a worker; its future (never cancelled by a worker)."""
         result: Future[VerifyResult] = Future()
         with self._lock:
             if self._idle:
@@ -151,33 +152,54 @@ class _Workers:
                 self.started += 1
                 threading.Thread(target=self._work, daemon=True, name=f"verifier-{self.started}").start()
         self._jobs.put((call, result))
+        return result
+
+    def run(self, call: Callable[[], VerifyResult], timeout_s: float) -> VerifyResult | None:
+        """``call()``'s result, or ``None`` if it did not finish within ``timeout_s``."""
         try:
-            return result.result(timeout_s)
+            return self.submit(call).result(timeout_s)
         except FutureTimeout:
             return None
+
+    async def run_async(self, call: Callable[[], VerifyResult], timeout_s: float) -> VerifyResult | None:
+        """:meth:`run` for a coroutine: the event loop waits without a thread of its own."""
+        done = asyncio.wrap_future(self.submit(call))
+        finished, _ = await asyncio.wait({done}, timeout=timeout_s)  # a late result is dropped, not cancelled
+        return done.result() if finished else None
 
     def _work(self) -> None:
         while True:
             call, result = self._jobs.get()
-            result.set_result(call())  # ``_call`` never raises
+            value = call()  # ``_call`` never raises
             with self._lock:
                 self._idle += 1
+            try:
+                result.set_result(value)
+            except InvalidStateError:  # its waiter cancelled the future (a late result nobody reads)
+                pass
 
 
 _workers: tuple[int, _Workers] | None = None
 """This process's id and its workers (a forked child has none of its parent's threads)."""
 
 
-def _run_thread(
-    fn: Verifier, response: str, reference: str, kwargs: dict[str, Any], timeout_s: float
-) -> VerifyResult:
+def _thread_workers() -> _Workers:
+    """This process's verifier workers (a forked child starts its own)."""
     global _workers
     if _workers is None or _workers[0] != os.getpid():
         _workers = (os.getpid(), _Workers())
-    result = _workers[1].run(lambda: _call(fn, response, reference, kwargs), timeout_s)
-    if result is None:
-        return _error(f"timeout: verifier did not finish within {timeout_s:g}s (its thread was abandoned)")
-    return result
+    return _workers[1]
+
+
+def _thread_timeout(timeout_s: float) -> VerifyResult:
+    return _error(f"timeout: verifier did not finish within {timeout_s:g}s (its thread was abandoned)")
+
+
+def _run_thread(
+    fn: Verifier, response: str, reference: str, kwargs: dict[str, Any], timeout_s: float
+) -> VerifyResult:
+    result = _thread_workers().run(lambda: _call(fn, response, reference, kwargs), timeout_s)
+    return _thread_timeout(timeout_s) if result is None else result
 
 
 def _child(conn: Any, fn: Verifier, response: str, reference: str, kwargs: dict[str, Any]) -> None:
@@ -239,3 +261,28 @@ def run_verifier(
     if isolation == "thread":
         return _run_thread(fn, response, reference, args, timeout_s)
     return _run_process(fn, response, reference, args, timeout_s)
+
+
+async def run_verifier_async(
+    verifier: str | Verifier,
+    response: str,
+    reference: str,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    timeout_s: float = 5.0,
+    isolation: Isolation = "thread",
+) -> VerifyResult:
+    """:func:`run_verifier` for a coroutine, with the same results: ``"thread"`` hands the call to
+    a verifier worker and awaits it (one thread hop; the event loop runs meanwhile), ``"inline"``
+    calls it in the loop, ``"process"`` waits for its child from a thread."""
+    try:
+        fn = get_verifier(verifier) if isinstance(verifier, str) else verifier
+    except KeyError as e:
+        return _error(str(e.args[0]))
+    args = dict(kwargs or {})
+    if isolation == "inline":
+        return _call(fn, response, reference, args)
+    if isolation == "thread":
+        result = await _thread_workers().run_async(lambda: _call(fn, response, reference, args), timeout_s)
+        return _thread_timeout(timeout_s) if result is None else result
+    return await asyncio.to_thread(_run_process, fn, response, reference, args, timeout_s)

@@ -1,8 +1,8 @@
 """The reward router: ``generations`` -> verifier by domain -> ``scored``, exactly once (by default).
 
 Each ``Generation`` is routed by its task's domain to the verifier configured for that domain
-(``data.domains[].verifier``, or the task source's default), run with a time bound
-(:func:`envs.run_verifier`) off the event loop, and turned into a self-contained ``ScoredSample``.
+(``data.domains[].verifier``, or the task source's default), run with a time bound on a verifier
+thread that the event loop awaits (:func:`envs.run_verifier_async`), and turned into a self-contained ``ScoredSample``.
 A verifier that crashes or hangs yields reward 0 with the error in ``details``: the sample is still
 trained on and the error is on the record. A judged domain's sample goes on to ``judge.requests``
 instead (:mod:`services.judge_worker` adds the judge's score); a multi-turn episode is scored by
@@ -30,7 +30,6 @@ from runtime.runner import Context, Service, ServiceSettings, run_service
 from runtime.settings import Consume, Delivery, Handling, Subscription
 from schemas import events as ev
 from schemas.config import RewardConfig, RunConfig, reward_weights
-from schemas.errors import to_thread
 from schemas.sanity import check_generation
 from schemas.services import SERVICES
 from services import ServiceStart
@@ -100,8 +99,10 @@ class RewardRouter(Service):
             raise ValueError(why)
         # off the event loop: a slow or hanging verifier (bounded by reward.timeout_s) must not stop
         # the consumer's heartbeats or the other calls
+        # the verifier runs on a worker thread (bounded by reward.timeout_s): a slow or hanging one
+        # must not stop the consumer's heartbeats or the other calls
         async with self.verifier_slots:
-            scored = await to_thread(score, gen, self.table, self.settings.config.reward)
+            scored = await score_async(gen, self.table, self.settings.config.reward)
         r = self.settings.config.reward
         if r.latency != "none":  # benchmarks: a reward that takes long, without holding a verifier thread
             await asyncio.sleep(draw_latency_s(r.latency, r.latency_mean_s, r.latency_sigma, gen.task.sample_id))
@@ -142,7 +143,8 @@ def with_verdict(scored: ev.ScoredSample, judge: str, weights: dict[str, float],
 
 
 def score(gen: ev.Generation, table: VerifierTable, reward: RewardConfig) -> ev.ScoredSample:
-    """Score one generation as the router does (also used by ``replay rescore``).
+    """Score one generation as the router does (``replay rescore``; the router awaits
+    :func:`score_async`, which gives the same result).
 
     The verifier is the task's own ``env`` spec when it has one, else ``table[task.domain]``; it
     runs through :func:`envs.score_response` (the domain's answer extraction and format reward)
@@ -151,21 +153,51 @@ def score(gen: ev.Generation, table: VerifierTable, reward: RewardConfig) -> ev.
     """
     if gen.episode_id:
         return score_episode(gen)
+    scoring = scoring_of(gen, table)
+    t0 = time.perf_counter()
+    if scoring is None or not scoring.verifier:
+        return scored_sample(gen, scoring, no_verifier(gen), t0)
+    result = envs.score_response(
+        scoring.verifier, gen.response_text, gen.task.reference, scoring.kwargs, answer=scoring.answer,
+        format_reward=scoring.format_reward, timeout_s=reward.timeout_s, isolation=reward.isolation,
+    )
+    return scored_sample(gen, scoring, result, t0)
+
+
+async def score_async(gen: ev.Generation, table: VerifierTable, reward: RewardConfig) -> ev.ScoredSample:
+    """:func:`score` for the router's event loop: the verifier through
+    :func:`envs.score_response_async` (one hop to a verifier thread)."""
+    if gen.episode_id:
+        return score_episode(gen)
+    scoring = scoring_of(gen, table)
+    t0 = time.perf_counter()
+    if scoring is None or not scoring.verifier:
+        return scored_sample(gen, scoring, no_verifier(gen), t0)
+    result = await envs.score_response_async(
+        scoring.verifier, gen.response_text, gen.task.reference, scoring.kwargs, answer=scoring.answer,
+        format_reward=scoring.format_reward, timeout_s=reward.timeout_s, isolation=reward.isolation,
+    )
+    return scored_sample(gen, scoring, result, t0)
+
+
+def scoring_of(gen: ev.Generation, table: VerifierTable) -> DomainScoring | None:
+    """How ``gen`` is scored: its task's own ``env`` spec as the verifier when it has one, else its
+    domain's entry (``None``: the domain has none)."""
     task = gen.task
     scoring = table.get(task.domain)
     if task.env is not None:
         base = scoring or DomainScoring("", {})
         scoring = dataclasses.replace(base, verifier=task.env.name, kwargs=dict(task.env.kwargs))
-    t0 = time.perf_counter()
-    if scoring is None or not scoring.verifier:
-        verifier = ""
-        result = envs.VerifyResult(reward=0.0, correct=False, error=f"no verifier for domain {task.domain!r}")
-    else:
-        verifier = scoring.verifier
-        result = envs.score_response(
-            verifier, gen.response_text, task.reference, scoring.kwargs, answer=scoring.answer,
-            format_reward=scoring.format_reward, timeout_s=reward.timeout_s, isolation=reward.isolation,
-        )
+    return scoring
+
+
+def no_verifier(gen: ev.Generation) -> envs.VerifyResult:
+    return envs.VerifyResult(reward=0.0, correct=False, error=f"no verifier for domain {gen.task.domain!r}")
+
+
+def scored_sample(gen: ev.Generation, scoring: DomainScoring | None, result: envs.VerifyResult,
+                  t0: float) -> ev.ScoredSample:
+    """The ``ScoredSample`` of ``gen`` from its verifier's ``result`` (``t0``: when scoring began)."""
     details = f"error: {result.error}" if result.error else result.details
     rewards = {"correct": float(result.correct), **result.components}
     value = result.reward
@@ -175,8 +207,8 @@ def score(gen: ev.Generation, table: VerifierTable, reward: RewardConfig) -> ev.
     return ev.ScoredSample(
         run_id=gen.run_id, generation=gen, reward=value,
         rewards=rewards,
-        verifier=verifier, details=details, reward_s=time.perf_counter() - t0,
-        policy_version=gen.policy_version,
+        verifier=scoring.verifier if scoring is not None else "", details=details,
+        reward_s=time.perf_counter() - t0, policy_version=gen.policy_version,
     )
 
 

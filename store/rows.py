@@ -12,7 +12,6 @@ Column lists here match ``infra/clickhouse/*.sql``.
 from __future__ import annotations
 
 from collections import defaultdict
-from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -48,9 +47,10 @@ TEXT_MAX_CHARS = 2000
 _json = msgspec.json.Encoder()
 
 
-def dt(ts: float) -> datetime:
-    """Unix seconds -> aware UTC datetime (what clickhouse-connect wants for DateTime64)."""
-    return datetime.fromtimestamp(ts, UTC)
+def dt(ts: float) -> int:
+    """Unix seconds -> microseconds since the epoch: the ticks of a ``DateTime64(6)`` column, which
+    clickhouse-connect writes as they are (a ``datetime`` per row cost the recorder 5% of its CPU)."""
+    return round(ts * 1_000_000)
 
 
 def event_row(topic: str, partition: int, offset: int, run_id: str, name: str, key: bytes | None,

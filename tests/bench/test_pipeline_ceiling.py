@@ -62,8 +62,11 @@ def test_the_instant_engine_refuses_weights_the_bench_did_not_publish(tmp_path: 
         asyncio.run(pc.InstantEngine().load_weights(tmp_path, 1))
 
 
-def test_the_instant_verifier_rewards_the_right_answer_only() -> None:
-    assert (pc.instant_score("final_number", pc.RIGHT, "85").reward, pc.instant_score("x", pc.WRONG, "85").reward) == (1.0, 0.0)
+def test_the_instant_verifier_rewards_the_right_answer_only_through_the_real_scoring_path() -> None:
+    import envs
+
+    got = [envs.score_response(pc.instant_verify, text, "85").reward for text in (pc.RIGHT, pc.WRONG)]
+    assert got == [1.0, 0.0]
 
 
 def test_the_no_train_strategy_counts_steps_and_resumes_its_step(tmp_path: Path) -> None:

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 import pytest
 
-from envs import VerifyResult, run_verifier, score_response
+from envs import VerifyResult, run_verifier, score_response, score_response_async
 
 
 class Counting:
@@ -102,3 +103,46 @@ def test_bad_arguments_raise() -> None:
         score_response("exact", "46", "46", answer="xml")
     with pytest.raises(ValueError, match=r"format_reward=0\.5 needs an answer format"):
         score_response("exact", "46", "46", answer="raw", format_reward=0.5)
+
+
+CASES = [
+    ("exact", "46", "46", {}, "raw", 0.0),
+    ("exact", "45", "46", {}, "raw", 0.0),
+    ("exact", "thinking\n<answer> 46 </answer>", "46", {}, "tag", 0.25),
+    ("exact", "no tag here", "46", {}, "tag", 0.25),
+    ("final_number", r"so \boxed{3}", "3", {}, "auto", 0.0),
+    ("format", "12", "", {"pattern": r"\d+"}, "raw", 0.0),
+    ("no-such-verifier", "46", "46", {}, "raw", 0.0),
+]
+
+
+@pytest.mark.parametrize("isolation", ["inline", "thread", "process"])
+async def test_the_async_path_scores_as_the_sync_one(isolation: str) -> None:
+    for verifier, response, reference, kwargs, answer, fmt in CASES:
+        want = score_response(verifier, response, reference, kwargs, answer=answer, format_reward=fmt,
+                              isolation=isolation)  # type: ignore[arg-type]
+        got = await score_response_async(verifier, response, reference, kwargs, answer=answer, format_reward=fmt,
+                                         isolation=isolation)  # type: ignore[arg-type]
+        assert got == want, (verifier, response, answer)
+    assert (await score_response_async(crashing, "46", "46")).error == "verifier raised RuntimeError: boom"
+
+
+async def test_the_async_path_bounds_a_hung_verifier_and_keeps_the_loop_running() -> None:
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticker = asyncio.create_task(tick())
+    t0 = time.perf_counter()
+    r = await score_response_async(hanging, "<answer>46</answer>", "46", answer="tag", format_reward=0.5, timeout_s=0.3)
+    elapsed = time.perf_counter() - t0
+    ticker.cancel()
+    assert r.reward == 0.0 and r.error.startswith("timeout: verifier did not finish within 0.3s")
+    assert 0.3 <= elapsed < 2
+    assert ticks >= 5  # the event loop ran while the verifier hung (every 10 ms over 300 ms)
+    with pytest.raises(ValueError, match="unknown answer mode 'xml'"):
+        await score_response_async("exact", "46", "46", answer="xml")
