@@ -323,7 +323,9 @@ class ProcCpu:
                     continue
                 pid = int(entry)
                 try:
-                    if pid not in self._labels:
+                    # a child the supervisor forked has its command line until it execs the service:
+                    # a "supervisor" label is read again, so no service is counted as the supervisor
+                    if self._labels.get(pid, "supervisor") == "supervisor":
                         self._labels[pid] = self._label(pid)
                     label = self._labels[pid]
                     if label is not None:

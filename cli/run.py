@@ -483,9 +483,11 @@ async def _run_service(name: str, cfg: Any, run: str, run_dir: Path, model_dir: 
     import signal
 
     from launch.supervisor import LABEL_ENV
+    from runtime.gc_tuning import tune_process
     from services import ServiceStart
 
     handler = importlib.import_module(SERVICES[name].handler)
+    tune_process()  # this process runs one service: a collector for a stream of short-lived events
     start = ServiceStart(config=cfg, run_id=run, run_dir=run_dir, model_dir=model_dir,
                          label=os.environ.get(LABEL_ENV, "").strip())
     settings = handler.settings_from(start)

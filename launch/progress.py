@@ -168,7 +168,8 @@ def tallies_of_rows(rows: dict[str, list[list[Any]]]) -> Tallies:
         evals=[(int(e["step"]), e["split"], float(e["metrics"].get("eval/accuracy", 0.0)),
                 "eval/accuracy_sampled" in e["metrics"], float(e["metrics"].get("eval/accuracy_sampled", 0.0)))
                for e in evals],
-        gen_tokens=gen_tokens, gen_span_s=(last - first).total_seconds() if first and last else 0.0,
+        # the rows' times are DateTime64(6) ticks (store.rows.dt): microseconds
+        gen_tokens=gen_tokens, gen_span_s=(last - first) / 1e6 if first and last else 0.0,
         steps=len(steps), train_tokens=sum(float(s["metrics"].get("train/tokens", 0.0)) for s in steps),
         step_s=sum(float(s["metrics"].get("perf/step_s", 0.0)) for s in steps))
 

@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 from aiokafka.errors import KafkaError
 
+from runtime import gc_tuning
 from runtime.bus import BusError, Consumer, KeyLike, Producer, Record, RecordMetadata, TopicPartition
 from runtime.handling import Control, Loop
 from runtime.kafka_io import KafkaIO
@@ -235,6 +236,7 @@ class Runner:
         try:
             await self.io.start()
             await self.service.on_start(self)
+            gc_tuning.settle()  # a service process keeps what its start-up made (runtime.gc_tuning)
             await self.loop.run()
         except BusError as e:
             error = e

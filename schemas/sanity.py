@@ -55,7 +55,7 @@ def check_task(task: ev.RolloutTask, domains: Collection[str] = ()) -> str | Non
         return f"task {sid}: policy_version {task.policy_version} < 0"
     if task.env is not None and _first_bad(v for v in task.env.kwargs.values() if isinstance(v, float)) is not None:
         return f"task {sid}: env.kwargs hold a non-finite number"
-    bad = next((h for h in task.image_hashes if not _DIGEST.match(h)), None)
+    bad = next((h for h in task.image_hashes if not _DIGEST.match(h)), None) if task.image_hashes else None
     if bad is not None:
         return f"task {sid}: image hash {bad[:80]!r} is not a sha256 hex digest (64 lowercase hex digits)"
     if domains and task.env is None and task.domain not in domains:
@@ -103,7 +103,7 @@ def check_generation(gen: ev.Generation) -> str | None:
     bad = _first_bad((gen.queued_s, gen.gen_s, gen.env_s))
     if bad is not None:
         return f"generation {sid}: timings hold non-finite values ({bad})"
-    odd = next((h for h in gen.image_hashes if not _DIGEST.match(h)), None)
+    odd = next((h for h in gen.image_hashes if not _DIGEST.match(h)), None) if gen.image_hashes else None
     if odd is not None:
         return f"generation {sid}: image hash {odd[:80]!r} is not a sha256 hex digest (64 lowercase hex digits)"
     return check_task(gen.task)
