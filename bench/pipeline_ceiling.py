@@ -14,7 +14,8 @@ mode, which the supervisor runs instead of ``rollstream service``) three factori
   a valid ``Generation``), picked by the sample id's crc32;
 * the verifier function (:func:`instant_verify`, whatever verifier name the reward router and the
   trainer's evaluation look up): reward 1 for the right one of the two, 0 for the other; the
-  scoring path around it (answer extraction, the verifier thread and its time bound) is the real one;
+  scoring path around it (answer extraction, and the verifier thread with its time bound, or the
+  inline call of ``exact`` and ``final_number``, as for the real verifier) is the real one;
 * the training backend (:class:`NoTrainStrategy`): a step trains nothing; the trainer keeps every
   rule (groups, staleness by policy version, outcomes, checkpoints, evaluations) and publishes every
   version (a directory holding a marker file, and its ``WeightsPublished``).
@@ -169,8 +170,12 @@ def install_stubs(service: str) -> None:
     if service in ("reward", "trainer"):
         import envs.verifiers
 
-        # the router and the evaluation run every verifier through run_verifier[_async], which look it up
-        envs.verifiers.get_verifier = lambda name: instant_verify  # type: ignore[assignment]
+        # the router and the evaluation run every verifier through run_verifier[_async], which look it
+        # up: the stub runs where the real one would (inline for exact / final_number, else a thread)
+        real = envs.verifiers.get_verifier
+        inline = envs.verifiers.runs_inline(lambda *a, **k: instant_verify(*a, **k))
+        envs.verifiers.get_verifier = (  # type: ignore[assignment]
+            lambda name: inline if envs.verifiers.inline_safe(real(name)) else instant_verify)
     if service == "rollout":
         import services.rollout_worker as rw
 

@@ -19,12 +19,27 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from fractions import Fraction
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from envs.base import Verifier, VerifyResult
 from envs.registry import get_verifier, register_verifier
 
 Isolation = Literal["inline", "thread", "process"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def runs_inline(fn: F) -> F:
+    """Mark a verifier that :func:`run_verifier` calls on the caller's thread whatever the
+    isolation: its time is linear in the response (bounded by ``max_new_tokens``) and it can
+    neither hang nor crash the process. A thread hop costs about ten times such a call."""
+    fn.runs_inline = True  # type: ignore[attr-defined]
+    return fn
+
+
+def inline_safe(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is marked :func:`runs_inline`."""
+    return bool(getattr(fn, "runs_inline", False))
 
 _NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 
@@ -34,6 +49,7 @@ def _judged(ok: bool, details: str, **components: float) -> VerifyResult:
 
 
 @register_verifier("exact")
+@runs_inline
 def exact_match(response: str, reference: str, **kwargs: Any) -> VerifyResult:
     """Reward 1 iff the response equals the reference after stripping surrounding whitespace."""
     got, want = response.strip(), reference.strip()
@@ -41,6 +57,7 @@ def exact_match(response: str, reference: str, **kwargs: Any) -> VerifyResult:
 
 
 @register_verifier("final_number")
+@runs_inline
 def final_number(response: str, reference: str, **kwargs: Any) -> VerifyResult:
     """Reward 1 iff the last number (integer, decimal or ``p/q``) in the response equals the
     reference's last number exactly (as fractions). Text around it is ignored, so worked
@@ -243,7 +260,8 @@ def run_verifier(
 ) -> VerifyResult:
     """Run a verifier (by registered name or as a callable) without letting it harm the caller.
 
-    ``isolation``: ``"inline"`` calls it directly (exceptions caught, no time bound);
+    ``isolation``: ``"inline"`` calls it directly (exceptions caught, no time bound), as every
+    isolation does for a verifier marked :func:`runs_inline` (``exact``, ``final_number``);
     ``"thread"`` (default) runs it in a daemon worker thread (reused across calls: :class:`_Workers`)
     and gives up after ``timeout_s`` — a hung verifier's thread is abandoned, not killed (Python
     cannot kill threads); ``"process"`` forks
@@ -256,7 +274,7 @@ def run_verifier(
     except KeyError as e:
         return _error(str(e.args[0]))
     args = dict(kwargs or {})
-    if isolation == "inline":
+    if isolation == "inline" or inline_safe(fn):
         return _call(fn, response, reference, args)
     if isolation == "thread":
         return _run_thread(fn, response, reference, args, timeout_s)
@@ -280,7 +298,7 @@ async def run_verifier_async(
     except KeyError as e:
         return _error(str(e.args[0]))
     args = dict(kwargs or {})
-    if isolation == "inline":
+    if isolation == "inline" or inline_safe(fn):
         return _call(fn, response, reference, args)
     if isolation == "thread":
         result = await _thread_workers().run_async(lambda: _call(fn, response, reference, args), timeout_s)

@@ -148,7 +148,9 @@ class RewardConfig(Section):
     """A verifier call that takes longer is abandoned and scores 0 (error recorded), seconds."""
     isolation: Literal["inline", "thread", "process"] = "thread"
     """How verifiers run: ``inline`` (no bound), ``thread`` (bounded; a hung thread is abandoned)
-    or ``process`` (a forked child per call, killed on timeout)."""
+    or ``process`` (a forked child per call, killed on timeout). The built-in ``exact`` and
+    ``final_number`` run inline whatever this says: they take time linear in the response and
+    cannot hang or crash the process, and a thread hop costs ten times the call."""
     latency: Literal["none", "lognormal", "exponential", "pareto"] = "none"
     """Simulated latency added to every verifier call, for benchmarks (``bench/async_speedup.py``):
     ``none``, or drawn from this distribution with mean ``latency_mean_s``, seeded by the sample id

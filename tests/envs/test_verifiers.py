@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import builtins
 import multiprocessing
 import threading
@@ -146,3 +147,24 @@ def test_registering_a_name_twice_is_an_error() -> None:
     register_verifier("test-dup")(crashing)  # same object: fine
     with pytest.raises(ValueError, match="already registered"):
         register_verifier("test-dup")(hanging)
+
+
+@pytest.mark.parametrize("isolation", ["inline", "thread", "process"])
+def test_the_linear_builtins_run_on_the_callers_thread_in_every_isolation(
+        isolation: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import envs.verifiers as v
+
+    assert v.inline_safe(get_verifier("exact")) and v.inline_safe(get_verifier("final_number"))
+    assert not v.inline_safe(get_verifier("math")) and not v.inline_safe(get_verifier("format"))  # may hang
+
+    def no_hop(*_: Any, **__: Any) -> Any:
+        raise AssertionError("a linear built-in went to a worker thread or a child process")
+
+    monkeypatch.setattr(v, "_run_process", no_hop)
+    monkeypatch.setattr(v._Workers, "submit", no_hop)
+    r = run_verifier("final_number", "so 3/4", "0.75", isolation=isolation)  # type: ignore[arg-type]
+    assert r.correct and r.details == "got 3/4, want 0.75"
+    crashed = asyncio.run(v.run_verifier_async("final_number", "1", "no number", isolation=isolation))  # type: ignore[arg-type]
+    assert crashed.error == "verifier raised ValueError: reference 'no number' has no number"
+    with pytest.raises(AssertionError, match="went to a worker thread"):  # the patch holds for the others
+        run_verifier("math", "1", "1", isolation="thread" if isolation == "inline" else isolation)  # type: ignore[arg-type]
