@@ -249,6 +249,15 @@ def _run_process(
     return _error(f"verifier process died (exit code {proc.exitcode})")
 
 
+def _resolve(verifier: str | Verifier, kwargs: dict[str, Any] | None) -> tuple[Verifier, dict[str, Any]] | VerifyResult:
+    """``(fn, kwargs)`` to call, or the error result of an unknown verifier name."""
+    try:
+        fn = get_verifier(verifier) if isinstance(verifier, str) else verifier
+    except KeyError as e:
+        return _error(str(e.args[0]))
+    return fn, dict(kwargs or {})
+
+
 def run_verifier(
     verifier: str | Verifier,
     response: str,
@@ -269,11 +278,10 @@ def run_verifier(
     An unknown verifier name, an exception, a wrong return type, a timeout or a dead child all
     return a :class:`VerifyResult` with ``reward=0`` and a one-line ``error``.
     """
-    try:
-        fn = get_verifier(verifier) if isinstance(verifier, str) else verifier
-    except KeyError as e:
-        return _error(str(e.args[0]))
-    args = dict(kwargs or {})
+    found = _resolve(verifier, kwargs)
+    if isinstance(found, VerifyResult):
+        return found
+    fn, args = found
     if isolation == "inline" or inline_safe(fn):
         return _call(fn, response, reference, args)
     if isolation == "thread":
@@ -293,11 +301,10 @@ async def run_verifier_async(
     """:func:`run_verifier` for a coroutine, with the same results: ``"thread"`` hands the call to
     a verifier worker and awaits it (one thread hop; the event loop runs meanwhile), ``"inline"``
     calls it in the loop, ``"process"`` waits for its child from a thread."""
-    try:
-        fn = get_verifier(verifier) if isinstance(verifier, str) else verifier
-    except KeyError as e:
-        return _error(str(e.args[0]))
-    args = dict(kwargs or {})
+    found = _resolve(verifier, kwargs)
+    if isinstance(found, VerifyResult):
+        return found
+    fn, args = found
     if isolation == "inline" or inline_safe(fn):
         return _call(fn, response, reference, args)
     if isolation == "thread":

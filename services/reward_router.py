@@ -151,12 +151,10 @@ def score(gen: ev.Generation, table: VerifierTable, reward: RewardConfig) -> ev.
     bounded by ``reward.timeout_s`` with ``reward.isolation``. A domain without a verifier, or a
     verifier error, scores 0 with the reason in ``details``.
     """
-    if gen.episode_id:
-        return score_episode(gen)
-    scoring = scoring_of(gen, table)
     t0 = time.perf_counter()
-    if scoring is None or not scoring.verifier:
-        return scored_sample(gen, scoring, no_verifier(gen), t0)
+    scoring = scoring_of(gen, table)
+    if gen.episode_id or scoring is None or not scoring.verifier:
+        return unverified(gen, scoring, t0)
     result = envs.score_response(
         scoring.verifier, gen.response_text, gen.task.reference, scoring.kwargs, answer=scoring.answer,
         format_reward=scoring.format_reward, timeout_s=reward.timeout_s, isolation=reward.isolation,
@@ -167,12 +165,10 @@ def score(gen: ev.Generation, table: VerifierTable, reward: RewardConfig) -> ev.
 async def score_async(gen: ev.Generation, table: VerifierTable, reward: RewardConfig) -> ev.ScoredSample:
     """:func:`score` for the router's event loop: the verifier through
     :func:`envs.score_response_async` (one hop to a verifier thread)."""
-    if gen.episode_id:
-        return score_episode(gen)
-    scoring = scoring_of(gen, table)
     t0 = time.perf_counter()
-    if scoring is None or not scoring.verifier:
-        return scored_sample(gen, scoring, no_verifier(gen), t0)
+    scoring = scoring_of(gen, table)
+    if gen.episode_id or scoring is None or not scoring.verifier:
+        return unverified(gen, scoring, t0)
     result = await envs.score_response_async(
         scoring.verifier, gen.response_text, gen.task.reference, scoring.kwargs, answer=scoring.answer,
         format_reward=scoring.format_reward, timeout_s=reward.timeout_s, isolation=reward.isolation,
@@ -191,8 +187,13 @@ def scoring_of(gen: ev.Generation, table: VerifierTable) -> DomainScoring | None
     return scoring
 
 
-def no_verifier(gen: ev.Generation) -> envs.VerifyResult:
-    return envs.VerifyResult(reward=0.0, correct=False, error=f"no verifier for domain {gen.task.domain!r}")
+def unverified(gen: ev.Generation, scoring: DomainScoring | None, t0: float) -> ev.ScoredSample:
+    """The ``ScoredSample`` of a generation no verifier scores: an episode (its own step rewards), or a
+    domain without a verifier (0, with the reason)."""
+    if gen.episode_id:
+        return score_episode(gen)
+    reason = envs.VerifyResult(reward=0.0, correct=False, error=f"no verifier for domain {gen.task.domain!r}")
+    return scored_sample(gen, scoring, reason, t0)
 
 
 def scored_sample(gen: ev.Generation, scoring: DomainScoring | None, result: envs.VerifyResult,
