@@ -23,6 +23,7 @@ from typing import Any, Literal, TypeVar
 
 from envs.base import Verifier, VerifyResult
 from envs.registry import get_verifier, register_verifier
+from schemas.errors import to_thread
 
 Isolation = Literal["inline", "thread", "process"]
 
@@ -310,4 +311,4 @@ async def run_verifier_async(
     if isolation == "thread":
         result = await _thread_workers().run_async(lambda: _call(fn, response, reference, args), timeout_s)
         return _thread_timeout(timeout_s) if result is None else result
-    return await asyncio.to_thread(_run_process, fn, response, reference, args, timeout_s)
+    return await to_thread(_run_process, fn, response, reference, args, timeout_s)

@@ -32,7 +32,7 @@ from tests.e2e.faults import SHORT, FaultResult, RunProc, Watch, check_invariant
 
 STEPS = 4
 BROKERS = 3
-LONGER = {"rolling": 150, "leader": 40}  # runs that must outlast their fault (a 4-step run can end during the leader's 5 s restart)
+LONGER = {"rolling": 150, "leader": 120}  # runs that must outlast their fault (40 steps ended within the leader's 5 s down and its restart)
 """Steps of the runs whose fault outlasts a 4-step run. A rolling restart waits for each broker to
 be back in sync (3 minutes on the loaded 2-core machine, 06:45:06 to 06:48:00 on 2026-11-28) while
 training goes on at about 1.5 s a step: a 20-step run finished during it (recovery not measured).
@@ -259,7 +259,7 @@ def test_a_cluster_fault_mid_run(tmp_path: Path, cluster_home: Path, name: str) 
     print(f"{label}: recovery {res.recovery_s:.1f} s, wall {res.wall_s:.0f} s, {res.invariants['issued']} issued")
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_kill_9_of_the_generations_leader_mid_transaction(tmp_path: Path, cluster_home: Path) -> None:
     res = cluster_fault_run(tmp_path / "runs", cluster_home, kill_generations_leader, "leader")
     assert res.recovery_s is not None and res.invariants["trained"] > 0, res
