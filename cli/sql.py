@@ -12,6 +12,8 @@ from cli.app import UserError, app, console, friendly, opt, out
 
 _RUN_PARAM = re.compile(r"\{run(?::[^}]*)?\}")
 """A query's ``{run:Type}`` parameter, or ``{run}`` (short for ``{run:String}``)."""
+_FORMAT_CLAUSE = re.compile(r"\bFORMAT\s+(\w+)\s*$", re.IGNORECASE)
+"""A read query's own trailing ``FORMAT`` clause: the client appends its own (``--format`` picks the output)."""
 
 
 def latest_run(runs_dir: Path) -> str:
@@ -121,6 +123,10 @@ def sql_cmd(
     settings = {} if write or served else {"readonly": 2}
     if not write:
         query = query.rstrip().rstrip(";")  # the client appends SETTINGS/FORMAT clauses
+        own = _FORMAT_CLAUSE.search(query)
+        if own:
+            raise UserError(f"the query ends with FORMAT {own[1]}: leave it out and give --format table, csv "
+                            "or json instead")
     waiting = console.status("running the query...") if console.is_terminal else contextlib.nullcontext()
     try:
         with waiting:

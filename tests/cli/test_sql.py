@@ -50,3 +50,11 @@ def test_run_fills_the_run_parameter(runs: Path) -> None:
     assert res.stdout.split() == ["a,b", "other,other"]
     line = one_error_line(cli("sql", "SELECT {run}", "--store", store, env=env))
     assert "the query takes {run}" in line
+
+
+def test_a_query_of_its_own_format_gets_one_line(runs: Path) -> None:
+    """The client appends its own FORMAT clause: a query's own is refused by name, not by a syntax error."""
+    line = one_error_line(cli("sql", "SELECT 1 FORMAT TSV;", "--run", "r1", "--runs-dir", str(runs)))
+    assert line == "error: the query ends with FORMAT TSV: leave it out and give --format table, csv or json instead"
+    res = cli("sql", "SELECT 'FORMAT x' AS f", "--run", "r1", "--runs-dir", str(runs), "--format", "csv")
+    assert res.returncode == 0 and res.stdout.splitlines() == ["f", "FORMAT x"], res.stderr
