@@ -22,7 +22,9 @@ them to the run's blob store and the task carries their sha256 digests. The veri
 
 Held-out split: a seed is held out iff ``sha256(salt|seed)`` mapped to ``[0, 1)`` is below
 ``heldout_fraction``; training problems are redrawn until they are not. Warm-up demonstrations
-are the bare answer.
+are the bare answer; with ``demo_colours`` (``question: colour``) the demonstrator knows only those
+colours and answers the others with a colour of ``colours`` drawn uniformly: a weak teacher that
+the supervised warm-up imitates and RL has to outgrow.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ COLOURS: dict[str, tuple[int, int, int]] = {
 QUESTIONS = ("colour", "count", "quadrant", "number")
 QUADRANTS = ("top-left", "top-right", "bottom-left", "bottom-right")
 """The answers of ``question: quadrant``, in reading order."""
-_OWN_KWARGS = {"max_count": "count", "max_distractors": "quadrant", "max_digits": "number"}
+_OWN_KWARGS = {"max_count": "count", "max_distractors": "quadrant", "max_digits": "number", "demo_colours": "colour"}
 _FONT_ROWS = {
     "0": (".###.", "#...#", "#..##", "#.#.#", "##..#", "#...#", ".###."),
     "1": ("..#..", ".##..", "..#..", "..#..", "..#..", "..#..", ".###."),
@@ -94,6 +96,7 @@ class ShapesSource:
     max_count: int = 3
     max_distractors: int = 3
     max_digits: int = 1
+    demo_colours: tuple[str, ...] = ()
     heldout_fraction: float = 0.05
     salt: str = "shapes"
     name: str = "shapes"
@@ -114,6 +117,9 @@ class ShapesSource:
             raise ValueError(f"shapes: max_distractors={self.max_distractors} must be in [0, 3]")
         if not 1 <= self.max_digits <= 3:
             raise ValueError(f"shapes: max_digits={self.max_digits} must be in [1, 3]")
+        if set(self.demo_colours) - set(self.colours):
+            raise ValueError(f"shapes: demo_colours={list(self.demo_colours)} must be some of colours="
+                             f"{list(self.colours)}")
         check_heldout_fraction("shapes", self.heldout_fraction)
 
     @property
@@ -206,7 +212,10 @@ class ShapesSource:
         return [self.problem(seed) for seed in found]
 
     def demonstration(self, problem: Problem, rng: random.Random) -> str:
-        """The bare answer."""
+        """The bare answer; with ``demo_colours``, a demonstrator that knows only those colours
+        answers any other with a colour of ``colours`` drawn uniformly."""
+        if self.demo_colours and problem.reference not in self.demo_colours:
+            return rng.choice(self.colours)
         return problem.reference
 
 
@@ -222,6 +231,11 @@ def make_shapes(**kwargs: Any) -> ShapesSource:
         if not isinstance(colours, list | tuple) or not all(isinstance(c, str) for c in colours):
             raise ValueError(f"shapes: colours={colours!r} must be a list of colour names")
         kwargs = {**kwargs, "colours": tuple(colours)}
+    if "demo_colours" in kwargs:
+        known = kwargs["demo_colours"]
+        if not isinstance(known, list | tuple) or not all(isinstance(c, str) for c in known):
+            raise ValueError(f"shapes: demo_colours={known!r} must be a list of colour names")
+        kwargs = {**kwargs, "demo_colours": tuple(known)}
     source = ShapesSource(**kwargs)  # type: ignore[arg-type]
     for key, owner in _OWN_KWARGS.items():
         if key in kwargs and source.question != owner:

@@ -174,8 +174,31 @@ def test_heldout_split_is_fixed_and_disjoint_from_training() -> None:
     ({"question": "number", "max_count": 2}, "max_count is for question: count"),
     ({"max_distractors": 1}, "max_distractors is for question: quadrant"),
     ({"shape": "circle"}, "unknown kwargs ['shape']"),
+    ({"demo_colours": ["red", "black"]}, "demo_colours=['red', 'black'] must be some of colours"),
+    ({"demo_colours": "red"}, "demo_colours='red' must be a list"),
+    ({"question": "count", "demo_colours": ["red"]}, "demo_colours is for question: colour"),
 ])
 def test_bad_kwargs_are_one_clear_error(kwargs: dict[str, object], needle: str) -> None:
     with pytest.raises(ValueError, match=None) as e:
         envs.make_source("shapes", **kwargs)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_demonstrator_of_some_colours_answers_them_and_guesses_the_others() -> None:
+    """``demo_colours``: the warm-up's demonstrator knows those colours; for the others it draws any
+    colour of ``colours``, the right one about as often as each wrong one."""
+    colours = ("red", "green", "blue", "yellow")
+    src = envs.make_source("shapes", colours=list(colours), demo_colours=["red", "green"])
+    rng = random.Random(0)
+    said: dict[str, list[str]] = {c: [] for c in colours}
+    for _ in range(800):
+        p = src.sample(rng)
+        said[p.reference].append(src.demonstration(p, rng))
+    assert all(len(v) > 100 for v in said.values()), {c: len(v) for c, v in said.items()}
+    assert set(said["red"]) == {"red"} and set(said["green"]) == {"green"}
+    for c in ("blue", "yellow"):
+        shares = [said[c].count(x) / len(said[c]) for x in colours]
+        assert min(shares) > 0.1 and max(shares) < 0.4, (c, shares)
+    full = envs.make_source("shapes", colours=list(colours))
+    p = full.sample(rng)
+    assert full.demonstration(p, rng) == p.reference
