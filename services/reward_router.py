@@ -152,7 +152,7 @@ def score(gen: ev.Generation, table: VerifierTable, reward: RewardConfig) -> ev.
     verifier error, scores 0 with the reason in ``details``.
     """
     t0 = time.perf_counter()
-    scoring = scoring_of(gen, table)
+    scoring = None if gen.episode_id else scoring_of(gen, table)  # an episode brings its own rewards
     if gen.episode_id or scoring is None or not scoring.verifier:
         return unverified(gen, scoring, t0)
     result = envs.score_response(
@@ -166,7 +166,7 @@ async def score_async(gen: ev.Generation, table: VerifierTable, reward: RewardCo
     """:func:`score` for the router's event loop: the verifier through
     :func:`envs.score_response_async` (one hop to a verifier thread)."""
     t0 = time.perf_counter()
-    scoring = scoring_of(gen, table)
+    scoring = None if gen.episode_id else scoring_of(gen, table)  # an episode brings its own rewards
     if gen.episode_id or scoring is None or not scoring.verifier:
         return unverified(gen, scoring, t0)
     result = await envs.score_response_async(
