@@ -4,7 +4,8 @@ Every problem is one ``size`` x ``size`` RGB image on a white background, drawn 
 an integer seed, and a question:
 
 * ``question: colour`` — one filled square of a colour from ``colours``, of a random side
-  (a quarter to a half of the image) at a random place; the answer is the colour's name.
+  (``side_frac``: a quarter to a half of the image by default) at a random place; the answer is
+  the colour's name.
 * ``question: count`` — squares on a 3 x 3 grid of cells: 1..``max_count`` of the target colour
   (the first of ``colours``) and as many others of the other colours as fit; the answer is how
   many are of the target colour.
@@ -15,7 +16,7 @@ an integer seed, and a question:
   built-in 5 x 7 bitmap font (:data:`FONT`) at a random scale, place and colour of ``colours``;
   the answer is the number's digits.
 
-``max_count``, ``max_distractors`` and ``max_digits`` belong to one question each; setting one for
+``side_frac``, ``demo_colours``, ``max_count``, ``max_distractors`` and ``max_digits`` belong to one question each; setting one for
 another question is refused. The problem carries the image as PNG bytes (:attr:`envs.base.Problem.images`); the feeder writes
 them to the run's blob store and the task carries their sha256 digests. The verifier is
 ``exact`` (the stripped response equals the reference).
@@ -56,7 +57,8 @@ COLOURS: dict[str, tuple[int, int, int]] = {
 QUESTIONS = ("colour", "count", "quadrant", "number")
 QUADRANTS = ("top-left", "top-right", "bottom-left", "bottom-right")
 """The answers of ``question: quadrant``, in reading order."""
-_OWN_KWARGS = {"max_count": "count", "max_distractors": "quadrant", "max_digits": "number", "demo_colours": "colour"}
+_OWN_KWARGS = {"max_count": "count", "max_distractors": "quadrant", "max_digits": "number", "demo_colours": "colour",
+               "side_frac": "colour"}
 _FONT_ROWS = {
     "0": (".###.", "#...#", "#..##", "#.#.#", "##..#", "#...#", ".###."),
     "1": ("..#..", ".##..", "..#..", "..#..", "..#..", "..#..", ".###."),
@@ -97,6 +99,7 @@ class ShapesSource:
     max_distractors: int = 3
     max_digits: int = 1
     demo_colours: tuple[str, ...] = ()
+    side_frac: tuple[float, float] = (0.25, 0.5)
     heldout_fraction: float = 0.05
     salt: str = "shapes"
     name: str = "shapes"
@@ -117,6 +120,10 @@ class ShapesSource:
             raise ValueError(f"shapes: max_distractors={self.max_distractors} must be in [0, 3]")
         if not 1 <= self.max_digits <= 3:
             raise ValueError(f"shapes: max_digits={self.max_digits} must be in [1, 3]")
+        lo, hi = self.side_frac
+        if not 0 < lo <= hi <= 1 or int(hi * self.size) < 1:
+            raise ValueError(f"shapes: side_frac={list(self.side_frac)} must be [lo, hi] with 0 < lo <= hi <= 1 "
+                             f"(fractions of size; hi x size at least 1 pixel)")
         if set(self.demo_colours) - set(self.colours):
             raise ValueError(f"shapes: demo_colours={list(self.demo_colours)} must be some of colours="
                              f"{list(self.colours)}")
@@ -140,7 +147,7 @@ class ShapesSource:
         img = np.full((s, s, 3), 255, dtype=np.uint8)
         if self.question == "colour":
             colour = rng.choice(self.colours)
-            side = rng.randint(s // 4, s // 2)
+            side = rng.randint(max(1, int(self.side_frac[0] * s)), int(self.side_frac[1] * s))
             x, y = rng.randint(0, s - side), rng.randint(0, s - side)
             img[y : y + side, x : x + side] = COLOURS[colour]
             return img, colour
@@ -236,6 +243,12 @@ def make_shapes(**kwargs: Any) -> ShapesSource:
         if not isinstance(known, list | tuple) or not all(isinstance(c, str) for c in known):
             raise ValueError(f"shapes: demo_colours={known!r} must be a list of colour names")
         kwargs = {**kwargs, "demo_colours": tuple(known)}
+    if "side_frac" in kwargs:
+        frac = kwargs["side_frac"]
+        if not isinstance(frac, list | tuple) or len(frac) != 2 or not all(
+                isinstance(f, int | float) and not isinstance(f, bool) for f in frac):
+            raise ValueError(f"shapes: side_frac={frac!r} must be a list [lo, hi] of two fractions of size")
+        kwargs = {**kwargs, "side_frac": (float(frac[0]), float(frac[1]))}
     source = ShapesSource(**kwargs)  # type: ignore[arg-type]
     for key, owner in _OWN_KWARGS.items():
         if key in kwargs and source.question != owner:

@@ -177,11 +177,36 @@ def test_heldout_split_is_fixed_and_disjoint_from_training() -> None:
     ({"demo_colours": ["red", "black"]}, "demo_colours=['red', 'black'] must be some of colours"),
     ({"demo_colours": "red"}, "demo_colours='red' must be a list"),
     ({"question": "count", "demo_colours": ["red"]}, "demo_colours is for question: colour"),
+    ({"side_frac": [0.5, 0.25]}, "side_frac=[0.5, 0.25] must be [lo, hi] with 0 < lo <= hi <= 1"),
+    ({"side_frac": [0.0, 0.5]}, "side_frac=[0.0, 0.5]"),
+    ({"side_frac": [0.5, 1.5]}, "side_frac=[0.5, 1.5]"),
+    ({"side_frac": 0.5}, "side_frac=0.5 must be a list [lo, hi]"),
+    ({"side_frac": [0.5, "big"]}, "side_frac=[0.5, 'big'] must be a list [lo, hi]"),
+    ({"question": "quadrant", "side_frac": [0.5, 1.0]}, "side_frac is for question: colour"),
 ])
 def test_bad_kwargs_are_one_clear_error(kwargs: dict[str, object], needle: str) -> None:
     with pytest.raises(ValueError, match=None) as e:
         envs.make_source("shapes", **kwargs)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("size", [56, 57, 28])
+def test_side_frac_bounds_the_square_side(size: int) -> None:
+    """``side_frac: [lo, hi]``: every square's side is in [int(lo * size), int(hi * size)] pixels,
+    both ends drawn; the default [0.25, 0.5] draws the images of before the key existed."""
+    src = ShapesSource(question="colour", colours=("red", "green"), size=size, side_frac=(0.5, 1.0))
+    sides = set()
+    for seed in range(400):
+        pixels, _ = src.draw(seed)
+        ink = np.any(pixels != 255, axis=-1)  # (H, W)
+        rows, cols = np.flatnonzero(ink.any(axis=1)), np.flatnonzero(ink.any(axis=0))
+        assert rows.size == cols.size and ink.sum() == rows.size**2  # one filled square
+        sides.add(int(rows.size))
+    assert min(sides) == size // 2 and max(sides) == size
+    default = ShapesSource(question="colour", colours=("red", "green"), size=size)
+    explicit = ShapesSource(question="colour", colours=("red", "green"), size=size, side_frac=(0.25, 0.5))
+    for seed in range(20):
+        assert np.array_equal(default.draw(seed)[0], explicit.draw(seed)[0])
 
 
 def test_a_demonstrator_of_some_colours_answers_them_and_guesses_the_others() -> None:
