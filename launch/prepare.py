@@ -84,9 +84,8 @@ def prepare_model(cfg: RunConfig, run_dir: Path, progress: Callable[[str], None]
 def check_vision(cfg: RunConfig, model_dir: Path) -> None:
     """A :class:`RunError` (one line naming the key) unless the run's tasks and model agree: visual
     domains (:func:`envs.is_visual`) need a vision-language model (and the torch engine and strategy,
-    no critic, no history windows for a visual environment), whose processor keeps their images'
-    size; a vision-language model needs visual domains only, and ``train.freeze_vision`` needs a
-    vision-language model."""
+    no critic), whose processor keeps their images' size; a vision-language model needs visual
+    domains only, and ``train.freeze_vision`` needs a vision-language model."""
     import envs
     from rollout.vlm import VLMError, check_image_size, check_vlm_dir, is_vlm_dir, load_image_processor
 
@@ -114,10 +113,6 @@ def check_vision(cfg: RunConfig, model_dir: Path) -> None:
     for key, (value, want) in needs.items():
         if value != want:
             raise RunError(f"{key}: {value!r} is not supported with visual tasks yet (use {want!r})")
-    episodic = next((d.name for d in cfg.data.domains if envs.is_episodic(d.source)), None)
-    if episodic is not None and cfg.rollout.history_turns is not None:
-        raise RunError(f"rollout.history_turns: {cfg.rollout.history_turns} is not supported with a visual environment "
-                       f"({episodic!r}) yet (history windows do not show images; leave it unset)")
     processor = load_image_processor(model_dir)
     for i, d in visual:
         source = envs.make_source(d.source, **d.kwargs)

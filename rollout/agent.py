@@ -23,8 +23,11 @@ episode as an environment error.
 
 With ``history_turns = k`` every model turn gets a prompt of its own from a window of the
 conversation (:func:`window_messages`); the episode is then one segment per turn
-(:attr:`Trajectory.segment_starts`). Turns are found by text deltas of the rendered conversation,
-so any prefix-stable chat template works; the model's tokens are kept exactly as sampled.
+(:attr:`Trajectory.segment_starts`). A window shows the images of the observations it holds
+(:func:`window_observations`; each observation's images are loaded once per episode), each turn's
+request carries exactly those, and :attr:`Trajectory.segment_image_hashes` records every segment's.
+Turns are found by text deltas of the rendered conversation, so any prefix-stable chat template
+works; the model's tokens are kept exactly as sampled.
 Design: docs/architecture.md, "Engines and strategies" (the agent loop); docs/agentic.md.
 """
 
@@ -116,7 +119,12 @@ class Trajectory:
     """History windows: where each model turn's own prompt (after the first turn's) starts in
     ``response_ids``; empty = one sequence."""
     image_hashes: list[str] = field(default_factory=list)
-    """Every image the sequence shows (the observations' that entered it), in order."""
+    """Every image the sequence shows (the observations' that entered it), in order (with history
+    windows: every segment's, one segment after the other; an image is repeated in every window
+    that holds its observation)."""
+    segment_image_hashes: list[list[str]] = field(default_factory=list)
+    """History windows with images: the images of each segment (the first turn's prompt and reply,
+    then one per ``segment_starts``), in order; empty when the episode showed none or is one sequence."""
     finish: Finish = "max_turns"
     last_finish_reason: str = "stop"
     """The engine's finish reason of the last model turn (``stop`` / ``length``)."""
@@ -203,6 +211,14 @@ class Turns:
         return self._expand(self._ids(tail + opened[len(closed):], specials=False), grid)
 
 
+def window_observations(turn: int, history_turns: int) -> list[int]:
+    """Which observations the window of model turn ``turn`` (0-based: ``turn`` actions played so far)
+    holds, in order: the first, the last ``history_turns`` before the current one, the current one."""
+    if turn == 0:
+        return [0]
+    return [0, *range(max(1, turn - history_turns), turn), turn]
+
+
 def window_messages(observations: list[str], actions: list[str], history_turns: int,
                     system_prompt: str = "") -> list[dict[str, str]]:
     """The chat messages a model turn sees under a history window of ``history_turns`` turns.
@@ -217,24 +233,43 @@ def window_messages(observations: list[str], actions: list[str], history_turns: 
         raise ValueError(f"window_messages: {len(observations)} observations for {len(actions)} actions "
                          "(needs one more observation than actions)")
     t = len(actions)
-    keep = [0, *range(max(1, t - history_turns), t)]  # exchanges (observation j, action j) kept
+    *keep, _ = window_observations(t, history_turns)  # exchanges (observation j, action j) kept
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    for j in keep if t > 0 else []:
+    for j in keep:
         messages += [{"role": "user", "content": observations[j]}, {"role": "assistant", "content": actions[j]}]
     messages.append({"role": "user", "content": observations[t]})
     return messages
 
 
 def window_prompt(tokenizer: Any, chat: bool, observations: list[str], actions: list[str], history_turns: int,
-                  system_prompt: str = "") -> list[int]:
+                  system_prompt: str = "", grids: Sequence[torch.Tensor | None] | None = None) -> list[int]:
     """Token ids of a model turn's prompt under a history window (:func:`window_messages`): through
     the chat template with the generation prompt, or without one (``chat`` false) the same pieces
     concatenated as the growing sequence has them (first observation, then each reply followed by
-    ``"\n" + observation + "\n"``)."""
-    messages = window_messages(observations, actions, history_turns, system_prompt)
+    ``"\n" + observation + "\n"``).
+
+    ``grids[j]``: the ``grid_thw`` (images, 3) of the images observation ``j`` shows (None: none).
+    The window's observations that show images get their placeholders before their text (as
+    :class:`Turns` renders them), expanded to the images' token counts; the prompt shows the
+    images of :func:`window_observations`, in that order (a ``ValueError`` without a chat template)."""
+    messages: list[dict[str, Any]] = list(window_messages(observations, actions, history_turns, system_prompt))
+    kept = window_observations(len(actions), history_turns)
+    shown = [g for g in (grids[j] for j in kept) if g is not None] if grids is not None else []
+    if shown and not chat:
+        raise ValueError("an observation with images needs a chat template (a vision-language model's)")
     if chat:
+        if shown:
+            users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+            for i, j in zip(users, kept, strict=True):
+                grid = grids[j] if grids is not None else None
+                if grid is not None:
+                    messages[i] = {"role": "user", "content": [*({"type": "image"} for _ in range(len(grid))),
+                                                               {"type": "text", "text": observations[j]}]}
         text = str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if not shown:
+            return ids
+        return expand_image_tokens(ids, torch.cat(shown), int(tokenizer.convert_tokens_to_ids(IMAGE_PAD)))
     body = [m["content"] for m in messages if m["role"] != "system"]
     ids = list(tokenizer(body[0], add_special_tokens=True)["input_ids"])
     for action, obs in zip(body[1::2], body[2::2], strict=True):
@@ -277,8 +312,6 @@ async def run_episode(
         try:
             if images is None:
                 raise ValueError("the environment shows images but the policy is not a vision-language model")
-            if windowed:
-                raise ValueError("history windows (rollout.history_turns) do not show images")
             return obs, await images(list(obs.image_hashes))
         except Exception as e:
             return replace(obs, error=f"image unusable: {e}"), None
@@ -300,6 +333,11 @@ async def run_episode(
     if first.error:
         traj.finish, traj.error = "env_error", first.error
         return traj
+    # history windows: every observation's images (loaded once, shown by every window holding it)
+    pictures: list[ImageInputs | None] = [shown]
+    digests: list[tuple[str, ...]] = [first.image_hashes if shown is not None else ()]
+    if windowed:
+        traj.segment_image_hashes.append(list(digests[0]))
     # the model's own position limit bounds the context too (the engine refuses longer prompts)
     context = min(limits.max_context_tokens, int(getattr(engine, "max_positions", limits.max_context_tokens)))
     prompt = list(traj.prompt_ids)  # what the next model turn reads: everything so far, or its window
@@ -352,12 +390,26 @@ async def run_episode(
             break
         if windowed:
             assert limits.history_turns is not None
-            env_ids = window_prompt(tokenizer, engine.chat, traj.observations, traj.actions, limits.history_turns,
-                                    system_prompt)
+            pictures.append(seen)
+            digests.append(obs.image_hashes if seen is not None else ())
+            try:
+                env_ids = window_prompt(tokenizer, engine.chat, traj.observations, traj.actions, limits.history_turns,
+                                        system_prompt, [p.grid_thw if p is not None else None for p in pictures])
+            except ValueError as e:
+                if not any(p is not None for p in pictures):
+                    raise  # the chat template, not an image
+                traj.finish, traj.error = "env_error", f"image unusable: {e}"
+                break
             if len(env_ids) >= context:
                 traj.finish = "context"
                 break
+            kept = window_observations(len(traj.actions), limits.history_turns)
+            shown = None
+            for j in kept:
+                if (picture := pictures[j]) is not None:
+                    shown = join_images(shown, picture)
             traj.segment_starts.append(len(traj.response_ids))
+            traj.segment_image_hashes.append([h for j in kept for h in digests[j]])
             prompt = list(env_ids)
         else:
             try:
@@ -378,6 +430,9 @@ async def run_episode(
         traj.response_ids += env_ids
         traj.logprobs += [0.0] * len(env_ids)
         traj.loss_mask += [0] * len(env_ids)
+    if not any(traj.segment_image_hashes):
+        traj.segment_image_hashes = []  # no images (a text episode's events stay as they were)
+    traj.image_hashes = [h for seg in traj.segment_image_hashes for h in seg] if windowed else traj.image_hashes
     traj.gen_s = traj.gen_s or (time.perf_counter() - t0 - traj.env_s)
     return traj
 
@@ -549,32 +604,50 @@ def expert_windows(
     end_of_turn_id: int,
     limits: AgentLimits,
     system_prompt: str = "",
+    image_grid: Callable[[Sequence[bytes]], torch.Tensor] | None = None,
+    images: list[tuple[bytes, ...]] | None = None,
 ) -> list[tuple[list[int], list[int]]]:
     """An expert's episode under the history window of ``limits.history_turns``, for the supervised
     warm-up: one ``(prompt_ids, target_ids)`` per model turn, the prompt rendered as
     :func:`run_episode` renders it (:func:`window_prompt`), the target the action's tokens plus
     ``end_of_turn_id``. It stops when the episode ends, after ``limits.max_turns`` turns, or at the
-    first turn whose window and action would not fit in ``limits.max_context_tokens``."""
+    first turn whose window and action would not fit in ``limits.max_context_tokens``.
+
+    A visual environment (:func:`env_images`): ``image_grid(images)`` gives their ``grid_thw`` (a
+    vision-language policy's processor; required then), and for every returned turn the images its
+    window shows (:func:`window_observations`, in order) are appended to ``images``."""
     history_turns = limits.history_turns
     if history_turns is None:
         raise ValueError("expert_windows needs limits.history_turns (use expert_episode for one sequence)")
+
+    def grid_of(shown: tuple[bytes, ...]) -> torch.Tensor | None:
+        if not shown:
+            return None
+        if image_grid is None or images is None:
+            raise ValueError("the environment shows images: expert_windows needs image_grid and images")
+        return image_grid(shown)
+
     text, _ = env.reset(seed=seed)
-    if env_images(env):
-        raise ValueError("history windows (rollout.history_turns) do not show images; the environment shows some")
+    pictures: list[tuple[bytes, ...]] = [env_images(env)]
+    grids = [grid_of(pictures[0])]
     observations: list[str] = [text]
     played: list[str] = []
     out: list[tuple[list[int], list[int]]] = []
     for action in actions[: limits.max_turns]:
-        prompt = window_prompt(tokenizer, chat, observations, played, history_turns, system_prompt)
+        prompt = window_prompt(tokenizer, chat, observations, played, history_turns, system_prompt, grids)
         target = [*tokenizer(action, add_special_tokens=False)["input_ids"], end_of_turn_id]
         if len(prompt) + len(target) > limits.max_context_tokens:
             break
         out.append((prompt, target))
+        if images is not None:
+            images.append(tuple(b for j in window_observations(len(played), history_turns) for b in pictures[j]))
         obs, _, terminated, truncated, _ = env.step(action)
         if terminated or truncated:
             break
         observations.append(obs)
         played.append(action)
+        pictures.append(env_images(env))
+        grids.append(grid_of(pictures[-1]))
     return out
 
 

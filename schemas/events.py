@@ -250,7 +250,13 @@ class Generation(Event, frozen=True, kw_only=True):
     """Multi-turn: the images the environment's observations showed, in the order the sequence
     shows them (sha256 digests in the run's blob store; after the task's own ``image_hashes``, which
     come first). The trainer feeds ``task.image_hashes + image_hashes`` with the sequence. Empty =
-    none. (Added after v13.)"""
+    none. With ``segment_image_hashes``: every segment's images, one segment after the other. (Added after v13.)"""
+    segment_image_hashes: list[list[str]] = msgspec.field(default_factory=list)
+    """Multi-turn with ``rollout.history_turns`` and images: the images each segment shows, in its
+    order (one list per segment: the first turn's, then one per ``segment_starts``; an image shows
+    again in every window that holds its observation). The trainer feeds segment ``k``'s row
+    ``segment_image_hashes[k]``; ``image_hashes`` is their concatenation. Empty = none (a text
+    episode, or one sequence). (Added after v14.)"""
 
 
 # --------------------------------------------------------------------------- scored

@@ -68,7 +68,8 @@ def check_generation(gen: ev.Generation) -> str | None:
     ``loss_mask``), its ``segment_starts`` increasing and on untrained tokens, its prompt be non-empty, its token ids in ``[0, MAX_TOKEN_ID]`` and its length
     at most ``MAX_TOKENS``, its logprobs finite and ``<= 0``, its loss mask 0/1, its policy versions
     ordered (``0 <= policy_version <= policy_version_end``), its timings finite, its image hashes
-    sha256 digests, and its task possible."""
+    sha256 digests (a windowed episode's ``segment_image_hashes`` one list per segment, concatenated
+    its ``image_hashes``), and its task possible."""
     sid = gen.task.sample_id
     if not len(gen.response_ids) == len(gen.logprobs) == len(gen.loss_mask):
         return (f"generation {sid}: response_ids ({len(gen.response_ids)}), logprobs ({len(gen.logprobs)}) and "
@@ -106,6 +107,12 @@ def check_generation(gen: ev.Generation) -> str | None:
     odd = next((h for h in gen.image_hashes if not _DIGEST.match(h)), None) if gen.image_hashes else None
     if odd is not None:
         return f"generation {sid}: image hash {odd[:80]!r} is not a sha256 hex digest (64 lowercase hex digits)"
+    if gen.segment_image_hashes:
+        if len(gen.segment_image_hashes) != len(starts) + 1:
+            return (f"generation {sid}: segment_image_hashes has {len(gen.segment_image_hashes)} segments, "
+                    f"segment_starts gives {len(starts) + 1}")
+        if [h for seg in gen.segment_image_hashes for h in seg] != list(gen.image_hashes):
+            return f"generation {sid}: image_hashes is not the concatenation of segment_image_hashes"
     return check_task(gen.task)
 
 

@@ -417,7 +417,7 @@ def generation_of(task: ev.RolloutTask, traj: Trajectory, episode_id: str, worke
         step_rewards=list(traj.step_rewards), turn_versions=[a for a, _ in traj.versions], state_hashes=hashes,
         env_finish=traj.finish, env_error=traj.error, success=traj.success,
         segment_starts=list(traj.segment_starts), peak_memory_gib=peak_memory_gib,
-        image_hashes=list(traj.image_hashes),
+        image_hashes=list(traj.image_hashes), segment_image_hashes=[list(seg) for seg in traj.segment_image_hashes],
     )
 
 

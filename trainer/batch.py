@@ -61,6 +61,10 @@ class TrainSample:
     image_hashes: tuple[str, ...] = ()
     """The images the sequence shows, in order (digests in the run's blob store): a visual task's,
     then a visual environment's observations' (``Generation.image_hashes``); the forward shows them."""
+    segment_image_hashes: tuple[tuple[str, ...], ...] = ()
+    """Multi-turn with history windows and images: the images of each segment (one per row of
+    :func:`segment_layout`), in order (``Generation.segment_image_hashes``); each row's forward
+    shows its own. Empty = none, or one sequence."""
 
 
 @dataclass(frozen=True)
@@ -304,6 +308,7 @@ def samples_from_scored(scored: list[ScoredSample], baselines: Sequence[ScoredSa
             segment_starts=tuple(s.generation.segment_starts),
             baseline=by_group.get(s.generation.task.group_id),
             image_hashes=(*s.generation.task.image_hashes, *s.generation.image_hashes),
+            segment_image_hashes=tuple(tuple(seg) for seg in s.generation.segment_image_hashes),
         )
         for s in scored
     ]

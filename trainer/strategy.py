@@ -44,6 +44,7 @@ from schemas.config import AlgorithmConfig, RunConfig, TrainConfig, resolve_dtyp
 from trainer import algorithm as alg
 from trainer import losses as L
 from trainer.batch import (
+    Segment,
     TokenBatch,
     TrainSample,
     collate,
@@ -665,13 +666,15 @@ class TorchStrategy:
         """
         cfg = self.algo
         self._check_reference()
-        batch = self._with_images(collate(samples, self.pad_id), [s.image_hashes for s in samples])
+        # windowed episodes: forward passes see one row per segment, advantages the whole episode
+        layout = segment_layout(samples)
+        batch = collate(samples, self.pad_id)
+        if layout is None:
+            batch = self._with_images(batch, [s.image_hashes for s in samples])
         ex = batch.extras
         metrics: dict[str, float] = {}
         mask = batch.loss_mask
-        # windowed episodes: forward passes see one row per segment, advantages the whole episode
-        layout = segment_layout(samples)
-        seen = split_rows(batch, layout) if layout is not None else batch
+        seen = self._segment_images(split_rows(batch, layout), samples, layout) if layout is not None else batch
 
         def per_sample(x: torch.Tensor) -> torch.Tensor:  # (R, W - 1) -> (B, L - 1)
             return x if layout is None else merge_rows(x, layout, batch.num_rows, batch.input_ids.shape[1])
@@ -718,10 +721,10 @@ class TorchStrategy:
         if kl is not None:
             alg.update_kl_coef(cfg, self.algo_state, kl, mask, len(samples))
         out = batch.replace(old_logprobs=old_lp, advantages=adv * (mask > 0), loss_mask=mask, extras=extras)
-        return (split_rows(out, layout) if layout is not None else out), metrics
+        return (self._segment_images(split_rows(out, layout), samples, layout) if layout is not None else out), metrics
 
     def _with_images(self, batch: TokenBatch, hashes: Sequence[Sequence[str]]) -> TokenBatch:
-        """A VLM: load the images of the batch's samples (``hashes[i]``: sample i's, from the blob
+        """A VLM: load the images of the batch's rows (``hashes[i]``: row i's, from the blob
         store) and tag each row with its sample (``extras["image_row"]``, (B,)), so micro-batches
         and reordered rows find their pixels. A text model: ``batch`` as it is."""
         if self.images is None:
@@ -731,6 +734,27 @@ class TorchStrategy:
         source = self.images
         self._row_images = [source.of_hashes(h) if h else None for h in hashes]
         return batch.replace(extras={**batch.extras, "image_row": torch.arange(batch.num_rows)})
+
+    def _segment_images(self, rows: TokenBatch, samples: Sequence[TrainSample], layout: Sequence[Segment]) -> TokenBatch:
+        """A VLM: :meth:`_with_images` for the rows of :func:`split_rows` (one per segment), each row
+        showing its own segment's images (``segment_image_hashes``; a one-segment sample's row its
+        ``image_hashes``), so each window's pass sees the pixels its turn's request carried."""
+        hashes: list[tuple[str, ...]] = []
+        segment = 0  # the row's segment within its sample (a sample's rows are consecutive)
+        for k, (b, _, _) in enumerate(layout):
+            s = samples[b]
+            segment = segment + 1 if k and layout[k - 1][0] == b else 0
+            if s.segment_image_hashes:
+                if len(s.segment_image_hashes) != len(s.segment_starts) + 1:
+                    raise ValueError(f"sample {s.sample_id or b}: {len(s.segment_image_hashes)} segments of images "
+                                     f"for {len(s.segment_starts) + 1} segments")
+                hashes.append(s.segment_image_hashes[segment])
+            elif s.segment_starts and s.image_hashes:
+                raise ValueError(f"sample {s.sample_id or b}: a windowed episode with images but no "
+                                 "segment_image_hashes (which segment shows which image is unknown)")
+            else:
+                hashes.append(tuple(s.image_hashes))
+        return self._with_images(rows, hashes)
 
     def backward(self, micro: TokenBatch, share: float) -> dict[str, float]:
         """The configured loss of one prepared micro-batch times ``share``; ``backward()``.

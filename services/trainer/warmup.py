@@ -4,8 +4,8 @@ Each step draws ``train.warmup_batch_size`` problems (domains mixed by ``data.do
 from ``Random(f"{seed}/warmup")``): a single-turn problem gives prompt -> worked solution in the
 answer format its domain rewards + EOS; a multi-turn one gives the source's expert episode played in
 a local environment and rendered as the agent loop renders an episode (a visual environment's
-images with it; one example, or with
-``rollout.history_turns`` one per turn, its window as the prompt). Prompts are rendered as rollout
+images with it; one example, or with ``rollout.history_turns`` one per turn, its window as the
+prompt and its window's images with it). Prompts are rendered as rollout
 renders them (a visual problem: its image tokens then the text, for a vision-language policy).
 ``Strategy.warmup`` trains on the batches with its own optimizer.
 """
@@ -106,14 +106,16 @@ def expert_examples(tokenizer: Any, source: Any, problem: envs.Problem, chat: bo
     rendered as the agent loop renders an episode: one example holding the whole episode
     (:func:`rollout.agent.expert_episode`; a visual environment's images with it, ``image_grid``
     giving their ``grid_thw``), or with ``rollout.history_turns`` one example per turn, its window
-    as the prompt (:func:`rollout.agent.expert_windows`)."""
+    as the prompt and the images its window shows with it (:func:`rollout.agent.expert_windows`)."""
     ref = episode_ref(problem.reference)
     env = envs.make_env(ref.env, prompt="", reference="", **ref.kwargs)
     actions = list(source.expert_actions(ref.seed))
     eot = tokenizer.eos_token_id
     if limits.history_turns is not None:
-        return [SFTExample(prompt, target) for prompt, target in expert_windows(
-            tokenizer, chat, env, ref.seed, actions, end_of_turn_id=eot, limits=limits, system_prompt=system)]
+        windows: list[tuple[bytes, ...]] = []
+        turns = expert_windows(tokenizer, chat, env, ref.seed, actions, end_of_turn_id=eot, limits=limits,
+                               system_prompt=system, image_grid=image_grid, images=windows)
+        return [SFTExample(prompt, target, images=shown) for (prompt, target), shown in zip(turns, windows, strict=True)]
     shown: list[bytes] = []
     prompt, target, mask = expert_episode(tokenizer, chat, env, ref.seed, actions, end_of_turn_id=eot,
                                           system_prompt=system, limits=limits, image_grid=image_grid, images=shown)

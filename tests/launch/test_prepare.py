@@ -24,8 +24,6 @@ SHAPES = "data: {domains: [{name: see, source: shapes}]}\n"
      "data.domains[0].kwargs.size: image size 224x224 (50176 pixels) is outside"),
     ("data: {domains: [{name: see, source: shapes}, {name: a, source: arith}]}\n", "vlm",
      "'see' shows images but 'a' does not"),
-    ("data: {domains: [{name: lake, source: frozenlake_pixels}]}\nrollout: {history_turns: 2}\n", "vlm",
-     "rollout.history_turns: 2 is not supported with a visual environment ('lake')"),
     ("data: {domains: [{name: lake, source: frozenlake_pixels, kwargs: {size: 6, cell_px: 28}}]}\n", "vlm",
      "data.domains[0].kwargs.size and cell_px: image size 168x168"),
 ])
@@ -43,6 +41,8 @@ def test_a_visual_run_creates_the_tiny_vlm(tmp_path: Path) -> None:
     assert (path / "preprocessor_config.json").is_file()
     check_vision(cfg, path)  # agrees: no error
     check_vision(parse_config("data: {domains: [{name: lake, source: frozenlake_pixels}]}\n"), path)  # 112 px
+    check_vision(parse_config("data: {domains: [{name: lake, source: frozenlake_pixels}]}\n"
+                              "rollout: {history_turns: 2}\n"), path)  # history windows show images too
     text = parse_config(SHAPES + "model: {init: {hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64}}")
     with pytest.raises(RunError, match=r"data.domains\[0\] \(shapes\) shows images"):
         prepare_model(text, tmp_path / "text")  # the run's preparation refuses before any service starts

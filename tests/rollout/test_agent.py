@@ -394,3 +394,123 @@ def test_expert_episode_of_a_visual_environment_carries_its_images(vlm_dir: Path
         assert prompt.count(image_id) == 4 and sum(mask) > 0
     with pytest.raises(ValueError, match="needs image_grid and images"):
         expert_episode(tok, True, env, 11, actions, end_of_turn_id=tok.eos_token_id)
+
+
+@pytest.mark.parametrize("history", [0, 1])
+async def test_a_windowed_episode_showing_images_gets_the_same_logprobs_per_segment(vlm_dir: Path, tmp_path: Path,
+                                                                                     history: int) -> None:
+    """History windows with a frame every observation: each turn's window shows the frames of the
+    observations it holds (the first, the last ``history`` ones, the current one), its request carries
+    exactly those, and the generation records every segment's digests; the trainer, splitting the
+    episode into one row per segment, feeds each row its own segment's frames and recomputes the
+    behaviour logprobs of every turn; with one segment's frames swapped only that row's logprobs move."""
+    import dataclasses
+
+    from blobs import BlobStore, sha256_hex
+    from envs.frozenlake_pixels import draw_lake
+    from envs.vision import png_bytes
+    from rollout.agent import window_observations
+    from schemas import events as ev
+    from schemas.sanity import check_generation
+    from services.rollout_worker import generation_of
+    from trainer.batch import samples_from_scored, segment_layout
+
+    store = BlobStore(tmp_path / "blobs")
+    eng = TorchEngine(vlm_dir, max_batch=2, seed=3)
+    requested: list[list[str]] = []
+
+    async def load(hashes: list[str]) -> Any:
+        return eng.image_inputs([store.get(h) for h in hashes], hashes)
+
+    generate = eng.generate
+
+    def spy(reqs: list[Any]) -> Any:  # the images each turn's request carries (their grids' count)
+        requested.append([str(len(r.images.grid_thw)) if r.images is not None else "0" for r in reqs])
+        return generate(reqs)
+
+    eng.generate = spy  # type: ignore[method-assign]
+    traj = await run_episode(eng, eng.tokenizer, LocalEnvClient(lambda name, prompt="", reference="", **k: Frames(**k),
+                                                                store),
+                             episode_id="w1", env="frames", env_kwargs={"length": 4}, seed=0,
+                             params=SamplingParams(max_new_tokens=2, temperature=1.0),
+                             limits=AgentLimits(max_turns=4, max_tokens_per_turn=2, max_context_tokens=256,
+                                                history_turns=history), images=load)
+    frame = [sha256_hex(png_bytes(draw_lake(("SF", "FG"), t % 4, 28))) for t in range(4)]
+    assert traj.num_turns == 4 and len(traj.segment_starts) == 3 and traj.finish == "terminated"
+    windows = [[frame[j] for j in window_observations(t, history)] for t in range(4)]
+    assert traj.segment_image_hashes == windows
+    assert traj.image_hashes == [h for w in windows for h in w]
+    assert requested == [[str(len(w))] for w in windows]
+    image_id = eng.model.config.image_token_id
+    ids = traj.prompt_ids + traj.response_ids
+    bounds = [0, *(len(traj.prompt_ids) + s for s in traj.segment_starts), len(ids)]
+    assert [ids[a:b].count(image_id) for a, b in pairwise(bounds)] == [4 * len(w) for w in windows]
+
+    task = ev.RolloutTask(run_id="r", sample_id="g0/0", group_id="g0", index=0, group_size=1, prompt_id="frames:0",
+                          domain="see", prompt="", reference="")
+    gen = generation_of(task, traj, "w1", "w0", eng.tokenizer, queued_s=0.0)
+    assert gen.segment_image_hashes == windows and check_generation(gen) is None
+    (sample,) = samples_from_scored([ev.ScoredSample(run_id="r", generation=gen, reward=1.0)])
+    assert sample.segment_image_hashes == tuple(tuple(w) for w in windows)
+    strat = TorchStrategy(vlm_dir, blob_dir=store.root, micro_batch_size=2)
+    batch, _ = strat.prepare([sample])
+    layout = segment_layout([sample])
+    assert layout is not None and batch.num_rows == len(layout) == 4
+    lp = strat.logprobs(batch)  # (4, W - 1): one row per segment
+    mask = batch.loss_mask > 0
+    assert int(mask.sum()) == sum(traj.loss_mask) and all(bool(m.any()) for m in mask)
+    hidden = strat.hf_model.config.text_config.hidden_size
+    for r in range(4):  # every segment's decode steps vs its row: rounding only
+        assert_close(lp[r][mask[r]], batch.old_logprobs[r][mask[r]], hidden)
+    # the last segment shown the first frame in place of its own: that row differs, the others do not
+    last = list(sample.segment_image_hashes)
+    last[-1] = (frame[0],) * len(last[-1])
+    swapped, _ = strat.prepare([dataclasses.replace(sample, segment_image_hashes=tuple(last))])
+    moved = strat.logprobs(swapped)
+    assert float((moved[3][mask[3]] - lp[3][mask[3]]).abs().max()) > 1e-4
+    assert torch.equal(moved[:3][mask[:3]], lp[:3][mask[:3]])
+    # a windowed sample whose segments' images are unknown is refused, not fed every image
+    with pytest.raises(ValueError, match="no segment_image_hashes"):
+        strat.prepare([dataclasses.replace(sample, segment_image_hashes=())])
+
+
+def test_expert_windows_of_a_visual_environment_carry_each_windows_images(vlm_dir: Path) -> None:
+    """The warm-up's windowed expert episode: every turn's prompt is its window rendered as the loop
+    renders it (the window's frames' placeholders expanded), with the frames its window shows."""
+    import envs
+    from blobs import decode_image, pixel_inputs
+    from envs.base import observation_images
+    from rollout.agent import expert_windows, window_observations, window_prompt
+    from rollout.model_init import load_tokenizer
+    from rollout.vlm import load_image_processor
+
+    tok, processor = load_tokenizer(vlm_dir), load_image_processor(vlm_dir)
+    image_id = int(tok.convert_tokens_to_ids("<|image_pad|>"))
+
+    def grid(images: Any) -> torch.Tensor:
+        return pixel_inputs(processor, [decode_image(b) for b in images])[1]
+
+    actions = envs.frozenlake.expert_actions(11, size=4)
+    limits = AgentLimits(max_turns=20, max_context_tokens=4000, history_turns=1)
+    def lake(frames: str = "every") -> Any:
+        return envs.make_env("frozenlake_pixels", prompt="", reference="", size=4, cell_px=14, frames=frames)
+
+    for frames in ("every", "first"):
+
+        shown: list[tuple[bytes, ...]] = []
+        turns = expert_windows(tok, True, lake(frames), 11, actions, end_of_turn_id=tok.eos_token_id, limits=limits,
+                               image_grid=grid, images=shown)
+        assert len(turns) == len(actions) == len(shown)
+        replay = lake(frames)
+        observations, pictures = [replay.reset(seed=11)[0]], [observation_images(replay)]
+        for t, ((prompt, target), action) in enumerate(zip(turns, actions, strict=True)):
+            want = tuple(b for j in window_observations(t, 1) for b in pictures[j])
+            assert shown[t] == want and prompt.count(image_id) == 4 * len(want)
+            assert prompt == window_prompt(tok, True, observations, list(actions[:t]), 1, "",
+                                           [grid(p) if p else None for p in pictures])
+            assert tok.decode(target[:-1]) == action
+            observations.append(replay.step(action).observation)
+            pictures.append(observation_images(replay))
+        assert all(len(s) == (1 if frames == "first" else min(t + 1, 3)) for t, s in enumerate(shown))
+    with pytest.raises(ValueError, match="needs image_grid and images"):
+        expert_windows(tok, True, lake(), 11, actions, end_of_turn_id=tok.eos_token_id, limits=limits)

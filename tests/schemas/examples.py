@@ -22,7 +22,7 @@ def example_events() -> list[ev.Event]:
         policy_version=3, policy_version_end=4, worker_id="w0", queued_s=0.01, gen_s=0.2,
         env_s=0.5, num_turns=2, episode_id="g1/0@0a1b2c3d", step_rewards=[0.0, 1.0], turn_versions=[3, 4],
         state_hashes=["aa11", "bb22"], env_finish="terminated", success=True, segment_starts=[1],
-        image_hashes=["ef" * 32],
+        image_hashes=["ef" * 32], segment_image_hashes=[["ef" * 32], []],
     )
     scored = ev.ScoredSample(run_id=RUN, event_id="e-scored", ts=4.0, generation=gen, reward=1.0,
                              rewards={"correct": 1.0, "judge": 0.75}, verifier="exact", details="19 == 19",

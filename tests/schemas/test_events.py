@@ -258,3 +258,16 @@ def test_observation_images_added_after_v13_default_to_none_in_old_payloads() ->
         g = gens.decode((FIXTURES / version / "Generation.msgpack").read_bytes())
         assert isinstance(o, ev.EnvObservation) and o.image_hashes == want and o.observation == "7"
         assert isinstance(g, ev.Generation) and g.image_hashes == want and g.task.image_hashes == ["ab" * 32]
+
+
+def test_segment_images_added_after_v14_default_to_none_in_old_payloads() -> None:
+    """Generation.segment_image_hashes (a windowed visual episode's images per segment): a v14
+    generation has none, a v15 one names each segment's (the first shows the image, the second none),
+    and the field round-trips through its topic."""
+    dec = msgspec.msgpack.Decoder(TOPICS["generations"].event_type)
+    old = dec.decode((FIXTURES / "v14" / "Generation.msgpack").read_bytes())
+    assert isinstance(old, ev.Generation) and old.segment_image_hashes == [] and old.image_hashes == ["ef" * 32]
+    new = dec.decode((FIXTURES / "v15" / "Generation.msgpack").read_bytes())
+    assert isinstance(new, ev.Generation) and new.segment_image_hashes == [["ef" * 32], []]
+    again = dec.decode(msgspec.msgpack.encode(msgspec.structs.replace(new, segment_image_hashes=[["ab" * 32], ["cd" * 32]])))
+    assert isinstance(again, ev.Generation) and again.segment_image_hashes == [["ab" * 32], ["cd" * 32]]

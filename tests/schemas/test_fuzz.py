@@ -144,3 +144,15 @@ def test_the_examples_are_sound() -> None:
             continue
         checked += 1
     assert checked == 3
+
+
+def test_segment_images_must_match_the_segments_and_the_images() -> None:
+    """A windowed episode's per-segment images: one list per segment, together its ``image_hashes``."""
+    import msgspec
+
+    gen = next(e for e in example_events() if isinstance(e, ev.Generation))
+    assert gen.segment_starts == [1] and sanity.check_generation(gen) is None
+    three = msgspec.structs.replace(gen, segment_image_hashes=[["ef" * 32], [], []])
+    assert "segment_image_hashes has 3 segments, segment_starts gives 2" in str(sanity.check_generation(three))
+    other = msgspec.structs.replace(gen, segment_image_hashes=[["ef" * 32], ["ef" * 32]])
+    assert "not the concatenation of segment_image_hashes" in str(sanity.check_generation(other))
