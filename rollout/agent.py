@@ -527,6 +527,21 @@ class LocalEnvClient:
                            truncated=bool(res.truncated), info=dict(res.info), image_hashes=hashes)
 
 
+def _grid_reader(image_grid: Callable[[Sequence[bytes]], torch.Tensor] | None, images: list[Any] | None,
+                 who: str) -> Callable[[tuple[bytes, ...]], torch.Tensor | None]:
+    """An expert episode's ``grid_of(shown)``: the ``grid_thw`` of an observation's images (None for
+    none); a ``ValueError`` naming ``who`` when the environment shows images and no processor is given."""
+
+    def grid_of(shown: tuple[bytes, ...]) -> torch.Tensor | None:
+        if not shown:
+            return None
+        if image_grid is None or images is None:
+            raise ValueError(f"the environment shows images: {who} needs image_grid and images")
+        return image_grid(shown)
+
+    return grid_of
+
+
 def expert_episode(
     tokenizer: Any,
     chat: bool,
@@ -555,12 +570,7 @@ def expert_episode(
     """
     turns = Turns(tokenizer, chat, system_prompt)
 
-    def grid_of(shown: tuple[bytes, ...]) -> torch.Tensor | None:
-        if not shown:
-            return None
-        if image_grid is None or images is None:
-            raise ValueError("the environment shows images: expert_episode needs image_grid and images")
-        return image_grid(shown)
+    grid_of = _grid_reader(image_grid, images, "expert_episode")
 
     text, _ = env.reset(seed=seed)
     shown = env_images(env)
@@ -620,12 +630,7 @@ def expert_windows(
     if history_turns is None:
         raise ValueError("expert_windows needs limits.history_turns (use expert_episode for one sequence)")
 
-    def grid_of(shown: tuple[bytes, ...]) -> torch.Tensor | None:
-        if not shown:
-            return None
-        if image_grid is None or images is None:
-            raise ValueError("the environment shows images: expert_windows needs image_grid and images")
-        return image_grid(shown)
+    grid_of = _grid_reader(image_grid, images, "expert_windows")
 
     text, _ = env.reset(seed=seed)
     pictures: list[tuple[bytes, ...]] = [env_images(env)]
