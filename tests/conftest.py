@@ -89,6 +89,35 @@ def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def vlm25_dir(vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2.5-VL directory (a windowed-attention vision tower with a full-attention last
+    block, SwiGLU MLPs, RMSNorm) with :func:`vlm_dir`'s language model shape, tokenizer, chat
+    template and image processor: a ``model.path`` of the other architecture ``model.path`` takes."""
+    import json
+    import shutil
+
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    out = tmp_path_factory.mktemp("tiny_vlm25") / "m"
+    shutil.copytree(vlm_dir, out, ignore=shutil.ignore_patterns("config.json", "*.safetensors"))
+    cfg = json.loads((vlm_dir / "config.json").read_text())
+    text, vision = cfg["text_config"], cfg["vision_config"]
+    config = Qwen2_5_VLConfig(
+        text_config={k: v for k, v in text.items() if k != "model_type"},
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+                           patch_size=vision["patch_size"], spatial_merge_size=vision["spatial_merge_size"],
+                           temporal_patch_size=vision["temporal_patch_size"], window_size=56, fullatt_block_indexes=[1]),
+        **{k: cfg[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")},
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        Qwen2_5_VLForConditionalGeneration(config).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def repo_root() -> Path:
     return Path(__file__).resolve().parents[1]
 

@@ -33,9 +33,13 @@ def _image(size: int, colour: tuple[int, int, int], corner: int) -> Image.Image:
     return img
 
 
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
 @torch.no_grad()
-def test_engine_and_trainer_logprobs_agree_on_image_prompts(vlm_dir: Path) -> None:
+def test_engine_and_trainer_logprobs_agree_on_image_prompts(arch: str, request: pytest.FixtureRequest) -> None:
+    """Either architecture ``model.path`` takes (Qwen2.5-VL: windowed attention in the tower)."""
+    vlm_dir = request.getfixturevalue("vlm_dir" if arch == "qwen2_vl" else "vlm25_dir")
     model, processor, tok = load_vlm(vlm_dir), load_image_processor(vlm_dir), load_tokenizer(vlm_dir)
+    assert model.config.model_type == arch
     image_id = model.config.image_token_id
     # rows of different lengths (56 px -> 4 image tokens, 84 px -> 9, no image) so the prefill pads
     pics = [[_image(56, (255, 0, 0), 1)], [_image(84, (0, 0, 255), 2)], []]
@@ -77,11 +81,14 @@ def test_engine_and_trainer_logprobs_agree_on_image_prompts(vlm_dir: Path) -> No
     assert float((swapped[0] - lp[0]).abs().max()) > 1e-4
 
 
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
 async def test_the_strategy_trains_a_vlm_on_samples_whose_images_are_in_the_blob_store(
-        vlm_dir: Path, model_dir: Path, tmp_path: Path) -> None:
-    """TorchStrategy on a Qwen2-VL: the samples' images come from the blob store by digest, its
-    recomputed logprobs (rows reordered and split into micro-batches) are the engine's behaviour ones,
-    a step and a warm-up step on image prompts run, and a sample with images for a text policy is refused."""
+        arch: str, request: pytest.FixtureRequest, model_dir: Path, tmp_path: Path) -> None:
+    """TorchStrategy on a Qwen2-VL and a Qwen2.5-VL: the samples' images come from the blob store by
+    digest, its recomputed logprobs (rows reordered and split into micro-batches) are the engine's
+    behaviour ones, a step and a warm-up step on image prompts run, and a sample with images for a
+    text policy is refused."""
+    vlm_dir = request.getfixturevalue("vlm_dir" if arch == "qwen2_vl" else "vlm25_dir")
     import envs
     from blobs import BlobStore
     from rollout.engine import GenerationRequest, TorchEngine, generate_all
@@ -145,10 +152,13 @@ def _shapes_samples(strat: TorchStrategy, store: BlobStore, seeds: tuple[int, ..
                                 .tolist()) for row, s in enumerate(samples)]
 
 
-def test_freeze_vision_leaves_the_tower_bit_identical_and_trains_the_rest(vlm_dir: Path, model_dir: Path,
-                                                                          tmp_path: Path) -> None:
-    """``freeze_vision``: after a warm-up step and an RL step the tower's weights are bit-identical and
-    it has no optimizer state; the merger and the language model changed. A text model refuses it."""
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_freeze_vision_leaves_the_tower_bit_identical_and_trains_the_rest(arch: str, request: pytest.FixtureRequest,
+                                                                          model_dir: Path, tmp_path: Path) -> None:
+    """``freeze_vision`` (either architecture): after a warm-up step and an RL step the tower's weights
+    are bit-identical and it has no optimizer state; the merger and the language model changed. A
+    text model refuses it."""
+    vlm_dir = request.getfixturevalue("vlm_dir" if arch == "qwen2_vl" else "vlm25_dir")
     from blobs import BlobStore
     from trainer.sft import SFTExample
     from trainer.strategy import TorchStrategy
