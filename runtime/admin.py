@@ -121,8 +121,7 @@ class TopicAdmin(AsyncClient):
         check_run_id(run_id)
         rf = self.replication_factor
         if rf is None:
-            cluster = await self._timeout(self.raw.describe_cluster(), "describe_cluster")
-            rf = max(1, min(3, len(cluster.get("brokers") or [1])))
+            rf = max(1, min(3, await self.broker_count()))
         new = [
             NewTopic(spec.topic(run_id), spec.partitions, rf, topic_configs=self.topic_configs(spec, rf))
             for spec in TOPICS.values()
@@ -138,6 +137,13 @@ class TopicAdmin(AsyncClient):
         names = [n.name for n in new]
         await self._wait_leaders(names)
         return names
+
+    async def broker_count(self) -> int:
+        """How many brokers the cluster has, from a metadata request for no topic: the admin
+        client's ``describe_cluster`` asks for every topic of the cluster (35 ms of CPU with 1,464
+        topics on the dev broker, at every service's start) and drops them."""
+        meta = await self._timeout(self.raw._get_cluster_metadata(topics=[]), "metadata")
+        return len(meta.to_object().get("brokers") or [1])
 
     async def _poll(self, pending: Callable[[], Awaitable[list[str]]], failure: Callable[[list[str]], str]) -> None:
         """Ask ``pending()`` every 0.1 s until it returns no names; after ``request_timeout_s``
