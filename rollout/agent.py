@@ -432,7 +432,8 @@ async def run_episode(
         traj.loss_mask += [0] * len(env_ids)
     if not any(traj.segment_image_hashes):
         traj.segment_image_hashes = []  # no images (a text episode's events stay as they were)
-    traj.image_hashes = [h for seg in traj.segment_image_hashes for h in seg] if windowed else traj.image_hashes
+    if windowed:
+        traj.image_hashes = [h for seg in traj.segment_image_hashes for h in seg]
     traj.gen_s = traj.gen_s or (time.perf_counter() - t0 - traj.env_s)
     return traj
 

@@ -721,7 +721,12 @@ class TorchStrategy:
         if kl is not None:
             alg.update_kl_coef(cfg, self.algo_state, kl, mask, len(samples))
         out = batch.replace(old_logprobs=old_lp, advantages=adv * (mask > 0), loss_mask=mask, extras=extras)
-        return (self._segment_images(split_rows(out, layout), samples, layout) if layout is not None else out), metrics
+        if layout is None:
+            return out, metrics
+        rows = split_rows(out, layout)
+        if "image_row" in seen.extras:  # the rows' images, loaded once for ``seen``
+            rows = rows.replace(extras={**rows.extras, "image_row": seen.extras["image_row"]})
+        return rows, metrics
 
     def _with_images(self, batch: TokenBatch, hashes: Sequence[Sequence[str]]) -> TokenBatch:
         """A VLM: load the images of the batch's rows (``hashes[i]``: row i's, from the blob
