@@ -431,12 +431,12 @@ def service_cmd(
 
     The service logs to stderr. A judge worker takes its label (part of its Kafka transactional id: give each of several judge workers its own) from ROLLSTREAM_SERVICE_LABEL, default judge. It records to / reads the store of --store / ROLLSTREAM_STORE when given (as `rollstream run` does), else store.dsn of the run's config, else <runs-dir>/<run>/store.
     """
-    import asyncio
     import os
 
     import msgspec
 
     from launch import supervisor
+    from runtime import event_loop
     from runtime.probe import BOOTSTRAP_ENV, NO_BROKER
     from schemas.topics import check_run_id
 
@@ -470,7 +470,7 @@ def service_cmd(
         logging.getLogger("aiokafka").setLevel(max(logging.WARNING, level))
     run_dir = Path(runs_dir).resolve() / run
     model_dir = str(model_dir_of(cfg, run_dir))
-    asyncio.run(_run_service(name, cfg, run, run_dir, model_dir))
+    event_loop.run(_run_service(name, cfg, run, run_dir, model_dir))  # uvloop's loop (runtime.event_loop)
 
 
 async def _run_service(name: str, cfg: Any, run: str, run_dir: Path, model_dir: str) -> None:
