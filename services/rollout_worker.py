@@ -53,7 +53,7 @@ from rollout.factory import make_engine
 from rollout.sampling import SamplingParams
 from rollout.vlm import ImageInputs
 from runtime.bus import Consumer, Record
-from runtime.memory import peak_memory_gib
+from runtime.memory import PeakMemory, peak_memory_gib
 from runtime.runner import Context, Runner, Service, ServiceSettings, run_service
 from runtime.settings import Consume, Handling, Subscription
 from schemas import events as ev
@@ -103,6 +103,7 @@ class RolloutWorker(Service):
         device = settings.device or resolve_device(cfg.rollout.device, "rollout.device")
         self.device = device if cfg.rollout.engine == "torch" else "cpu"
         """Where this process holds its model (a server engine's worker holds none: its memory is the host's)."""
+        self.peak_memory = PeakMemory(self.device)  # reported with every sample, read twice a second
         self.engine = make_engine(cfg, settings.model_dir, device=device, seed=cfg.run.seed + os.getpid(),
                                   policy_version=-1)
         self.blobs = BlobStore(settings.blob_dir) if settings.blob_dir else None
@@ -331,7 +332,7 @@ class RolloutWorker(Service):
             response_text=completion.text, logprobs=completion.logprobs, loss_mask=[1] * len(completion.token_ids),
             finish_reason=completion.finish_reason, policy_version=completion.policy_version,
             policy_version_end=completion.policy_version_end, worker_id=self.worker_id,
-            queued_s=wait_s, gen_s=completion.gen_s, peak_memory_gib=peak_memory_gib(self.device),
+            queued_s=wait_s, gen_s=completion.gen_s, peak_memory_gib=self.peak_memory(),
         ), key=task.sample_id)
 
 
@@ -397,7 +398,7 @@ class RolloutWorker(Service):
         self.versions_used.update(v for pair in traj.versions for v in pair)
         ctx.emit("generations", generation_of(task, traj, episode_id, self.worker_id,
                                               self.engine.tokenizer, queued_s=max(0.0, started - task.ts),
-                                              peak_memory_gib=peak_memory_gib(self.device)),
+                                              peak_memory_gib=self.peak_memory()),
                  key=task.sample_id)
 
 

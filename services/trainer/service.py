@@ -338,13 +338,18 @@ class Trainer(BatchService):
             outcomes += [self.groups.outcome(s, "trained", step=step) for s in batch]
             trained_version = st.version
             st.version += 1
-            weights = await self.weights_event()
             ctx.emit("metrics", ev.TrainStep(
                 run_id=self.s.run_id, step=step, policy_version=trained_version, metrics=metrics,
                 sample_ids=[s.generation.task.sample_id for s in batch], staleness_hist=dict(hist),
             ), key=str(step))
         self._emit(ctx, outcomes, key=str(step))
-        await ctx.flush()
+        # the step's record goes out while its weights export (a thread): both done before the announcement
+        sent = asyncio.ensure_future(ctx.flush())
+        try:
+            if batch:
+                weights = await self.weights_event()
+        finally:
+            await sent
         if weights is not None:
             # after the step's record: a new version is never announced before its TrainStep, so
             # a trainer resuming from an older checkpoint re-runs every step behind the newest weights

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.memory import GIB, peak_memory_gib, peak_rss_bytes
+from runtime import memory
+from runtime.memory import GIB, PeakMemory, peak_memory_gib, peak_rss_bytes
 
 
 def resident_bytes() -> int:
@@ -35,3 +36,20 @@ def test_a_cuda_device_is_asked_only_in_a_process_that_imported_torch(monkeypatc
     """Without torch imported a CUDA device string falls back to the peak resident set."""
     monkeypatch.delitem(sys.modules, "torch", raising=False)
     assert peak_memory_gib("cuda:0") == pytest.approx(peak_rss_bytes() / GIB, rel=0.01)
+
+
+def test_peak_memory_reads_again_only_after_max_age(monkeypatch: pytest.MonkeyPatch) -> None:
+    reads: list[float] = []
+    clock = [100.0]
+
+    def fake_peak(device: str = "cpu") -> float:
+        reads.append(clock[0])
+        return float(len(reads))
+
+    monkeypatch.setattr(memory, "peak_memory_gib", fake_peak)
+    peak = PeakMemory("cpu", max_age_s=0.5, clock=lambda: clock[0])
+    assert peak() == 1.0  # the first call reads
+    clock[0] += 0.49
+    assert peak() == 1.0 and len(reads) == 1  # cached
+    clock[0] += 0.01
+    assert peak() == 2.0 and reads == [100.0, 100.5]  # max_age_s passed: read again
