@@ -226,12 +226,11 @@ class Produce(_Group):
 
     compression: Compression = "zstd"
     """Producer compression codec (zstd: faster than aiokafka's LZ4-HC, see bench/bus.py)."""
-    linger_ms: NotNegative = 2
+    linger_ms: NotNegative = 5
     """Producer batching delay, milliseconds: how long a send waits for more records to share its
-    request. Every sample crosses four produce hops, so this is paid about four times per sample;
-    records already carry up to ``kafka.samples_per_record`` samples each. In
-    ``bench/pipeline_ceiling.py`` 1-2 ms sustained 5-10% more samples/s than 5 ms, and 0 less
-    (a request per send: more CPU in every client and the broker)."""
+    request. In ``bench/pipeline_ceiling.py`` 1-2 ms sent more samples/s than 5 ms but trained
+    about as many: two to three times as many samples were dropped as stale, generated for
+    nothing. 0 (a request per send) cost more CPU in every client and the broker."""
 
 
 class ServiceSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
