@@ -168,8 +168,12 @@ class KafkaIO:
     # -- producing
 
     def _new_producer(self) -> Producer:
+        """The service's producer. A transactional one sends with no linger: a transaction's outputs
+        are all sent at its commit, so a linger would only hold the commit (its produce request left
+        ``produce.linger_ms`` after the transaction began, and the rest of the commit waited for it)."""
         s = self.settings
-        return Producer(s.kafka, compression=s.produce.compression, linger_ms=s.produce.linger_ms,
+        linger_ms = 0 if self.transactional_id else s.produce.linger_ms
+        return Producer(s.kafka, compression=s.produce.compression, linger_ms=linger_ms,
                         transactional_id=self.transactional_id,
                         transaction_timeout_s=s.delivery.transaction_timeout_s,
                         client_suffix=f"{self.service_name}-producer")

@@ -230,7 +230,9 @@ class Produce(_Group):
     """Producer batching delay, milliseconds: how long a send waits for more records to share its
     request. In ``bench/pipeline_ceiling.py`` 1-2 ms sent more samples/s than 5 ms but trained
     about as many: two to three times as many samples were dropped as stale, generated for
-    nothing. 0 (a request per send) cost more CPU in every client and the broker."""
+    nothing. 0 (a request per send) cost more CPU in every client and the broker. A transactional
+    producer (``delivery.transactional``) ignores it and sends at once: a transaction's outputs are
+    all sent at its commit, where a linger only delays the commit."""
 
 
 class ServiceSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -12,7 +12,7 @@ from aiokafka.partitioner import DefaultPartitioner
 
 from runtime.bus import Consumer, Record, TopicPartition, message_counts
 from runtime.kafka_io import KafkaIO
-from runtime.runner import ServiceSettings, Subscription
+from runtime.runner import Delivery, Produce, ServiceSettings, Subscription
 from runtime.service import Counters, make_output
 from schemas.config import KafkaSettings
 from schemas.events import Drain, RolloutTask
@@ -123,3 +123,14 @@ async def test_outputs_written_though_their_send_failed_are_not_sent_again(
     tasks_t, control_t = topic_name(run_id, "tasks"), topic_name(run_id, "control")
     records = await message_counts(kafka, kafka.bootstrap, {tasks_t: 4, control_t: 1})
     assert records == {tasks_t: len({(r.partition, r.offset) for r in got}), control_t: 1}  # no second copy
+
+
+@pytest.mark.parametrize("transactional", [False, True])
+def test_only_a_transactional_producer_sends_without_linger(transactional: bool) -> None:
+    # a transaction's outputs are all sent at its commit: a linger would only hold the commit up
+    settings = ServiceSettings(run_id="r", kafka=KafkaSettings(bootstrap="localhost:1"),
+                               subscription=Subscription(group_id="g", topics=["generations"]),
+                               produce=Produce(linger_ms=7), delivery=Delivery(transactional=transactional))
+    producer = KafkaIO("test", settings, Counters())._new_producer()
+    assert producer.config["linger_ms"] == (0 if transactional else 7)
+    assert ("transactional_id" in producer.config) is transactional
