@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import random
 from pathlib import Path
 
 import msgspec
@@ -271,3 +273,27 @@ def test_segment_images_added_after_v14_default_to_none_in_old_payloads() -> Non
     assert isinstance(new, ev.Generation) and new.segment_image_hashes == [["ef" * 32], []]
     again = dec.decode(msgspec.msgpack.encode(msgspec.structs.replace(new, segment_image_hashes=[["ab" * 32], ["cd" * 32]])))
     assert isinstance(again, ev.Generation) and again.segment_image_hashes == [["ab" * 32], ["cd" * 32]]
+
+
+def test_event_ids_are_random_128_bit_hex_whatever_the_run_seeds() -> None:
+    random.seed(0)  # a run seeds the global generator: event ids must not follow it
+    first = [ev.new_event_id() for _ in range(1000)]
+    random.seed(0)
+    again = [ev.new_event_id() for _ in range(1000)]
+    assert len(set(first + again)) == 2000
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in first)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX")
+def test_a_forked_child_draws_other_event_ids_than_its_parent() -> None:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next ids, to the parent
+        os.write(w, "".join(ev.new_event_id() for _ in range(8)).encode())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    child = os.read(r, 1024).decode()
+    os.close(r)
+    parent = "".join(ev.new_event_id() for _ in range(8))
+    assert len(child) == len(parent) == 256 and child != parent
