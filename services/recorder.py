@@ -70,7 +70,7 @@ from store.outage import (
     is_transient,
     write_outage,
 )
-from store.rows import COLUMNS, event_row, lag_row, typed_rows
+from store.rows import COLUMNS, event_row, lag_row, typed_row
 from store.runs import PRODUCERS_DONE, store_dsn_of
 from store.tracking import TrackerFeed, make_trackers
 
@@ -170,6 +170,7 @@ class Recorder(BatchService):
         self._client: Any = None
         self._lock = threading.Lock()  # one store call at a time: inserts and served queries
         self._stored: dict[tuple[str, int], int] = {}
+        self._types: dict[str, list[str]] = {}  # table -> its recorded columns' types (_column_types)
         self._quiet_since: float | None = None
         self._next_report = 0.0
         self.tracking: TrackerFeed | None = None
@@ -263,9 +264,9 @@ class Recorder(BatchService):
                 event_row(rec.topic, rec.partition, rec.offset, run_id, name, rec.key, rec.event,
                           rec.value_bytes, rec.ts, rec.index)
             )
-            if rec.event is not None:
-                for table, rows in typed_rows(rec.event).items():
-                    tables[table].extend(rows)
+            typed = typed_row(rec.event) if rec.event is not None else None
+            if typed is not None:
+                tables[typed[0]].append(typed[1])
         return tables
 
     def insert(self, tables: dict[str, list[list[Any]]]) -> None:
@@ -278,7 +279,17 @@ class Recorder(BatchService):
                 rows = tables[table]
                 if rows:
                     self._client.insert(table, rows, column_names=COLUMNS[table],
+                                        column_type_names=self._column_types(table),
                                         settings={"insert_deduplication_token": f"{token}-{table}"})
+
+    def _column_types(self, table: str) -> list[str]:
+        """The types of ``table``'s recorded columns (:data:`store.rows.COLUMNS`), asked once: an
+        insert that names them is one query, not a ``DESCRIBE`` and the insert."""
+        types = self._types.get(table)
+        if types is None:
+            described = {row[0]: row[1] for row in self._client.query(f"DESCRIBE TABLE {table}").result_rows}
+            types = self._types[table] = [described[c] for c in COLUMNS[table]]
+        return types
 
     async def report_lag(self, consumer: Consumer, timeout_s: float | None = None) -> LagReport | None:
         """Measure the lag now, log it, keep it and write it to ``recorder_lag``. A measurement

@@ -12,6 +12,7 @@ Column lists here match ``infra/clickhouse/*.sql``.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -68,58 +69,97 @@ def event_row(topic: str, partition: int, offset: int, run_id: str, name: str, k
 def typed_rows(event: ev.Event) -> dict[str, list[list[Any]]]:
     """Rows for the typed tables that ``event`` contributes to (may be empty)."""
     out: dict[str, list[list[Any]]] = defaultdict(list)
-    r = event.run_id
-    if isinstance(event, ev.RolloutTask):
-        out["sample_tasks"].append([r, event.sample_id, event.group_id, event.prompt_id, event.domain,
-                                    event.policy_version, dt(event.ts)])
-    elif isinstance(event, ev.Generation):
-        out["sample_generations"].append([
-            r, event.task.sample_id, event.policy_version, event.policy_version_end, len(event.response_ids),
-            event.finish_reason, event.worker_id, event.queued_s, event.gen_s, event.env_s, dt(event.ts),
-            event.num_turns, event.episode_id, event.env_finish, event.env_error[:TEXT_MAX_CHARS], int(event.success),
-            [float(x) for x in event.step_rewards], [int(v) for v in event.turn_versions], list(event.state_hashes)])
-    elif isinstance(event, ev.ScoredSample):
-        out["sample_rewards"].append([r, event.generation.task.sample_id, event.reward, dict(event.rewards),
-                                      event.verifier, event.details[:TEXT_MAX_CHARS], event.reward_s, dt(event.ts),
-                                      event.judge, float(event.judge_s), event.judge_error[:TEXT_MAX_CHARS]])
-    elif isinstance(event, ev.SampleOutcome):
-        out["sample_outcomes"].append([r, event.sample_id, event.group_id, event.status, event.reason,
-                                       event.policy_version, event.trained_version, event.step, dt(event.ts)])
-    elif isinstance(event, ev.TrainStep):
-        out["train_steps"].append([r, event.step, event.policy_version, dt(event.ts), dict(event.metrics),
-                                   {int(k): int(v) for k, v in event.staleness_hist.items()},
-                                   len(event.sample_ids)])
-    elif isinstance(event, ev.EvalResult):
-        out["evals"].append([r, event.step, event.policy_version, event.split, dt(event.ts), dict(event.metrics)])
-    elif isinstance(event, ev.WeightsPublished):
-        out["weights"].append([r, event.policy_version, event.step, event.uri, event.format, event.checksum,
-                               event.num_bytes, dt(event.ts)])
-    elif isinstance(event, ev.EnvReset):
-        out["env_events"].append([r, event.episode_id, event.sample_id, "EnvReset", 0, event.env.name, -1, "",
-                                  0.0, 0, 0, "", event.event_id, dt(event.ts), 0.0, 0])
-    elif isinstance(event, ev.EnvStep):
-        out["env_events"].append([r, event.episode_id, "", "EnvStep", event.step, "", event.policy_version,
-                                  event.action[:TEXT_MAX_CHARS], 0.0, 0, 0, "", event.event_id, dt(event.ts), 0.0, 0])
-    elif isinstance(event, ev.EnvObservation):
-        out["env_events"].append([r, event.episode_id, "", "EnvObservation", event.step, "", -1,
-                                  event.observation[:TEXT_MAX_CHARS], event.reward, int(event.terminated),
-                                  int(event.truncated), event.error, event.event_id, dt(event.ts), float(event.env_s),
-                                  int(event.failed)])
-    elif isinstance(event, ev.DeadLetter):
-        out["dlq"].append([r, event.source_topic, event.partition, event.offset, event.sample_id, event.service,
-                           event.stage, event.error, dt(event.ts), event.group_id, event.index])
-    elif isinstance(event, ev.ServiceStarted):
-        out["service_events"].append([r, event.service, "ServiceStarted", event.pid, 0, 0, 0, "", 0.0,
-                                      event.event_id, dt(event.ts)])
-    elif isinstance(event, ev.ServiceRestarted):
-        out["service_events"].append([r, event.service, "ServiceRestarted", event.pid, event.previous_pid,
-                                      event.exit_code, event.restarts, event.reason[:TEXT_MAX_CHARS],
-                                      event.backoff_s, event.event_id, dt(event.ts)])
-    elif isinstance(event, ev.ServiceFailed):
-        out["service_events"].append([r, event.service, "ServiceFailed", event.pid, 0, event.exit_code,
-                                      event.restarts, event.reason[:TEXT_MAX_CHARS], 0.0, event.event_id,
-                                      dt(event.ts)])
+    typed = typed_row(event)
+    if typed is not None:
+        out[typed[0]].append(typed[1])
     return out
+
+
+def typed_row(event: ev.Event) -> tuple[str, list[Any]] | None:
+    """The typed table ``event`` contributes a row to and the row, ``None`` when none (every event
+    makes at most one typed row): the recorder's per-event call, a lookup by the event's type."""
+    make = _TYPED.get(type(event))
+    return None if make is None else make(event)
+
+
+def _task(e: ev.RolloutTask) -> tuple[str, list[Any]]:
+    return "sample_tasks", [e.run_id, e.sample_id, e.group_id, e.prompt_id, e.domain, e.policy_version, dt(e.ts)]
+
+
+def _generation(e: ev.Generation) -> tuple[str, list[Any]]:
+    return "sample_generations", [
+        e.run_id, e.task.sample_id, e.policy_version, e.policy_version_end, len(e.response_ids), e.finish_reason,
+        e.worker_id, e.queued_s, e.gen_s, e.env_s, dt(e.ts), e.num_turns, e.episode_id, e.env_finish,
+        e.env_error[:TEXT_MAX_CHARS], int(e.success), [float(x) for x in e.step_rewards],
+        [int(v) for v in e.turn_versions], list(e.state_hashes)]
+
+
+def _scored(e: ev.ScoredSample) -> tuple[str, list[Any]]:
+    return "sample_rewards", [e.run_id, e.generation.task.sample_id, e.reward, dict(e.rewards), e.verifier,
+                              e.details[:TEXT_MAX_CHARS], e.reward_s, dt(e.ts), e.judge, float(e.judge_s),
+                              e.judge_error[:TEXT_MAX_CHARS]]
+
+
+def _outcome(e: ev.SampleOutcome) -> tuple[str, list[Any]]:
+    return "sample_outcomes", [e.run_id, e.sample_id, e.group_id, e.status, e.reason, e.policy_version,
+                               e.trained_version, e.step, dt(e.ts)]
+
+
+def _train_step(e: ev.TrainStep) -> tuple[str, list[Any]]:
+    return "train_steps", [e.run_id, e.step, e.policy_version, dt(e.ts), dict(e.metrics),
+                           {int(k): int(v) for k, v in e.staleness_hist.items()}, len(e.sample_ids)]
+
+
+def _eval(e: ev.EvalResult) -> tuple[str, list[Any]]:
+    return "evals", [e.run_id, e.step, e.policy_version, e.split, dt(e.ts), dict(e.metrics)]
+
+
+def _weights(e: ev.WeightsPublished) -> tuple[str, list[Any]]:
+    return "weights", [e.run_id, e.policy_version, e.step, e.uri, e.format, e.checksum, e.num_bytes, dt(e.ts)]
+
+
+def _env_reset(e: ev.EnvReset) -> tuple[str, list[Any]]:
+    return "env_events", [e.run_id, e.episode_id, e.sample_id, "EnvReset", 0, e.env.name, -1, "", 0.0, 0, 0, "",
+                          e.event_id, dt(e.ts), 0.0, 0]
+
+
+def _env_step(e: ev.EnvStep) -> tuple[str, list[Any]]:
+    return "env_events", [e.run_id, e.episode_id, "", "EnvStep", e.step, "", e.policy_version,
+                          e.action[:TEXT_MAX_CHARS], 0.0, 0, 0, "", e.event_id, dt(e.ts), 0.0, 0]
+
+
+def _env_observation(e: ev.EnvObservation) -> tuple[str, list[Any]]:
+    return "env_events", [e.run_id, e.episode_id, "", "EnvObservation", e.step, "", -1,
+                          e.observation[:TEXT_MAX_CHARS], e.reward, int(e.terminated), int(e.truncated), e.error,
+                          e.event_id, dt(e.ts), float(e.env_s), int(e.failed)]
+
+
+def _dead_letter(e: ev.DeadLetter) -> tuple[str, list[Any]]:
+    return "dlq", [e.run_id, e.source_topic, e.partition, e.offset, e.sample_id, e.service, e.stage, e.error,
+                   dt(e.ts), e.group_id, e.index]
+
+
+def _started(e: ev.ServiceStarted) -> tuple[str, list[Any]]:
+    return "service_events", [e.run_id, e.service, "ServiceStarted", e.pid, 0, 0, 0, "", 0.0, e.event_id, dt(e.ts)]
+
+
+def _restarted(e: ev.ServiceRestarted) -> tuple[str, list[Any]]:
+    return "service_events", [e.run_id, e.service, "ServiceRestarted", e.pid, e.previous_pid, e.exit_code,
+                              e.restarts, e.reason[:TEXT_MAX_CHARS], e.backoff_s, e.event_id, dt(e.ts)]
+
+
+def _failed(e: ev.ServiceFailed) -> tuple[str, list[Any]]:
+    return "service_events", [e.run_id, e.service, "ServiceFailed", e.pid, 0, e.exit_code, e.restarts,
+                              e.reason[:TEXT_MAX_CHARS], 0.0, e.event_id, dt(e.ts)]
+
+
+_TYPED: dict[type, Callable[[Any], tuple[str, list[Any]]]] = {
+    ev.RolloutTask: _task, ev.Generation: _generation, ev.ScoredSample: _scored, ev.SampleOutcome: _outcome,
+    ev.TrainStep: _train_step, ev.EvalResult: _eval, ev.WeightsPublished: _weights, ev.EnvReset: _env_reset,
+    ev.EnvStep: _env_step, ev.EnvObservation: _env_observation, ev.DeadLetter: _dead_letter,
+    ev.ServiceStarted: _started, ev.ServiceRestarted: _restarted, ev.ServiceFailed: _failed,
+}
+"""The typed row maker of each event type (types not here make none: ``JudgeRequest``, control events)."""
 
 
 def lag_row(run_id: str, group_id: str, ts: float, lag_records: int, partitions: int, recorded_total: int,

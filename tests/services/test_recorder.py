@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -16,6 +17,7 @@ from schemas.config import KafkaSettings
 from schemas.topics import TOPICS, topic_name
 from services.recorder import Recorder, RecorderSettings
 from store.outage import OUTAGE_FILE, StoreOutage, describe_outage
+from store.rows import COLUMNS
 from tests.schemas.examples import example_events
 
 
@@ -142,10 +144,19 @@ class _FlakyClient:
         self.failures = failures
         self.inserted: list[tuple[str, int]] = []
 
-    def insert(self, table, rows, column_names, settings):  # type: ignore[no-untyped-def]
+    def _reach(self) -> None:
         if self.failures > 0:
             self.failures -= 1
             raise ConnectionError("HTTPConnectionPool(host='127.0.0.1', port=1): Connection refused")
+
+    def query(self, sql: str) -> SimpleNamespace:  # the recorder's DESCRIBE TABLE of a table's column types
+        self._reach()
+        table = sql.split()[-1]
+        return SimpleNamespace(result_rows=[(c, "String") for c in COLUMNS[table]])
+
+    def insert(self, table, rows, column_names, column_type_names, settings):  # type: ignore[no-untyped-def]
+        self._reach()
+        assert len(column_type_names) == len(column_names)
         self.inserted.append((table, len(rows)))
 
 
@@ -223,11 +234,13 @@ class _FailingStore:
         self.client, self.fail_at, self.down = client, fail_at or set(), False
         self.calls, self.written = 0, []  # type: ignore[var-annotated]
 
-    def insert(self, table: str, rows: list[list[Any]], column_names: list[str], settings: dict[str, Any]) -> None:
+    def insert(self, table: str, rows: list[list[Any]], column_names: list[str], column_type_names: list[str],
+               settings: dict[str, Any]) -> None:
         self.calls += 1
         if self.down or self.calls in self.fail_at:
             raise _disk_error()
-        self.client.insert(table, rows, column_names=column_names, settings=settings)
+        self.client.insert(table, rows, column_names=column_names, column_type_names=column_type_names,
+                           settings=settings)
         self.written.append(table)
 
     def __getattr__(self, name: str) -> Any:
