@@ -29,8 +29,16 @@ _LOGPROB_SLACK = 1e-3
 """A log-probability above this is impossible (``log p <= 0``; a little float error allowed)."""
 
 
+_ZERO_ONE = frozenset((0, 1))
+
+
 def _first_bad(values: Iterable[float]) -> float | None:
     return next((x for x in values if not math.isfinite(x)), None)
+
+
+def _ids_in_range(ids: list[int]) -> bool:
+    """Whether every token id is in ``[0, MAX_TOKEN_ID]`` (an empty list is)."""
+    return not ids or (min(ids) >= 0 and max(ids) <= MAX_TOKEN_ID)
 
 
 def check_task(task: ev.RolloutTask, domains: Collection[str] = ()) -> str | None:
@@ -78,15 +86,14 @@ def check_generation(gen: ev.Generation) -> str | None:
         return f"generation {sid}: prompt_ids is empty"
     if len(gen.prompt_ids) + len(gen.response_ids) > MAX_TOKENS:
         return f"generation {sid}: {len(gen.prompt_ids) + len(gen.response_ids)} tokens (more than {MAX_TOKENS})"
-    if any(not 0 <= t <= MAX_TOKEN_ID for t in gen.prompt_ids) or any(not 0 <= t <= MAX_TOKEN_ID
-                                                                       for t in gen.response_ids):
+    # every sample passes these per-token checks: min, max, map and set run them at C speed
+    if not _ids_in_range(gen.prompt_ids) or not _ids_in_range(gen.response_ids):
         return f"generation {sid}: token ids outside [0, {MAX_TOKEN_ID}]"
-    bad = _first_bad(gen.logprobs)
-    if bad is not None:
-        return f"generation {sid}: logprobs hold non-finite values ({bad})"
-    if any(x > _LOGPROB_SLACK for x in gen.logprobs):
+    if not all(map(math.isfinite, gen.logprobs)):
+        return f"generation {sid}: logprobs hold non-finite values ({_first_bad(gen.logprobs)})"
+    if gen.logprobs and max(gen.logprobs) > _LOGPROB_SLACK:
         return f"generation {sid}: logprobs above 0 (log-probabilities are <= 0)"
-    if any(m not in (0, 1) for m in gen.loss_mask):
+    if not _ZERO_ONE.issuperset(gen.loss_mask):
         return f"generation {sid}: loss_mask holds values other than 0 and 1"
     starts = gen.segment_starts
     if starts:

@@ -156,3 +156,23 @@ def test_segment_images_must_match_the_segments_and_the_images() -> None:
     assert "segment_image_hashes has 3 segments, segment_starts gives 2" in str(sanity.check_generation(three))
     other = msgspec.structs.replace(gen, segment_image_hashes=[["ef" * 32], ["ef" * 32]])
     assert "not the concatenation of segment_image_hashes" in str(sanity.check_generation(other))
+
+
+def test_the_per_token_checks_hold_at_their_bounds() -> None:
+    (gen,) = [e for e in example_events() if type(e) is ev.Generation]
+    rep = msgspec.structs.replace
+    n = len(gen.response_ids)
+
+    def why(**fields: typing.Any) -> str | None:
+        return sanity.check_generation(rep(gen, **fields))
+
+    top = sanity.MAX_TOKEN_ID
+    assert why(prompt_ids=[0, top], response_ids=[0] * n) is None  # the bounds themselves pass
+    assert why(response_ids=[], logprobs=[], loss_mask=[], segment_starts=[], segment_image_hashes=[]) is None
+    assert "token ids outside" in str(why(prompt_ids=[-1]))
+    assert "token ids outside" in str(why(response_ids=[top + 1] * n))
+    assert why(logprobs=[1e-3] * n) is None  # float error up to the slack
+    assert "above 0" in str(why(logprobs=[0.0] * (n - 1) + [0.01]))
+    assert "non-finite values (nan)" in str(why(logprobs=[float("nan")] * n))
+    assert "non-finite values (-inf)" in str(why(logprobs=[0.0] * (n - 1) + [-math.inf]))
+    assert "other than 0 and 1" in str(why(loss_mask=[1] * (n - 1) + [2]))
