@@ -12,12 +12,18 @@ from runtime import gc_tuning
 
 before = gc.get_threshold()
 gc_tuning.settle()  # not tuned: nothing happens
+gc_tuning.hold_batches(10**6)
 assert gc.get_freeze_count() == 0 and gc.get_threshold() == before, (gc.get_freeze_count(), gc.get_threshold())
 
 gc_tuning.tune_process()
 frozen = gc.get_freeze_count()
 assert frozen > 0, frozen
 assert gc.get_threshold() == (gc_tuning.GEN0_THRESHOLD, before[1], before[2]), gc.get_threshold()
+
+gc_tuning.hold_batches(10)  # lower than the tuned threshold: kept
+assert gc.get_threshold()[0] == gc_tuning.GEN0_THRESHOLD, gc.get_threshold()
+gc_tuning.hold_batches(500_000)  # a service that holds big batches (the recorder)
+assert gc.get_threshold() == (500_000, before[1], before[2]), gc.get_threshold()
 
 held = [[i] for i in range(1000)]  # what a start-up makes and keeps (lists: tracked by the collector)
 gc_tuning.settle()
