@@ -90,10 +90,9 @@ FETCH_MAX_WAIT_MS = 500
 waits before the recorder reads it on a quiet run."""
 GC_YOUNG_THRESHOLD = 1_000_000
 """The recorder process's young-generation threshold (:func:`runtime.gc_tuning.hold_batches`): above
-what one poll holds (the main example's polls bring about 12,000 events, some 120,000 objects the
-collector tracks), so a poll is freed by reference counting, not walked by the collector again and
-again. At the services' 20,000 the collector ran six times a second in the recorder of
-``bench/pipeline_ceiling.py``; decoding and encoding a 12,000-event poll took 13% less CPU without."""
+what one poll holds (the main example's: some 12,000 events, 120,000 objects the collector tracks),
+so a poll is freed by reference counting, not walked again and again by the collector (at 20,000
+it ran six times a second; decoding and encoding such a poll took 13% less CPU without)."""
 
 
 class RecorderSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -290,8 +289,7 @@ class Recorder(BatchService):
                                         settings={"insert_deduplication_token": f"{token}-{table}"})
 
     def _column_types(self, table: str) -> list[str]:
-        """The types of ``table``'s recorded columns (:data:`store.rows.COLUMNS`), asked once: an
-        insert that names them is one query, not a ``DESCRIBE`` and the insert."""
+        """``table``'s recorded column types, asked once: an insert naming them is one query, not two."""
         types = self._types.get(table)
         if types is None:
             described = {row[0]: row[1] for row in self._client.query(f"DESCRIBE TABLE {table}").result_rows}
