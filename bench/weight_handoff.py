@@ -1,4 +1,5 @@
-"""The weight handoff: from a version's export to an engine generating with it, disk against memory.
+"""The weight handoff: from a version's export to an engine generating with it, disk against memory
+(same node) and against a broadcast (another node).
 
     python bench/weight_handoff.py [--models tiny,smollm2-shape,qwen2.5-0.5b-shape] [--reps 3]
                             [--device cpu|cuda] [--dtype auto|float32|bfloat16] [--out results.jsonl]
@@ -13,13 +14,16 @@ services do, side by side, the two handoffs alternating:
   state to the announcing event (``disk``: the strategy writes and hashes the HF directory;
   ``memory``: the tensors go into a sealed ``/dev/shm`` segment);
 * ``load_s``: the rollout worker's choice of copy (:func:`weights.pick_copy`, the directory
-  waited for) and the engine's in-place swap (``TorchEngine.load_weights``);
+  waited for) and the engine's in-place swap (``TorchEngine.load_weights``); ``broadcast``: the
+  segment received as an engine on another node receives it (``train.weights_broadcast: gloo``,
+  :class:`weights.broadcast.Relay`; here over the loopback, into a folder standing for that
+  node's ``/dev/shm``), then swapped in;
 * ``first_token_s``: one request of 1 new token on the new weights;
 * ``total_s``: the three, export to generating; ``dir_s`` (memory): the directory written after
   the event, off the critical path (it competes for the same cores on a CPU).
 
-Prints one JSON line per model and handoff (medians over ``--reps``) and the ratio disk ÷ memory
-of ``total_s``. bench/README.md ("weight_handoff.py") keeps the measured runs.
+Prints one JSON line per model and handoff (medians over ``--reps``) and the ratios disk ÷ memory
+and disk ÷ broadcast of ``total_s``. bench/README.md ("weight_handoff.py") keeps the measured runs.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import transformers
 
+HANDOFFS = ("disk", "memory", "broadcast")
 SHAPES: dict[str, dict[str, Any]] = {
     "smollm2-shape": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                           num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048,
@@ -71,7 +76,7 @@ def make_model(root: Path, name: str) -> Path:
     return d
 
 
-async def one(handoff: str, pub: Any, strategy: Any, engine: Any, version: int) -> dict[str, float]:
+async def one(handoff: str, pub: Any, strategy: Any, engine: Any, version: int, relay: Any) -> dict[str, float]:
     """One version handed over: the timings of the module doc."""
     from rollout.engine import GenerationRequest
     from rollout.sampling import SamplingParams
@@ -80,7 +85,10 @@ async def one(handoff: str, pub: Any, strategy: Any, engine: Any, version: int) 
     t0 = time.perf_counter()
     event = await pub.publish(strategy, version, version)
     t1 = time.perf_counter()
-    ref, _ = pick_copy(event.uri, event.memory, event.memory_host, event.memory_checksum)
+    if handoff == "broadcast":  # as on another node: received into that node's shared memory
+        ref = str(relay.fetch(event.broadcast, version, event.memory, event.memory_checksum))
+    else:
+        ref, _ = pick_copy(event.uri, event.memory, event.memory_host, event.memory_checksum)
     if ref == event.uri:
         wait_for_dir(ref, 600.0)
     await engine.load_weights(ref, version)
@@ -91,7 +99,7 @@ async def one(handoff: str, pub: Any, strategy: Any, engine: Any, version: int) 
     t3 = time.perf_counter()
     await pub.settle()
     row = {"export_s": t1 - t0, "load_s": t2 - t1, "first_token_s": t3 - t2, "total_s": t3 - t0}
-    if handoff == "memory":
+    if handoff != "disk":
         row["dir_s"] = time.perf_counter() - t3
     return row
 
@@ -102,6 +110,7 @@ async def bench_model(a: argparse.Namespace, name: str, work: Path) -> list[dict
     from schemas.devices import resolve_device
     from services.trainer.publish import WeightsPublisher
     from trainer.factory import make_strategy
+    from weights.broadcast import Relay, WeightSender
 
     device = resolve_device(a.device, "--device")
     dtype = a.dtype if a.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
@@ -109,14 +118,18 @@ async def bench_model(a: argparse.Namespace, name: str, work: Path) -> list[dict
     cfg = parse_config("", [f"model.dtype={dtype}"])
     strategy = make_strategy(cfg, model_dir, device=device)
     engine = TorchEngine(model_dir, max_batch=2, device=device, dtype=dtype)
-    pubs = {h: WeightsPublisher(f"bench-{h}", work / "runs" / f"{name}-{h}", h) for h in ("disk", "memory")}  # type: ignore[arg-type]
+    pubs = {h: WeightsPublisher(f"bench-{h}", work / "runs" / f"{name}-{h}", "disk" if h == "disk" else "memory",
+                                sender=WeightSender("127.0.0.1") if h == "broadcast" else None)
+            for h in HANDOFFS}
+    (work / "other-node").mkdir()
+    relay = Relay(work / "other-node")
     params = [p for p in strategy.model.parameters()]
     n_bytes = sum(p.numel() * p.element_size() for p in params)
-    times: dict[str, list[dict[str, float]]] = {"disk": [], "memory": []}
+    times: dict[str, list[dict[str, float]]] = {h: [] for h in HANDOFFS}
     version = 0
     try:
         for h, pub in pubs.items():  # each publisher's first version also writes its directory: not timed
-            await one(h, pub, strategy, engine, version)
+            await one(h, pub, strategy, engine, version, relay)
         for _ in range(a.reps):
             for h, pub in pubs.items():
                 version += 1
@@ -125,7 +138,7 @@ async def bench_model(a: argparse.Namespace, name: str, work: Path) -> list[dict
                         p.add_(1e-3)
                 if device.startswith("cuda"):
                     torch.cuda.synchronize()
-                times[h].append(await one(h, pub, strategy, engine, version))
+                times[h].append(await one(h, pub, strategy, engine, version, relay))
     finally:
         for pub in pubs.values():
             pub.close()
@@ -135,7 +148,8 @@ async def bench_model(a: argparse.Namespace, name: str, work: Path) -> list[dict
                                "weights_mb": round(n_bytes / 2**20, 1), "reps": len(reps)}
         row.update({k: round(statistics.median(r[k] for r in reps), 4) for k in reps[0]})
         rows.append(row)
-    rows.append({"model": name, "disk_over_memory": round(rows[0]["total_s"] / rows[1]["total_s"], 2)})
+    rows.append({"model": name, "disk_over_memory": round(rows[0]["total_s"] / rows[1]["total_s"], 2),
+                 "disk_over_broadcast": round(rows[0]["total_s"] / rows[2]["total_s"], 2)})
     return rows
 
 

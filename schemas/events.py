@@ -337,6 +337,10 @@ class WeightsPublished(Event, frozen=True, kw_only=True):
     memory_checksum: str = ""
     """sha256 of the segment's manifest (names, dtypes, shapes, offsets and a nonce), hex: an
     engine applies the segment only when it is sealed and has this checksum. (Added after v9.)"""
+    broadcast: str = ""
+    """Where engines on other nodes receive ``memory`` from: the trainer's ``gloo://host:port``
+    (``train.weights_broadcast``, ``weights.broadcast``); empty = they read ``uri``. (Added after
+    v15.)"""
 
 
 # --------------------------------------------------------------------------- metrics

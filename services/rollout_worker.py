@@ -65,7 +65,8 @@ from schemas.services import SERVICES
 from schemas.topics import topic_name
 from services import ServiceStart
 from services.env_client import KafkaEnvClient
-from weights import pick_copy, wait_for_dir
+from weights import node_id, pick_copy, wait_for_dir
+from weights.broadcast import Relay
 
 log = logging.getLogger("rollstream.rollout")
 
@@ -122,6 +123,8 @@ class RolloutWorker(Service):
                                   max_context_tokens=cfg.rollout.max_context_tokens,
                                   history_turns=cfg.rollout.history_turns)
         self.swap_lock = SwapLock()
+        self.relay = Relay()
+        """Versions sent from the trainer's node (``train.weights_broadcast``)."""
         self.env_client: KafkaEnvClient | None = None
         self.cancelled: set[str] = set()
         """Samples the trainer cancelled (``rollout.group_size_redundancy``): not started, or stopped
@@ -194,8 +197,7 @@ class RolloutWorker(Service):
                 if latest is None or latest.event_id == self.loaded_event_id:
                     continue
                 try:
-                    async with self.swap_lock.swap():  # between agent turns, never inside one
-                        source = await self._load(latest)
+                    source = await self._load(latest)
                 except (OSError, RuntimeError, ValueError) as e:
                     # e.g. removed meanwhile (the trainer keeps the newest few versions): a newer
                     # message follows; tasks wait for it
@@ -211,20 +213,32 @@ class RolloutWorker(Service):
             await consumer.stop()
 
     async def _load(self, w: ev.WeightsPublished) -> str:
-        """Swap in ``w``: its shared-memory copy when it is on this node, else (or when that copy
-        is gone or refused) its directory, waited for while the trainer writes it (weights.handoff).
-        Returns which copy: ``shared memory`` or ``disk``."""
+        """Swap in ``w`` (between agent turns; receiving or waiting for a copy is not inside the
+        swap lock): its shared-memory copy when it is on this node, else (or when that copy is gone
+        or refused) its directory, waited for while the trainer writes it (weights.handoff).
+        On another node with ``broadcast``, the copy an engine of this node received (or receives
+        now: weights.broadcast). Returns which copy: ``shared memory[, received from ...]`` or ``disk``."""
         ref, why = await to_thread(pick_copy, w.uri, w.memory, w.memory_host, w.memory_checksum)
-        if ref == w.memory:
+        source = "shared memory"
+        if ref == w.uri and w.broadcast and w.memory_host != node_id():  # sent from the trainer's node
             try:
-                await self.engine.load_weights(ref, w.policy_version)
-                return "shared memory"
+                ref = str(await to_thread(self.relay.fetch, w.broadcast, w.policy_version, w.memory,
+                                          w.memory_checksum))
+                source = f"shared memory, received from {w.broadcast}"
+            except (OSError, RuntimeError, ValueError) as e:
+                why = f"receiving them from {w.broadcast} failed: {one_line(e)}"
+        if ref != w.uri:
+            try:
+                async with self.swap_lock.swap():  # between agent turns, never inside one
+                    await self.engine.load_weights(ref, w.policy_version)
+                return source
             except (OSError, ValueError) as e:  # unlinked or refused after the check
                 why = one_line(e)
         if why:
             log.info("rollout %s: weights v%d from disk: %s", self.worker_id, w.policy_version, why)
         await to_thread(wait_for_dir, w.uri, self.s.weights_timeout_s if w.memory else 0.0)
-        await self.engine.load_weights(w.uri, w.policy_version)
+        async with self.swap_lock.swap():
+            await self.engine.load_weights(w.uri, w.policy_version)
         return "disk"
 
     async def _watch_cancellations(self) -> None:

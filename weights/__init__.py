@@ -16,8 +16,11 @@ nothing of ours.
 * :mod:`weights.shm`: the same-node handoff: a version in a sealed ``/dev/shm`` segment
   (:func:`write_segment`, :func:`read_segment`, :func:`prune_segments`, :func:`remove_segments`).
 * :mod:`weights.handoff`: which copy an engine reads (:func:`pick_copy`, :func:`wait_for_dir`).
+* :mod:`weights.broadcast`: segments sent to other nodes over ``torch.distributed`` (gloo):
+  :class:`WeightSender` on the trainer, :class:`Relay` in each engine process.
 """
 
+from weights.broadcast import Relay, WeightSender
 from weights.files import publish_dir, read_weights, replace_dir, weights_sha256, write_state_dir
 from weights.handoff import pick_copy, wait_for_dir
 from weights.inplace import copy_state_, copy_weights_, load_weights_into, weights_match
@@ -34,8 +37,10 @@ from weights.shm import (
 )
 
 __all__ = [
+    "Relay",
     "Segment",
     "SegmentError",
+    "WeightSender",
     "copy_state_",
     "copy_weights_",
     "load_weights_into",

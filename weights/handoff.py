@@ -2,9 +2,10 @@
 
 A ``WeightsPublished`` event names the version's directory (``uri``) and, with the memory handoff,
 a shared-memory segment (``memory``) on the node ``memory_host`` with its checksum. An engine on
-that node reads the segment when it is there and sealed with that checksum (:func:`pick_copy`); an
-engine elsewhere, or one that finds the segment gone or refused, reads the directory, which the
-trainer may still be writing after the announcement: :func:`wait_for_dir` waits for its rename.
+that node reads the segment when it is there and sealed with that checksum (:func:`pick_copy`), an
+engine on another node the copy received there (``broadcast``, :mod:`weights.broadcast`); an
+engine that finds neither reads the directory, which the trainer may still be writing after the
+announcement: :func:`wait_for_dir` waits for its rename.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import time
 from pathlib import Path
 
+import weights.shm as shm
 from weights.shm import SegmentError, check_segment, node_id
 
 log = logging.getLogger("rollstream.weights")
@@ -20,14 +22,20 @@ log = logging.getLogger("rollstream.weights")
 __all__ = ["pick_copy", "wait_for_dir"]
 
 
-def pick_copy(uri: str, memory: str = "", memory_host: str = "", checksum: str = "") -> tuple[str, str]:
+def pick_copy(uri: str, memory: str = "", memory_host: str = "", checksum: str = "",
+              root: Path | None = None) -> tuple[str, str]:
     """``(path, why)``: the segment ``memory`` when it is on this node and passes
-    :func:`weights.shm.check_segment` (``why`` empty), else ``uri`` and why not the segment
-    (empty when there is none)."""
+    :func:`weights.shm.check_segment` (``why`` empty); on another node, the copy of it that an
+    engine of this node received into ``root`` (``/dev/shm``; :mod:`weights.broadcast`); else
+    ``uri`` and why not a segment (empty when there is none)."""
     if not memory:
         return uri, ""
     if memory_host != node_id():
-        return uri, f"the memory copy is on {memory_host}, this is {node_id()}"
+        relayed = (shm.SHM_DIR if root is None else root) / Path(memory).name
+        try:
+            return str(check_segment(relayed, checksum).path), ""
+        except (OSError, SegmentError):
+            return uri, f"the memory copy is on {memory_host}, this is {node_id()}"
     try:
         check_segment(memory, checksum)
     except FileNotFoundError:

@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 __all__ = ["KEEP_SEGMENTS", "SHM_DIR", "Segment", "SegmentError", "check_segment", "is_segment", "new_segment_path",
-           "node_id", "prune_segments", "read_segment", "remove_segments", "segment_prefix", "write_segment"]
+           "node_id", "prune_received", "prune_segments", "read_segment", "remove_segments", "segment_prefix",
+           "write_segment"]
 
 SHM_DIR = Path("/dev/shm")
 """Where segments live (Linux's shared-memory tmpfs); the functions' default ``root``."""
@@ -244,22 +245,42 @@ def prune_segments(prefix: str, keep: int = KEEP_SEGMENTS, root: Path | None = N
     for v in kept:
         ps = sorted(by_version[v], key=lambda q: q.stat().st_mtime_ns)
         doomed += ps[:-1]
+    return _unlink(doomed + _orphans(prefix, root))
+
+
+def prune_received(prefix: str, newest: Path, keep: int = KEEP_SEGMENTS, root: Path | None = None) -> list[Path]:
+    """Like :func:`prune_segments` for the copies an engine received from another node
+    (:mod:`weights.broadcast`), by age, not version (a new run of the same id starts again at
+    version 0): ``newest`` and the most recently written others stay, ``keep`` in all."""
+    root = SHM_DIR if root is None else root
+    others = sorted((p for _, p in _segments(prefix, root) if p != newest), key=lambda q: q.stat().st_mtime_ns)
+    return _unlink(others[:max(0, len(others) - (keep - 1))] + _orphans(prefix, root))
+
+
+def _orphans(prefix: str, root: Path) -> list[Path]:
+    """Temporary files of ``prefix``'s writers that are no longer running."""
+    found = []
     for tmp in root.glob(f".{prefix}-v*.tmp-*") if root.is_dir() else []:
         pid = tmp.name.rsplit("-", 1)[-1]
         if not (pid.isdigit() and _alive(int(pid))):
-            doomed.append(tmp)
-    for p in doomed:
+            found.append(tmp)
+    return found
+
+
+def _unlink(paths: list[Path]) -> list[Path]:
+    for p in paths:
         p.unlink(missing_ok=True)
-    return doomed
+    return paths
 
 
 def remove_segments(prefix: str, root: Path | None = None) -> int:
-    """Unlink every segment (and temporary file) of ``prefix``; the bytes freed."""
+    """Unlink every segment (and temporary file, and the lock of :mod:`weights.broadcast`) of
+    ``prefix``; the bytes freed."""
     root = SHM_DIR if root is None else root
     freed = 0
     if not root.is_dir():
         return 0
-    for p in [*root.glob(f"{prefix}-v*"), *root.glob(f".{prefix}-v*.tmp-*")]:
+    for p in [*root.glob(f"{prefix}-v*"), *root.glob(f".{prefix}-v*.tmp-*"), *root.glob(f".{prefix}.lock")]:
         try:
             freed += p.stat().st_size
             p.unlink()

@@ -231,6 +231,21 @@ def weights_handoff(cfg: RunConfig) -> str | None:
 
 
 @rule
+def weights_broadcast(cfg: RunConfig) -> str | None:
+    """``train.weights_broadcast`` sends the ``memory`` handoff's segments: it needs that handoff."""
+    t = cfg.train
+    if t.weights_broadcast == "off":
+        return None
+    if t.weights_handoff == "disk":
+        return (f"train.weights_broadcast={t.weights_broadcast} sends the memory handoff's copies, and "
+                "train.weights_handoff=disk makes none; use train.weights_handoff=auto or memory")
+    if t.strategy != "torch" or cfg.rollout.engine != "torch":
+        return (f"train.weights_broadcast={t.weights_broadcast} needs train.strategy=torch and rollout.engine=torch "
+                f"(got {t.strategy} and {cfg.rollout.engine}); use train.weights_broadcast=off")
+    return None
+
+
+@rule
 def release_between_steps(cfg: RunConfig) -> str | None:
     """``rollout.release_between_steps`` frees the engine's memory only where it waits for the trainer
     (the devices are compared once resolved: :func:`schemas.devices.placement`)."""

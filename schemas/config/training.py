@@ -201,6 +201,20 @@ class TrainConfig(Section):
     the others (or when the segment is gone) read the directory. Needs ``strategy: torch`` and
     ``rollout.engine: torch``. ``auto``: ``memory`` where it can be (those two and a ``/dev/shm``
     on the trainer's node), else ``disk``. A full ``/dev/shm`` sends that version by disk (a warning)."""
+    weights_broadcast: Literal["off", "gloo"] = "off"
+    """How engines on other nodes get each version of the ``memory`` handoff. ``off``: they read
+    its directory (a filesystem the nodes share). ``gloo``: the trainer serves each version's
+    segment over ``torch.distributed`` (gloo, TCP) at ``weights_broadcast_host``:
+    ``weights_broadcast_port``. One engine per node receives it into that node's ``/dev/shm``; the
+    node's other engines copy it from there. The directory is still written, and it is what an
+    engine reads when the transfer fails. Needs ``weights_handoff`` ``memory`` or ``auto`` (with a
+    ``/dev/shm`` on the trainer's node). NCCL (GPU to GPU) is not built."""
+    weights_broadcast_host: str = ""
+    """The address that engines on other nodes reach the trainer at (``weights_broadcast``); empty
+    = the trainer node's address on its route to the Kafka broker."""
+    weights_broadcast_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    """The trainer's port for ``weights_broadcast`` (0 = any free one; the ``WeightsPublished``
+    event carries the one taken)."""
     eval_every: NonNegativeInt = 5
     """Greedy evaluation on the held-out set every K steps (0 = only start and end)."""
     eval_samples: NonNegativeInt = 0

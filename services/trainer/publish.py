@@ -13,6 +13,9 @@
   wait for it. The newest :data:`weights.shm.KEEP_SEGMENTS` segments stay; the run's are removed
   when it ends (``launch.supervisor``) or is deleted (``rollstream runs rm``). A ``/dev/shm``
   without room for a version sends that version by disk (a warning).
+
+With ``train.weights_broadcast: gloo`` (:func:`weight_sender`) the trainer also serves each segment
+to engines on other nodes (:class:`weights.broadcast.WeightSender`); the event carries its address.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import threading
 from pathlib import Path
 from typing import Any, Literal, cast
 
+from runtime.probe import find_bootstrap
 from schemas import events as ev
 from schemas.config import RunConfig
 from schemas.errors import surfaced, to_thread
@@ -42,10 +46,11 @@ from weights import (
     write_segment,
     write_state_dir,
 )
+from weights.broadcast import WeightSender, route_address
 
 log = logging.getLogger("rollstream.trainer")
 
-__all__ = ["WeightsPublisher", "resolve_handoff"]
+__all__ = ["WeightsPublisher", "resolve_handoff", "weight_sender"]
 
 Handoff = Literal["memory", "disk"]
 
@@ -61,15 +66,37 @@ def resolve_handoff(cfg: RunConfig, shm_dir: Path | None = None) -> Handoff:
                            "use auto or disk")
     if mode == "auto":
         can = cfg.train.strategy == "torch" and cfg.rollout.engine == "torch" and usable
-        return "memory" if can else "disk"
+        mode = "memory" if can else "disk"
+    if mode == "disk" and cfg.train.weights_broadcast != "off":
+        raise RuntimeError(f"train.weights_broadcast={cfg.train.weights_broadcast} sends shared-memory copies, and "
+                           f"this node has no shared memory at {shm_dir}; use train.weights_broadcast=off")
     return mode
+
+
+def weight_sender(cfg: RunConfig) -> WeightSender | None:
+    """The server of ``train.weights_broadcast`` (None when off); a ``RuntimeError`` line when its
+    port cannot be taken."""
+    t = cfg.train
+    if t.weights_broadcast == "off":
+        return None
+    host = t.weights_broadcast_host or route_address(find_bootstrap(cfg.kafka.bootstrap) or "")
+    try:
+        sender = WeightSender(host, t.weights_broadcast_port)
+    except RuntimeError as e:
+        raise RuntimeError(f"train.weights_broadcast_port={t.weights_broadcast_port}: cannot serve weights at "
+                           f"{host}: {str(e).splitlines()[0] if str(e) else e!r}") from None
+    log.info("weights served to engines on other nodes at %s", sender.url)
+    return sender
 
 
 class WeightsPublisher:
     """Exports each version of one trainer process and describes it (see the module doc)."""
 
-    def __init__(self, run_id: str, run_dir: Path, handoff: Handoff, shm_dir: Path | None = None) -> None:
+    def __init__(self, run_id: str, run_dir: Path, handoff: Handoff, shm_dir: Path | None = None,
+                 sender: WeightSender | None = None) -> None:
         self.run_id, self.run_dir, self.handoff, self.shm_dir = run_id, run_dir, handoff, shm_dir
+        self.sender = sender
+        """Serves the segments to engines on other nodes (``train.weights_broadcast``), or None."""
         self.prefix = segment_prefix(run_dir)
         self.template: Path | None = None
         """The newest directory this process exported: the config and tokenizer the next ones copy."""
@@ -90,6 +117,8 @@ class WeightsPublisher:
         """Unlink the segments this process wrote (its engines are done with them: the run ended,
         or a restarted trainer publishes again)."""
         self._writer.shutdown(wait=True)
+        if self.sender is not None:
+            self.sender.close()
         for path in self.segments.values():
             path.unlink(missing_ok=True)
         self.segments = {}
@@ -113,7 +142,9 @@ class WeightsPublisher:
                 event = ev.WeightsPublished(
                     run_id=self.run_id, policy_version=version, step=step, uri=str(weights_dir(self.run_dir, version)),
                     num_bytes=seg.num_bytes, memory=str(seg.path), memory_host=node_id(),
-                    memory_checksum=seg.checksum)
+                    memory_checksum=seg.checksum, broadcast=self.sender.url if self.sender else "")
+                if self.sender is not None:
+                    self.sender.offer(version, seg.path)
                 if self.template is not None and self.template.is_dir():
                     self.pending = asyncio.get_running_loop().run_in_executor(
                         self._writer, surfaced(self._dir_from_segment), seg.path, version)
@@ -123,7 +154,8 @@ class WeightsPublisher:
         if event.memory:  # the first version of this process: the strategy wrote its directory
             return ev.WeightsPublished(run_id=self.run_id, policy_version=version, step=step, uri=str(path),
                                        checksum=checksum, num_bytes=event.num_bytes, memory=event.memory,
-                                       memory_host=event.memory_host, memory_checksum=event.memory_checksum)
+                                       memory_host=event.memory_host, memory_checksum=event.memory_checksum,
+                                       broadcast=event.broadcast)
         return ev.WeightsPublished(run_id=self.run_id, policy_version=version, step=step, uri=str(path),
                                    checksum=checksum, num_bytes=size)
 

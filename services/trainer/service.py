@@ -46,7 +46,7 @@ from services.trainer.checkpoint import Checkpoints, export_final, weights_dir
 from services.trainer.evaluation import Evaluation
 from services.trainer.groups import BASELINE_REASON, Groups
 from services.trainer.history import History, Replay, read_history
-from services.trainer.publish import WeightsPublisher, resolve_handoff
+from services.trainer.publish import WeightsPublisher, resolve_handoff, weight_sender
 from services.trainer.state import TrainerState, position_key
 from services.trainer.warmup import warm_up
 from trainer.batch import samples_from_scored
@@ -101,7 +101,7 @@ class Trainer(BatchService):
         self.evaluation = Evaluation(cfg, settings.model_dir, device=device, max_batch=settings.eval_batch,
                                      blob_dir=blob_dir_of(self.run_dir))
         self.checkpoints = Checkpoints(self.run_dir, cfg.train.keep_checkpoints)
-        self.publisher = WeightsPublisher(settings.run_id, self.run_dir, resolve_handoff(cfg))
+        self.publisher = WeightsPublisher(settings.run_id, self.run_dir, resolve_handoff(cfg), sender=weight_sender(cfg))
         self.state = TrainerState()
         self.groups = Groups(self.state, cfg.algorithm, settings.run_id)
         r = cfg.rollout

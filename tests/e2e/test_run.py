@@ -48,8 +48,10 @@ def test_short_run_accounts_for_every_sample(tmp_path: Path, bootstrap: str, rep
     live = async_ratio == "1"
     # on-policy, one device: the engine gives back its KV cache and weights while the trainer steps
     release = ["rollout.release_between_steps=kv_and_weights"] if async_ratio == "0" else []
+    # the trainer also serves its versions to other nodes (none here: its engines copy from its node)
+    broadcast = ["train.weights_broadcast=gloo"] if handoff == "auto" else []
     res = rollstream("run", str(repo_root / "examples" / "main.yaml"), "--run-id", run_id,
-                     *[a for kv in [*SHORT, *sampled, *release, f"rollout.async_ratio={async_ratio}", f"run.runs_dir={runs}",
+                     *[a for kv in [*SHORT, *sampled, *release, *broadcast, f"rollout.async_ratio={async_ratio}", f"run.runs_dir={runs}",
                                     f"train.weights_handoff={handoff}", f"store.record_live={str(live).lower()}"]
                        for a in ("--set", kv)], env=env)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -76,6 +78,8 @@ def test_short_run_accounts_for_every_sample(tmp_path: Path, bootstrap: str, rep
     assert {src for _, src in swaps} == {"disk" if handoff == "disk" else "shared memory"}, swaps
     assert len({v for v, _ in swaps}) >= 3, swaps
     assert not list(SHM_DIR.glob(f"{segment_prefix(runs / run_id)}-*"))
+    if broadcast:
+        assert "weights served to engines on other nodes at gloo://" in (runs / run_id / "logs" / "trainer.log").read_text()
     summary = json.loads((runs / run_id / "summary.json").read_text())
     assert summary["steps"] == 4
     # the trained model: named by the summary, the policy after the last step, loadable as it is

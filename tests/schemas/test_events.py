@@ -195,6 +195,16 @@ def test_weights_memory_copy_added_after_v9_defaults_to_none_in_old_payloads() -
     assert new.memory.endswith("-v00004-e5f6a7b8") and new.memory_checksum == "cd" * 32
 
 
+def test_weights_broadcast_added_after_v15_defaults_to_none_in_old_payloads() -> None:
+    """WeightsPublished.broadcast (the trainer's sender for other nodes): a v15 event has none
+    (other nodes read the directory), a v16 one names it."""
+    dec = msgspec.msgpack.Decoder(TOPICS["weights"].event_type)
+    old = dec.decode((FIXTURES / "v15" / "WeightsPublished.msgpack").read_bytes())
+    assert isinstance(old, ev.WeightsPublished) and old.broadcast == "" and old.memory_host == "node-a"
+    new = dec.decode((FIXTURES / "v16" / "WeightsPublished.msgpack").read_bytes())
+    assert isinstance(new, ev.WeightsPublished) and new.broadcast == "gloo://10.0.0.7:29517"
+
+
 @pytest.mark.parametrize("k", [0, 7, 999_999, 1_234_567])
 def test_group_ids_carry_their_number(k: int) -> None:
     assert ev.group_number(ev.group_id_of(k)) == k

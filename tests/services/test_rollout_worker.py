@@ -1,5 +1,6 @@
 """The rollout worker's pieces that need no broker: an episode as a ``Generation``; how long a task
-waits for its weights; which copy of a version it swaps in (shared memory here, else the directory)."""
+waits for its weights; which copy of a version it swaps in (shared memory here, received from the
+trainer's node, else the directory)."""
 
 from __future__ import annotations
 
@@ -70,21 +71,26 @@ async def test_version_0_is_awaited_past_the_timeout_later_versions_are_not() ->
 async def test_weights_come_from_shared_memory_on_this_node_else_from_the_directory(model_dir: Path,
                                                                                      tmp_path: Path) -> None:
     """The sealed segment of the event is swapped in; once it is gone (or on another node) the
-    version's directory is, waited for while the trainer still writes it."""
+    version's directory is, waited for while the trainer still writes it; on another node with the
+    trainer's sender, the segment received from it."""
+    import msgspec
     import torch
 
+    from rollout.agent import SwapLock
     from rollout.engine import TorchEngine
-    from weights import node_id, read_weights, write_segment, write_state_dir
+    from weights import new_segment_path, node_id, read_weights, write_segment, write_state_dir
+    from weights.broadcast import Relay, WeightSender
 
     worker = RolloutWorker.__new__(RolloutWorker)  # only what _load reads
     worker.s = RolloutSettings(run_id="r", config=RunConfig(), model_dir=str(model_dir), weights_timeout_s=5.0)
     worker.engine = engine = TorchEngine(model_dir, max_batch=2)
     worker.worker_id = "w"
+    worker.swap_lock, worker.relay = SwapLock(), Relay(tmp_path / "this-node")
     base = read_weights(model_dir)
 
     def version(v: int) -> tuple[dict[str, torch.Tensor], ev.WeightsPublished]:
         state = {k: t + v for k, t in base.items()}
-        seg = write_segment(tmp_path / f"seg{v}", state)
+        seg = write_segment(new_segment_path("rollstream-r-0a1b2c3d", v, tmp_path), state)
         return state, ev.WeightsPublished(run_id="r", policy_version=v, step=v, uri=str(tmp_path / f"v{v}"),
                                           memory=str(seg.path), memory_host=node_id(), memory_checksum=seg.checksum)
 
@@ -103,6 +109,21 @@ async def test_weights_come_from_shared_memory_on_this_node_else_from_the_direct
     write_state_dir(e3.uri, three, like=model_dir)
     elsewhere = ev.WeightsPublished(**{**{f: getattr(e3, f) for f in e3.__struct_fields__}, "memory_host": "other"})
     assert await worker._load(elsewhere) == "disk" and holds(three)
+    # on another node with the trainer's sender: received into this node's shared memory, then swapped in
+    (tmp_path / "this-node").mkdir()
+    sender = WeightSender("127.0.0.1", timeout_s=20.0)
+    try:
+        four, e4 = version(4)
+        sender.offer(4, Path(e4.memory))
+        sent = msgspec.structs.replace(e4, memory_host="trainer-node", broadcast=sender.url)
+        assert await worker._load(sent) == f"shared memory, received from {sender.url}" and holds(four)
+        assert (tmp_path / "this-node" / Path(e4.memory).name).is_file() and sender.sent == 1
+        five, e5 = version(5)  # the sender does not hold it: the directory
+        write_state_dir(e5.uri, five, like=model_dir)
+        gone = msgspec.structs.replace(e5, memory_host="trainer-node", broadcast=sender.url)
+        assert await worker._load(gone) == "disk" and holds(five) and worker.engine.policy_version == 5
+    finally:
+        sender.close()
 
 
 async def test_a_visual_task_is_generated_from_its_blobs_and_a_bad_blob_names_the_sample(vlm_dir: Path,

@@ -12,8 +12,9 @@ from safetensors.torch import save_file
 
 from schemas.config import parse_config
 from services.trainer import publish
-from services.trainer.publish import WeightsPublisher, resolve_handoff
+from services.trainer.publish import WeightsPublisher, resolve_handoff, weight_sender
 from weights import publish_dir, read_segment, read_weights, weights_sha256
+from weights.broadcast import Relay
 
 
 class Strategy:
@@ -74,3 +75,32 @@ def test_auto_is_memory_where_it_can_be(tmp_path: Path) -> None:
     assert resolve_handoff(parse_config("", []), shm_dir=tmp_path / "none") == "disk"
     with pytest.raises(RuntimeError, match=r"train\.weights_handoff=memory needs shared memory at"):
         resolve_handoff(parse_config("", ["train.weights_handoff=memory"]), shm_dir=tmp_path / "none")
+    with pytest.raises(RuntimeError, match=r"train\.weights_broadcast=gloo sends shared-memory copies, and this node"):
+        resolve_handoff(parse_config("", ["train.weights_broadcast=gloo"]), shm_dir=tmp_path / "none")
+
+
+async def test_with_a_broadcast_the_event_says_where_other_nodes_receive_each_version(
+        tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """train.weights_broadcast=gloo: the trainer serves its segments at the address its event
+    carries (the route toward the broker unless one is given); a taken port is one line."""
+    assert weight_sender(parse_config("", [])) is None
+    monkeypatch.setenv("ROLLSTREAM_BOOTSTRAP", "127.0.0.1:9092")
+    sender = weight_sender(parse_config("", ["train.weights_broadcast=gloo"]))
+    assert sender is not None and sender.url.startswith("gloo://127.0.0.1:")
+    s, pub = Strategy(), WeightsPublisher("r", tmp_path / "run", "memory", sender=sender)
+    try:
+        for v in (0, 1):
+            s.w.fill_(v)
+            e = await pub.publish(s, v, v)
+            assert e.broadcast == sender.url and e.memory
+        other = tmp_path / "other-node"
+        other.mkdir()
+        got = Relay(other).fetch(e.broadcast, 1, e.memory, e.memory_checksum)
+        assert torch.equal(read_segment(got, e.memory_checksum)["w"], torch.full((8,), 1.0))
+        port = sender.url.rsplit(":", 1)[1]
+        with pytest.raises(RuntimeError, match=rf"train\.weights_broadcast_port={port}: cannot serve weights at "):
+            weight_sender(parse_config("", ["train.weights_broadcast=gloo", f"train.weights_broadcast_port={port}",
+                                            "train.weights_broadcast_host=127.0.0.1"]))
+    finally:
+        pub.close()
+    assert list(shm_dir.iterdir()) == []
