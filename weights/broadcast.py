@@ -25,6 +25,7 @@ import logging
 import mmap
 import os
 import re
+import secrets
 import socket
 import threading
 import time
@@ -95,7 +96,8 @@ class WeightSender:
         self._segments: dict[int, Path] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._serving: set[int] = set()
+        self._serving: dict[int, threading.Thread] = {}
+        """The threads serving receivers, by number."""
         self._next = 1
         """The number the next receiver to join gets."""
         self.sent = 0
@@ -121,11 +123,14 @@ class WeightSender:
             if self._closed:
                 return
             self._closed = True
-            serving, nxt = set(self._serving), self._next
+            serving, nxt = dict(self._serving), self._next
         for k in serving:  # wake every waiting thread: it sees the sender closed
             self.store.set(f"r{k}/want", "-2")
         self.store.set(f"join/{nxt}", "")
-        self._acceptor.join(timeout=5.0)
+        deadline = time.monotonic() + 2.0
+        for t in [self._acceptor, *serving.values()]:  # one in a transfer ends with an error later
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        del self.store  # the server stops: the port is free again
 
     def _accept(self, store: dist.Store) -> None:
         while True:
@@ -141,13 +146,14 @@ class WeightSender:
                 if self._closed:
                     return
                 self._next = k + 1
-                self._serving.add(k)
-            threading.Thread(target=self._serve, args=(k,), name=f"weights-send-{k}", daemon=True).start()
+                t = self._serving[k] = threading.Thread(target=self._serve, args=(k,), name=f"weights-send-{k}",
+                                                        daemon=True)
+            t.start()
 
     def _serve(self, k: int) -> None:
         """Answer receiver ``k``'s requests until it goes away, stays idle :data:`IDLE`, or the
         sender closes."""
-        store = dist.PrefixStore(f"r{k}/", self._client())
+        store = dist.PrefixStore(f"r{k}", self._client())
         try:
             group = _group(store, 0, self.timeout)
             while True:
@@ -163,7 +169,7 @@ class WeightSender:
             log.info("weights receiver %d left: %s", k, str(e).splitlines()[0] if str(e) else type(e).__name__)
         finally:
             with self._lock:
-                self._serving.discard(k)
+                self._serving.pop(k, None)
 
     def _send(self, group: Any, version: int, path: Path | None) -> None:
         try:
@@ -200,9 +206,13 @@ class WeightReceiver:
         self.timeout = timeout = timedelta(seconds=timeout_s)
         self.url = url
         self.store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timeout)
-        k = self.store.add("joined", 1)
-        self._store = dist.PrefixStore(f"r{k}/", self.store)
-        self.store.set(f"join/{k}", socket.gethostname())
+        # claim the lowest free number: setting join/k is the claim itself, so the numbers the
+        # sender waits for, one after the other, have no gap (``joined`` only says where to start)
+        k, me = self.store.add("joined", 0) + 1, f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
+        while self.store.compare_set(f"join/{k}", "", me) != me.encode():
+            k += 1
+        self.store.add("joined", 1)
+        self._store = dist.PrefixStore(f"r{k}", self.store)
         self._group = _group(self._store, 1, timeout)
 
     def receive(self, version: int, dest: Path, checksum: str = "") -> Segment:
@@ -278,17 +288,29 @@ class Relay:
                 return check_segment(dest, checksum).path
             except (FileNotFoundError, SegmentError):
                 pass
-            try:
-                stale = time.monotonic() - self._used > IDLE.total_seconds() / 2  # the sender may have dropped it
-                if self._receiver is None or self._receiver.url != url or stale:
-                    self._receiver = WeightReceiver(url, self.timeout_s)
-                seg = self._receiver.receive(version, dest, checksum)
-                self._used = time.monotonic()
-            except BaseException:
-                self._receiver = None  # broken: the next version joins anew
-                raise
+            seg = self._receive(url, version, dest, checksum)
             prune_received(m["prefix"], seg.path, root=self.root)
             return seg.path
+
+    def _receive(self, url: str, version: int, dest: Path, checksum: str) -> Segment:
+        """Receive with the connection of the last version, or a new one; a connection kept from
+        before that fails (say, a trainer restarted on the same port) is replaced once, at once."""
+        stale = time.monotonic() - self._used > IDLE.total_seconds() / 2  # the sender may have dropped it
+        kept = self._receiver is not None and self._receiver.url == url and not stale
+        for attempt in (1, 2):
+            try:
+                if not kept or attempt == 2:
+                    self._receiver = WeightReceiver(url, self.timeout_s)
+                assert self._receiver is not None
+                seg = self._receiver.receive(version, dest, checksum)
+            except BaseException as e:
+                self._receiver = None  # broken: the next one joins anew
+                if not (kept and attempt == 1 and isinstance(e, RuntimeError)):
+                    raise
+                continue
+            self._used = time.monotonic()
+            return seg
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         """Leave the sender (idempotent)."""

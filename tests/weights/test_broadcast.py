@@ -121,6 +121,40 @@ def test_a_new_run_of_the_same_id_starts_again_at_version_0_and_its_copies_stay(
     assert got.exists() and kept == ["v00001", "v00008"]  # the newest received and the one before
 
 
+def test_a_receiver_that_joins_and_goes_silent_holds_up_no_other(sender: WeightSender, trainer_node: Path,
+                                                                  other_node: Path) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    host, port = sender.url.removeprefix("gloo://").rsplit(":", 1)
+    silent = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=20))
+    assert silent.compare_set("join/1", "", "silent") == b"silent"  # joins as number 1, never forms its group
+    seg = write_segment(new_segment_path(PREFIX, 1, trainer_node), state(1.0))
+    sender.offer(1, seg.path)
+    got = Relay(other_node, timeout_s=20.0).fetch(sender.url, 1, str(seg.path), seg.checksum)
+    assert got.name == seg.path.name and sender.sent == 1
+
+
+def test_a_trainer_restarted_on_the_same_port_is_joined_anew_at_once(trainer_node: Path, other_node: Path) -> None:
+    relay = Relay(other_node, timeout_s=20.0)
+    first = WeightSender("127.0.0.1", timeout_s=20.0)
+    seg = write_segment(new_segment_path(PREFIX, 1, trainer_node), state(1.0))
+    first.offer(1, seg.path)
+    relay.fetch(first.url, 1, str(seg.path), seg.checksum)
+    first.close()
+    again = WeightSender("127.0.0.1", port=int(first.url.rsplit(":", 1)[1]), timeout_s=20.0)
+    try:
+        assert again.url == first.url
+        seg = write_segment(new_segment_path(PREFIX, 2, trainer_node), state(2.0))
+        again.offer(2, seg.path)
+        t0 = time.monotonic()
+        got = relay.fetch(again.url, 2, str(seg.path), seg.checksum)  # the kept connection fails: a new one
+        assert got.name == seg.path.name and time.monotonic() - t0 < 15.0
+    finally:
+        again.close()
+
+
 def _wait_for(pattern: str, root: Path, timeout_s: float = 30.0) -> Path:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
