@@ -208,7 +208,8 @@ class TrainConfig(Section):
     ``weights_broadcast_port``. One engine per node receives it into that node's ``/dev/shm``; the
     node's other engines copy it from there. The directory is still written, and it is what an
     engine reads when the transfer fails. Needs ``weights_handoff`` ``memory`` or ``auto`` (with a
-    ``/dev/shm`` on the trainer's node). NCCL (GPU to GPU) is not built."""
+    ``/dev/shm`` on the trainer's node). The port serves the weights to whoever connects, with no
+    authentication: a trusted network only (docs/security.md). NCCL (GPU to GPU) is not built."""
     weights_broadcast_host: str = ""
     """The address that engines on other nodes reach the trainer at (``weights_broadcast``); empty
     = the trainer node's address on its route to the Kafka broker."""
