@@ -85,8 +85,9 @@ class WeightSender:
     """The trainer's side: serves the offered segments to every receiver that joins (module doc).
 
     ``host`` is the address announced (the server listens on every interface); ``port`` 0 takes a
-    free one; ``timeout_s`` bounds each piece of a transfer (:data:`CHUNK_BYTES`). Threads of its own accept receivers and send, each with its own connection to the
-    store, blocked until there is something to do (no polling); :meth:`close` stops them."""
+    free one; ``timeout_s`` bounds each piece of a transfer (:data:`CHUNK_BYTES`). Threads of its
+    own accept receivers and send, each with its own connection to the store, blocked until there
+    is something to do (no polling); :meth:`close` stops them."""
 
     def __init__(self, host: str, port: int = 0, timeout_s: float = 10.0) -> None:
         self.timeout = timedelta(seconds=timeout_s)
@@ -191,7 +192,8 @@ class WeightSender:
         _broadcast(group, buf, self.timeout)
         del buf
         del mm  # unmapped once nothing views it
-        self.sent += 1
+        with self._lock:
+            self.sent += 1
 
 
 class WeightReceiver:
