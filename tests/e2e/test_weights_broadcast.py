@@ -38,6 +38,19 @@ def namespaces_work() -> bool:
     return res.returncode == 0
 
 
+def stop(other: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the worker (``unshare --fork`` does not pass signals on: its child is the worker),
+    then ``unshare``; SIGKILL after 60 s."""
+    res = subprocess.run(["pgrep", "-P", str(other.pid)], capture_output=True, text=True)
+    for pid in [int(p) for p in res.stdout.split()]:
+        os.kill(pid, signal.SIGTERM)
+    try:
+        other.wait(60)
+    except subprocess.TimeoutExpired:
+        other.kill()
+        other.wait(30)
+
+
 def test_a_worker_on_another_node_receives_every_version_over_gloo(tmp_path: Path, bootstrap: str,
                                                                     repo_root: Path) -> None:
     if not namespaces_work():
@@ -63,12 +76,7 @@ def test_a_worker_on_another_node_receives_every_version_over_gloo(tmp_path: Pat
         try:
             assert run.wait(600) == 0, run.output()
         finally:
-            other.send_signal(signal.SIGTERM)
-            try:
-                other.wait(60)
-            except subprocess.TimeoutExpired:
-                other.kill()
-                other.wait(30)
+            stop(other)
     text = log.read_text(errors="replace")
     received = {int(v) for v in re.findall(r"now at policy version (\d+) \(from shared memory, received from "
                                            r"gloo://[^)]+\)", text)}
