@@ -38,6 +38,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +66,16 @@ from schemas.services import SERVICES
 from schemas.topics import topic_name
 from services import ServiceStart
 from services.env_client import KafkaEnvClient
-from weights import node_id, pick_copy, wait_for_dir
+from weights import node_id, pick_copy
 from weights.broadcast import Relay
 
 log = logging.getLogger("rollstream.rollout")
 
 SPEC = SERVICES["rollout"]
+
+
+class Superseded(Exception):
+    """A version's load given up for a newer one (its directory not written yet)."""
 
 
 class RolloutSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -181,23 +186,38 @@ class RolloutWorker(Service):
         await consumer.start()
         try:
             latest: ev.WeightsPublished | None = None
-            while True:
+            superseded = False
+
+            async def newer(timeout_ms: int = 500) -> bool:
+                """Read the topic for ``timeout_ms`` at most: whether a newer version came."""
+                nonlocal latest
+                before = latest
                 try:
-                    recs = await consumer.getmany(timeout_ms=500)
+                    recs = await consumer.getmany(timeout_ms=timeout_ms)
                 except KafkaError as e:  # a broker outage: aiokafka reconnects, ask again
                     log.warning("rollout %s: reading weights failed (%s); retrying", self.worker_id, one_line(e))
                     await asyncio.sleep(1.0)
-                    continue
+                    return False
                 for rec in recs:
                     if isinstance(rec.event, ev.WeightsPublished):
                         latest = rec.event  # the newest message wins (a resumed trainer may go back)
                     elif rec.error is not None:
                         log.error("rollout %s: undecodable record %s[%d]@%d on weights: %s", self.worker_id,
                                   rec.topic, rec.partition, rec.offset, rec.error)
+                return latest is not before
+
+            while True:
+                if not superseded:
+                    await newer()
+                superseded = False
                 if latest is None or latest.event_id == self.loaded_event_id:
                     continue
                 try:
-                    source = await self._load(latest)
+                    source = await self._load(latest, superseded=lambda: newer(50))
+                except Superseded as e:  # its directory not there yet, and a newer version came
+                    log.info("rollout %s: %s", self.worker_id, e)
+                    superseded = True
+                    continue
                 except (OSError, RuntimeError, ValueError) as e:
                     # e.g. removed meanwhile (the trainer keeps the newest few versions): a newer
                     # message follows; tasks wait for it
@@ -212,10 +232,11 @@ class RolloutWorker(Service):
         finally:
             await consumer.stop()
 
-    async def _load(self, w: ev.WeightsPublished) -> str:
+    async def _load(self, w: ev.WeightsPublished, superseded: Callable[[], Awaitable[bool]] | None = None) -> str:
         """Swap in ``w`` (between agent turns; receiving or waiting for a copy is not inside the
         swap lock): its shared-memory copy when it is on this node, else (or when that copy is gone
-        or refused) its directory, waited for while the trainer writes it (weights.handoff).
+        or refused) its directory, waited for while the trainer writes it (weights.handoff), until
+        ``superseded`` (polled meanwhile) says a newer version came: :class:`Superseded`.
         On another node with ``broadcast``, the copy an engine of this node received (or receives
         now: weights.broadcast). Returns which copy: ``shared memory[, received from ...]`` or ``disk``."""
         ref, why = await to_thread(pick_copy, w.uri, w.memory, w.memory_host, w.memory_checksum)
@@ -236,7 +257,14 @@ class RolloutWorker(Service):
                 why = one_line(e)
         if why:
             log.info("rollout %s: weights v%d from disk: %s", self.worker_id, w.policy_version, why)
-        await to_thread(wait_for_dir, w.uri, self.s.weights_timeout_s if w.memory else 0.0)
+        # the trainer writes the directory after the event; it may die first: a newer version ends the wait
+        deadline = time.monotonic() + (self.s.weights_timeout_s if w.memory else 0.0)
+        while not Path(w.uri).is_dir() and time.monotonic() < deadline:
+            if superseded is None:
+                await asyncio.sleep(0.05)
+            elif await superseded():
+                raise Superseded(f"weights v{w.policy_version} skipped: its directory {w.uri} is not there, "
+                                 "and a newer version was announced")
         async with self.swap_lock.swap():
             await self.engine.load_weights(w.uri, w.policy_version)
         return "disk"

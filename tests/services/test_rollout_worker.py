@@ -15,7 +15,7 @@ from rollout.agent import Trajectory
 from schemas import events as ev
 from schemas.config import RunConfig
 from schemas.sanity import check_generation
-from services.rollout_worker import RolloutSettings, RolloutWorker, generation_of
+from services.rollout_worker import RolloutSettings, RolloutWorker, Superseded, generation_of
 
 
 class Tok:
@@ -71,8 +71,8 @@ async def test_version_0_is_awaited_past_the_timeout_later_versions_are_not() ->
 async def test_weights_come_from_shared_memory_on_this_node_else_from_the_directory(model_dir: Path,
                                                                                      tmp_path: Path) -> None:
     """The sealed segment of the event is swapped in; once it is gone (or on another node) the
-    version's directory is, waited for while the trainer still writes it; on another node with the
-    trainer's sender, the segment received from it."""
+    version's directory is, waited for while the trainer still writes it (until a newer version
+    comes); on another node with the trainer's sender, the segment received from it."""
     import msgspec
     import torch
 
@@ -124,6 +124,20 @@ async def test_weights_come_from_shared_memory_on_this_node_else_from_the_direct
         assert await worker._load(gone) == "disk" and holds(five) and worker.engine.policy_version == 5
     finally:
         sender.close()
+    # a trainer that died before writing a version's directory: a newer version ends the wait at once
+    _, e6 = version(6)
+    Path(e6.memory).unlink()
+    polls: list[float] = []
+
+    async def superseded() -> bool:
+        polls.append(asyncio.get_running_loop().time())
+        await asyncio.sleep(0.05)
+        return len(polls) == 3
+
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(Superseded, match=r"weights v6 skipped: its directory .* is not there"):
+        await worker._load(e6, superseded)
+    assert len(polls) == 3 and polls[-1] - t0 < 2.0 and engine.policy_version == 5  # not the 5 s timeout
 
 
 async def test_a_visual_task_is_generated_from_its_blobs_and_a_bad_blob_names_the_sample(vlm_dir: Path,
