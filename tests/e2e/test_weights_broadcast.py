@@ -5,7 +5,8 @@ The other node is this machine seen through Linux namespaces (``unshare``): the 
 host name of its own and a ``/dev/shm`` of its own (a private tmpfs), so the trainer's segments
 are not there and the worker must receive them; it shares the network, the run folder and the
 broker, as a node of a cluster would. It joins the run's ``tasks`` consumer group beside the run's
-own rollout worker. Needs root (namespaces): skipped without it, except under ``CI=true``.
+own rollout worker; in a second run the trainer is killed (``kill -9``) meanwhile. Needs root
+(namespaces): skipped without it, except under ``CI=true``.
 """
 
 from __future__ import annotations
@@ -51,8 +52,12 @@ def stop(other: subprocess.Popen[bytes]) -> None:
         other.wait(30)
 
 
-def test_a_worker_on_another_node_receives_every_version_over_gloo(tmp_path: Path, bootstrap: str,
-                                                                    repo_root: Path) -> None:
+@pytest.mark.parametrize("kill_trainer", [False, True], ids=["steady", "trainer-killed"])
+def test_a_worker_on_another_node_receives_every_version_over_gloo(tmp_path: Path, bootstrap: str, repo_root: Path,
+                                                                    kill_trainer: bool) -> None:
+    """``trainer-killed``: ``kill -9`` of the trainer once the other node has received a version;
+    the supervisor restarts it, it resumes from its checkpoint and serves at a new port, and the
+    other node receives from that one on (a version announced by the dead trainer may go by disk)."""
     if not namespaces_work():
         if os.environ.get("CI") == "true":
             pytest.fail("unshare --uts --mount does not work here (needs root): this test must run in CI")
@@ -60,7 +65,8 @@ def test_a_worker_on_another_node_receives_every_version_over_gloo(tmp_path: Pat
     env = dict(os.environ, ROLLSTREAM_BOOTSTRAP=bootstrap)
     runs = tmp_path / "runs"
     run_id = f"e2e-bcast-{uuid.uuid4().hex[:6]}"
-    run = RunProc(runs, run_id, [*SHORT, f"train.steps={STEPS}", "train.checkpoint_every=0",
+    steps = 60 if kill_trainer else STEPS
+    run = RunProc(runs, run_id, [*SHORT, f"train.steps={steps}", f"train.checkpoint_every={5 if kill_trainer else 0}",
                                  "train.weights_handoff=memory", "train.weights_broadcast=gloo"], env)
     deadline = time.monotonic() + 120
     while not (runs / run_id / "config.yaml").exists():  # the run exists: its services can start
@@ -74,16 +80,24 @@ def test_a_worker_on_another_node_receives_every_version_over_gloo(tmp_path: Pat
                                   NODE, sys.executable, run_id, str(runs)], env=env, cwd=repo_root, stdout=fh,
                                  stderr=subprocess.STDOUT)
         try:
+            if kill_trainer:
+                while "received from gloo://" not in log.read_text(errors="replace"):
+                    assert run.proc.poll() is None and time.monotonic() < deadline + 120, run.output()
+                    time.sleep(0.2)
+                time.sleep(1.0)
+                run.kill_service("trainer")
             assert run.wait(600) == 0, run.output()
         finally:
             stop(other)
     text = log.read_text(errors="replace")
-    received = {int(v) for v in re.findall(r"now at policy version (\d+) \(from shared memory, received from "
-                                           r"gloo://[^)]+\)", text)}
-    assert len(received) >= 2, text[-4000:]  # several versions, each received whole over gloo
-    assert "from disk" not in text, text[-4000:]
+    received = re.findall(r"now at policy version (\d+) \(from shared memory, received from (gloo://[^)]+)\)", text)
+    assert len({v for v, _ in received}) >= 2, text[-4000:]  # several versions, each received whole over gloo
+    if kill_trainer:  # from both trainers, the restarted one at its own port
+        assert len({url for _, url in received}) == 2 and "restarted trainer" in run.output(), text[-4000:]
+    else:
+        assert "from disk" not in text, text[-4000:]
     summary = json.loads((runs / run_id / "summary.json").read_text())
-    assert summary["steps"] == STEPS
+    assert summary["steps"] == steps
     assert_accounted(summary["samples"])
     rows = sql("SELECT countIf(worker_id LIKE '" + NODE + "-%') AS there, count() AS n FROM sample_generations",
                runs, run_id, env)
