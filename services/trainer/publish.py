@@ -79,6 +79,11 @@ def weight_sender(cfg: RunConfig) -> WeightSender | None:
     t = cfg.train
     if t.weights_broadcast == "off":
         return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        raise RuntimeError("train.weights_broadcast=gloo needs torch.distributed with gloo, which this torch build "
+                           "lacks; use train.weights_broadcast=off")
     host = t.weights_broadcast_host or route_address(find_bootstrap(cfg.kafka.bootstrap) or "")
     try:
         sender = WeightSender(host, t.weights_broadcast_port)

@@ -104,3 +104,8 @@ async def test_with_a_broadcast_the_event_says_where_other_nodes_receive_each_ve
     finally:
         pub.close()
     assert list(shm_dir.iterdir()) == []
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_gloo_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"needs torch\.distributed with gloo, which this torch build lacks"):
+        weight_sender(parse_config("", ["train.weights_broadcast=gloo"]))
