@@ -6,7 +6,7 @@ relayed into that node's shared memory.
 * An engine on another node joins it with a :class:`WeightReceiver`. Each receiver gets its own
   two-rank gloo group with the sender, so a receiver that dies breaks only its own group. It asks
   for a version by number; the sender answers with the version and its size (``-1``: no longer
-  held), then sends the segment's bytes in one broadcast.
+  held), then sends the segment's bytes, :data:`CHUNK_BYTES` at a time.
 * The receiver writes them into a temporary ``.NAME.tmp-PID`` file in its node's ``/dev/shm``. It
   checks the seal and the checksum, then renames the file to the trainer's segment name.
   A version is applied whole or not at all: a transfer cut off leaves a temporary file that no
@@ -38,7 +38,15 @@ import torch
 import torch.distributed as dist
 
 import weights.shm as shm
-from weights.shm import _POPULATE, KEEP_SEGMENTS, Segment, SegmentError, check_segment, prune_received
+from weights.shm import (
+    KEEP_SEGMENTS,
+    POPULATE,
+    Segment,
+    SegmentError,
+    check_segment,
+    open_reserved,
+    prune_received,
+)
 
 log = logging.getLogger("rollstream.weights")
 
@@ -182,7 +190,7 @@ class WeightSender:
             return
         try:
             size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | POPULATE, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         _broadcast(group, torch.tensor([version, size], dtype=torch.int64), self.timeout)
@@ -233,14 +241,8 @@ class WeightReceiver:
         got, size = (int(x) for x in head.tolist())
         if got != version:
             raise SegmentError(f"the trainer at {self.url} no longer holds weights v{version}")
-        tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        tmp, fd = open_reserved(dest, size)  # all of it now: never a SIGBUS mid-transfer
         try:
-            try:  # all of it now: a full /dev/shm is an error here, never a SIGBUS mid-transfer
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                raise OSError(e.errno, f"no room for {size / 2**20:.0f} MiB of weights in {dest.parent} "
-                                       f"({os.strerror(e.errno or 0)})") from None
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
             _broadcast(self._group, torch.frombuffer(mm, dtype=torch.uint8), self.timeout)
             del mm  # unmapped once nothing views it
@@ -299,21 +301,23 @@ class Relay:
         before that fails (say, a trainer restarted on the same port) is replaced once, at once."""
         stale = time.monotonic() - self._used > IDLE.total_seconds() / 2  # the sender may have dropped it
         kept = self._receiver is not None and self._receiver.url == url and not stale
-        for attempt in (1, 2):
-            try:
-                if not kept or attempt == 2:
-                    self._receiver = WeightReceiver(url, self.timeout_s)
-                assert self._receiver is not None
-                seg = self._receiver.receive(version, dest, checksum)
-            except BaseException as e:
-                self._receiver = None  # broken: the next one joins anew
-                if not (kept and attempt == 1 and isinstance(e, RuntimeError)):
-                    raise
-                continue
-            self._used = time.monotonic()
-            return seg
-        raise AssertionError("unreachable")
+        if not kept:
+            self._receiver = None
+        try:
+            return self._receive_once(url, version, dest, checksum)
+        except RuntimeError:
+            if not kept:
+                raise
+            return self._receive_once(url, version, dest, checksum)
 
-    def close(self) -> None:
-        """Leave the sender (idempotent)."""
-        self._receiver = None
+    def _receive_once(self, url: str, version: int, dest: Path, checksum: str) -> Segment:
+        """Receive with the current connection (a new one when there is none); after an error there is none."""
+        try:
+            if self._receiver is None:
+                self._receiver = WeightReceiver(url, self.timeout_s)
+            seg = self._receiver.receive(version, dest, checksum)
+        except BaseException:
+            self._receiver = None  # broken: the next one joins anew
+            raise
+        self._used = time.monotonic()
+        return seg

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["KEEP_SEGMENTS", "SHM_DIR", "Segment", "SegmentError", "check_segment", "is_segment", "new_segment_path",
-           "node_id", "prune_received", "prune_segments", "read_segment", "remove_segments", "segment_prefix",
+           "node_id", "open_reserved", "prune_received", "prune_segments", "read_segment", "remove_segments", "segment_prefix",
            "write_segment"]
 
 SHM_DIR = Path("/dev/shm")
@@ -51,7 +51,7 @@ SEAL = b"SEALED!!"
 HEADER = struct.Struct("<8s8sQQQ32s")  # magic, seal, manifest bytes, data offset, total bytes, manifest sha256
 HEADER_BYTES = 128
 ALIGN = 64
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 """Map every page at once (Linux), not one fault per page on first touch."""
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
@@ -128,15 +128,9 @@ def write_segment(path: str | Path, state: Mapping[str, torch.Tensor], *, seal: 
     data_offset = _align(HEADER_BYTES + len(manifest))
     total = max(data_offset + offset, data_offset + 1)
     digest = hashlib.sha256(manifest).digest()
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    tmp, fd = open_reserved(final, total)
     try:
-        try:
-            os.posix_fallocate(fd, 0, total)
-        except OSError as e:
-            raise OSError(e.errno, f"no room for {total / 2**20:.0f} MiB of weights in {final.parent} "
-                                   f"({os.strerror(e.errno or 0)})") from None
-        with mmap.mmap(fd, total, flags=mmap.MAP_SHARED | _POPULATE) as mm:
+        with mmap.mmap(fd, total, flags=mmap.MAP_SHARED | POPULATE) as mm:
             mm[:HEADER_BYTES] = HEADER.pack(MAGIC, b"\0" * 8, len(manifest), data_offset, total, digest).ljust(
                 HEADER_BYTES, b"\0")
             mm[HEADER_BYTES:HEADER_BYTES + len(manifest)] = manifest
@@ -155,6 +149,23 @@ def write_segment(path: str | Path, state: Mapping[str, torch.Tensor], *, seal: 
     if seal:
         os.replace(tmp, final)
     return Segment(final, digest.hex(), total)
+
+
+def open_reserved(final: Path, size: int) -> tuple[Path, int]:
+    """``(temporary path, fd)``: the file ``.NAME.tmp-PID`` beside ``final``, ``size`` bytes of it
+    reserved at once (``posix_fallocate``: a full ``/dev/shm`` is an ``OSError`` line here, never
+    a ``SIGBUS`` on a later write; nothing is left behind then). Rename it to ``final`` once
+    written and sealed."""
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, f"no room for {size / 2**20:.0f} MiB of weights in {final.parent} "
+                               f"({os.strerror(e.errno or 0)})") from None
+    return tmp, fd
 
 
 def _header(mm: mmap.mmap | bytes, size: int, where: Path) -> tuple[bytes, int, str]:
@@ -206,7 +217,7 @@ def read_segment(path: str | Path, checksum: str = "") -> dict[str, torch.Tensor
         size = os.fstat(f.fileno()).st_size
         if size < HEADER_BYTES:
             raise SegmentError(f"{p} is not a weights segment")
-        mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+        mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | POPULATE, prot=mmap.PROT_READ)
     manifest, data_offset, digest = _header(mm, size, p)
     if checksum and digest != checksum:
         raise SegmentError(f"weights segment {p} has checksum {digest[:12]}..., expected {checksum[:12]}...: "
