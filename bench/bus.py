@@ -335,6 +335,11 @@ class ProcCpu:
                     continue  # gone, or not ours to read
             self.samples.append((now, dict(cpu)))
 
+    @property
+    def labels(self) -> dict[int, str | None]:
+        """pid -> its label (``None``: not the run's), as last read."""
+        return self._labels
+
     def __enter__(self) -> ProcCpu:
         if Path("/proc/self/stat").exists():
             self._thread.start()

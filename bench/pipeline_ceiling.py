@@ -238,8 +238,10 @@ def window_rate(step_ts: list[float], outcome_ts: list[float], skip: int = SKIP_
     return n / (t1 - t0), n, t1 - t0
 
 
-PROCESS = re.compile(r"pipeline_ceiling\.py (?:service (\S+)|(run))")
-"""A service process's command line in a py-spy profile (``run``: the supervisor)."""
+PROCESS = re.compile(r"^process (\d+):.*pipeline_ceiling\.py (?:service (\S+)|(run))")
+"""A service process's pid and command line in a py-spy profile (``run``: the supervisor). py-spy
+keeps the command line it first saw: a service caught between the supervisor's fork and its exec
+reads as ``run``, so the pid's ``/proc`` label (``bus.ProcCpu``) decides where there is one."""
 IDLE = re.compile(r"(Selector\.select|^select|^Condition\.wait|^Event\.wait|^Popen\._wait) \(|^_worker \(concurrent/futures/thread\.py")
 """Leaf frames of a waiting thread (py-spy's ``--nonblocking`` samples them too)."""
 OURS = ("services/", "envs/", "trainer/", "rollout/", "schemas/", "launch/", "store/")
@@ -295,10 +297,12 @@ SITES = ("serialisation", "produce", "consume", "commit", "transactions", "conne
 """The rows of the call-site table (``bus.CATEGORIES`` first)."""
 
 
-def profile_table(lines: Iterable[str], classify: Callable[[list[str]], str | None]
+def profile_table(lines: Iterable[str], classify: Callable[[list[str]], str | None],
+                  labels: dict[int, str | None] | None = None
                   ) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
     """From py-spy ``--format raw --subprocesses`` lines: per service, samples by :func:`call_site`
-    and by :func:`mechanism`. Start-up imports and waiting threads are left out."""
+    and by :func:`mechanism` (a process is the service ``labels`` names for its pid, else the one its
+    command line names). Start-up imports and waiting threads are left out."""
     sites: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     mechs: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for line in lines:
@@ -311,7 +315,7 @@ def profile_table(lines: Iterable[str], classify: Callable[[list[str]], str | No
         rest = [f for f in frames if not f.startswith("process ")]
         if m is None or not rest or any(f.startswith("_find_and_load ") for f in rest) or IDLE.search(rest[-1]):
             continue
-        service = m.group(1) or "supervisor"
+        service = (labels or {}).get(int(m.group(1))) or m.group(2) or "supervisor"
         sites[service][call_site(rest, classify)] += int(count)
         mechs[service][mechanism(rest)] += int(count)
     return sites, mechs
@@ -373,7 +377,7 @@ def run_row(name: str, sets: list[str], args: argparse.Namespace, work: Path, en
     hops = sql_rows(HOPS_SQL.format(run_id=run_id, t0=t0, t1=steps[-1]), run_id, runs, env)
     return {"name": name, "hops": {k: float(v) for k, v in hops[0].items()} if hops else {}, "run_id": run_id, "rate": rate, "trained_rate": trained / seconds, "samples": n,
             "seconds": seconds, "steps": len(steps), "wall": wall, "statuses": dict(statuses),
-            "cpu_ms": {k: 1000 * v / max(1, n) for k, v in used.items()}}
+            "cpu_ms": {k: 1000 * v / max(1, n) for k, v in used.items()}, "labels": dict(cpu.labels)}
 
 
 def base_sets(args: argparse.Namespace, work: Path) -> list[str]:
@@ -479,7 +483,7 @@ def main() -> int:
             prof = run_row(name, sets, args, work, env, prefix=spy)
             if args.profile_out:
                 shutil.copyfile(out, args.profile_out)
-            sites, mechs = profile_table(out.read_text(errors="replace").splitlines(), bus.classify)
+            sites, mechs = profile_table(out.read_text(errors="replace").splitlines(), bus.classify, prof["labels"])
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -113,6 +113,18 @@ def test_the_profile_is_split_by_service_call_site_and_mechanism() -> None:
         "recorder": {"chDB insert, rows (recorder's store)": 4}}
 
 
+def test_a_service_profiled_before_its_exec_is_named_by_its_pid() -> None:
+    # py-spy saw pid 9 between the supervisor's fork and the exec: its command line is the supervisor's
+    lines = ['process 9:"python bench/pipeline_ceiling.py run main.yaml --run-id r";'
+             "RewardRouter.handle (services/reward_router.py:1) 4",
+             'process 10:"python bench/pipeline_ceiling.py run main.yaml --run-id r";Supervisor.follow (launch/supervisor.py:2) 1']
+    sites, _ = pc.profile_table(lines, lambda frames: None, {9: "reward", 10: "supervisor", 11: None})
+    assert {s: dict(v) for s, v in sites.items()} == {"reward": {"handler code (ours)": 4},
+                                                      "supervisor": {"handler code (ours)": 1}}
+    sites, _ = pc.profile_table(lines, lambda frames: None)  # no /proc labels: the command line decides
+    assert {s: dict(v) for s, v in sites.items()} == {"supervisor": {"handler code (ours)": 5}}
+
+
 @pytest.mark.bench
 def test_the_bench_runs_and_ends_with_its_ceiling_line(bootstrap: str) -> None:
     res = subprocess.run([sys.executable, str(ROOT / "bench" / "pipeline_ceiling.py"), "--bootstrap", bootstrap,
