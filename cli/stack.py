@@ -92,7 +92,7 @@ def stack_up(
     brokers: int = typer.Option(
         1, "--brokers",
         help="Brokers of the local Kafka: 1, or a local KRaft cluster of N broker+controller JVMs on this machine "
-             "(their quorum: the N controllers; at most 512 MiB of heap each). With 3 or more, a run's topics get "
+             "(their quorum: the N controllers; 512 MiB of heap each, more with many partitions). With 3 or more, a run's topics get "
              "3 replicas and min.insync.replicas 2. PLAINTEXT, free ports chosen at the first start and kept.",
     ),
 ) -> None:

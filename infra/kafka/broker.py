@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -94,6 +95,33 @@ Against Kafka's own G1 settings with both compilers, measured side by side on 2 
 (infra/kafka/README.md, "The JVM"): the same broker CPU per sample once warm, no JIT warm-up
 (C2 took a third of a core for the first minutes of a run), 40% less CPU to start and 200 MB
 less resident memory."""
+
+HEAP_MB = 512
+"""The broker's largest heap, with few partitions (:func:`heap_opts`)."""
+HEAP_PER_PARTITION_KB = 128
+"""Heap added per partition in the log directory beyond the first 2,048: a broker holding 4,895
+partitions of earlier runs had about 250 MB of live heap (infra/kafka/README.md, "The JVM"),
+about 50 KB each; this leaves 2.5 times that."""
+HEAP_MAX_MB = 4096
+"""No more heap than this, however many partitions."""
+_PARTITION_DIR = re.compile(r".+-\d+")
+
+
+def heap_opts(jvm_opts: tuple[str, ...], data_dir: Path) -> tuple[str, ...]:
+    """``jvm_opts`` with its ``-Xmx`` raised for the partitions in ``data_dir``: every topic of every
+    earlier run stays loaded (with its metrics) until ``rollstream runs rm`` deletes it."""
+    try:
+        n = sum(1 for e in os.scandir(data_dir) if e.is_dir() and _PARTITION_DIR.fullmatch(e.name))
+    except OSError:
+        return jvm_opts  # a first start: nothing to load
+    need_mb = min(HEAP_MAX_MB, HEAP_MB + max(0, n - 2048) * HEAP_PER_PARTITION_KB // 1024)
+    out = []
+    for o in jvm_opts:
+        if o.startswith("-Xmx") and o[4:-1].isdigit() and o.endswith("m") and int(o[4:-1]) < need_mb:
+            o = f"-Xmx{need_mb}m"
+        out.append(o)
+    return tuple(out)
+
 
 _LOG4J = INFRA_DIR / "log4j2.yaml"
 _FORMAT_TIMEOUT_S = 120.0
@@ -387,14 +415,14 @@ def start_local_kafka(
 
 
 def launch_jvm(home: Path, java: str, libs: Path, jvm_opts: tuple[str, ...] = JVM_OPTS) -> tuple[subprocess.Popen[bytes], float]:
-    """Launch the broker JVM of ``home`` (its server.properties, formatted storage) detached in its
-    own session, stdout+stderr to ``<home>/logs/kafka.log`` (the previous log kept as
+    """Launch the broker JVM of ``home`` (its server.properties, formatted storage; the heap sized by
+    :func:`heap_opts`) detached in its own session, stdout+stderr to ``<home>/logs/kafka.log`` (the previous log kept as
     ``kafka.log.1``); returns the child and the Unix time of the launch."""
     log_path = kafka_log_path(home)
     if log_path.exists():
         os.replace(log_path, log_path.with_name("kafka.log.1"))
     cmd = [
-        java, *jvm_opts, *_log4j_opts(), f"-Dkafka.logs.dir={home / 'logs'}",
+        java, *heap_opts(jvm_opts, kafka_dir(home) / "data"), *_log4j_opts(), f"-Dkafka.logs.dir={home / 'logs'}",
         "-cp", f"{libs}/*", "kafka.Kafka", str(props_path(home)),
     ]  # fmt: skip
     started_at = time.time()

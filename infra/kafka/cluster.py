@@ -13,7 +13,8 @@ The ports are chosen at the first start and kept (the quorum's voters are static
 nodes every internal topic has 3 replicas and ``min.insync.replicas`` 2, and so do the run's topics
 (:class:`runtime.admin.TopicAdmin`). A node is fenced 3 s after its last heartbeat
 (``broker.session.timeout.ms``), so a dead leader's partitions move within seconds. Each JVM has a
-heap of at most :data:`NODE_HEAP` (docs/reliability.md measures the cluster's memory).
+heap of at most :data:`NODE_HEAP`, more with many partitions (:func:`broker.heap_opts`;
+docs/reliability.md measures the cluster's memory).
 
 Nothing happens at import time.
 """
@@ -47,7 +48,7 @@ from infra.kafka.home import (
 )
 
 NODE_HEAP = "-Xmx512m"
-"""Largest heap of one node's JVM."""
+"""Largest heap of one node's JVM with few partitions."""
 NODE_JVM_OPTS: tuple[str, ...] = ("-Xms128m", NODE_HEAP, *broker.JVM_OPTS[2:])
 """JVM flags of a cluster node: the single broker's, with a smaller initial heap."""
 

@@ -129,6 +129,8 @@ def test_start_stop_lifecycle(libs: Path, tmp_path: Path, monkeypatch: pytest.Mo
         assert Path(proc.log_path) == home / "logs" / "kafka.log" and Path(proc.log_path).is_file()
         assert Path(proc.data_dir) == home / "kafka" / "data"
         assert json.loads((home / "kafka" / "state.json").read_text())["pid"] == proc.pid
+        jvm_args = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert all(o.encode() in jvm_args for o in stack.JVM_OPTS)  # a fresh home: the base heap
 
         again, started = stack.start_local_kafka(home)
         assert (again, started) == (proc, False)
@@ -331,3 +333,22 @@ def test_home_and_cache_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     )
     monkeypatch.setenv(stack.CACHE_ENV, str(tmp_path / "c"))
     assert stack.jar_cache_dir() == tmp_path / "c" / f"kafka-{stack.KAFKA_VERSION}" / "libs"
+
+
+def test_the_heap_grows_with_the_partitions_the_broker_will_load(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    assert stack.heap_opts(stack.JVM_OPTS, data) == stack.JVM_OPTS  # a first start: no log directory yet
+    data.mkdir()
+    for name in ("__cluster_metadata-0", *(f"rs.r{i}.tasks-{p}" for i in range(3000) for p in range(2))):
+        (data / name).mkdir()
+    (data / "rs.old.tasks-0.4f2a-delete").mkdir()  # a deleted topic's directory: not a partition
+    (data / "meta.properties").touch()
+    opts = stack.heap_opts(stack.JVM_OPTS, data)
+    n = 6001
+    want = stack.HEAP_MB + (n - 2048) * stack.HEAP_PER_PARTITION_KB // 1024
+    assert f"-Xmx{want}m" in opts and f"-Xmx{stack.HEAP_MB}m" not in opts
+    assert [o for o in opts if not o.startswith("-Xmx")] == [o for o in stack.JVM_OPTS if not o.startswith("-Xmx")]
+    assert stack.heap_opts(("-Xms128m", "-Xmx8192m"), data) == ("-Xms128m", "-Xmx8192m")  # never lowered
+    for i in range(40000):
+        (data / f"rs.big.tasks-{i}").mkdir()
+    assert f"-Xmx{stack.HEAP_MAX_MB}m" in stack.heap_opts(stack.JVM_OPTS, data)
