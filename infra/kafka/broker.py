@@ -81,9 +81,11 @@ __all__ = [
     "stop_local_kafka",
 ]
 
+HEAP_MB = 512
+"""The broker's largest heap, with few partitions (:func:`heap_opts`)."""
 JVM_OPTS: tuple[str, ...] = (
     "-Xms256m",
-    "-Xmx512m",
+    f"-Xmx{HEAP_MB}m",
     "-XX:+UseSerialGC",
     "-XX:TieredStopAtLevel=1",
     "-XX:+ExitOnOutOfMemoryError",
@@ -96,8 +98,6 @@ Against Kafka's own G1 settings with both compilers, measured side by side on 2 
 (C2 took a third of a core for the first minutes of a run), 40% less CPU to start and 200 MB
 less resident memory."""
 
-HEAP_MB = 512
-"""The broker's largest heap, with few partitions (:func:`heap_opts`)."""
 HEAP_PER_PARTITION_KB = 128
 """Heap added per partition in the log directory beyond the first 2,048: a broker holding 4,895
 partitions of earlier runs had about 250 MB of live heap (infra/kafka/README.md, "The JVM"),
@@ -111,7 +111,8 @@ def heap_opts(jvm_opts: tuple[str, ...], data_dir: Path) -> tuple[str, ...]:
     """``jvm_opts`` with its ``-Xmx`` raised for the partitions in ``data_dir``: every topic of every
     earlier run stays loaded (with its metrics) until ``rollstream runs rm`` deletes it."""
     try:
-        n = sum(1 for e in os.scandir(data_dir) if e.is_dir() and _PARTITION_DIR.fullmatch(e.name))
+        with os.scandir(data_dir) as entries:
+            n = sum(1 for e in entries if e.is_dir() and _PARTITION_DIR.fullmatch(e.name))
     except OSError:
         return jvm_opts  # a first start: nothing to load
     need_mb = min(HEAP_MAX_MB, HEAP_MB + max(0, n - 2048) * HEAP_PER_PARTITION_KB // 1024)
