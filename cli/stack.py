@@ -144,6 +144,10 @@ def stack_up(
                                                     sasl_ssl=options)
         word = "started" if started else "already running"
         out.print(f"kafka: {word} at {proc.bootstrap} (pid {proc.pid}, log {proc.log_path})")
+        partitions = stack.partitions_in(proc.data_dir)
+        if started and stack.heap_mb(partitions) > stack.HEAP_MB:
+            out.print(f"kafka: {partitions} partitions to load, heap up to {stack.heap_mb(partitions)} MB (every earlier "
+                      "run's topics stay until `rollstream runs rm RUN`)")
         if proc.security_protocol == "SASL_SSL":
             _print_sasl(proc)
     ok, desc = _store_check(opt("store"))

@@ -107,15 +107,24 @@ HEAP_MAX_MB = 4096
 _PARTITION_DIR = re.compile(r".+-\d+")
 
 
-def heap_opts(jvm_opts: tuple[str, ...], data_dir: Path) -> tuple[str, ...]:
-    """``jvm_opts`` with its ``-Xmx`` raised for the partitions in ``data_dir``: every topic of every
-    earlier run stays loaded (with its metrics) until ``rollstream runs rm`` deletes it."""
+def partitions_in(data_dir: str | Path) -> int:
+    """Partition directories (``<topic>-<n>``) in a broker's log directory; 0 where there is none."""
     try:
         with os.scandir(data_dir) as entries:
-            n = sum(1 for e in entries if e.is_dir() and _PARTITION_DIR.fullmatch(e.name))
+            return sum(1 for e in entries if e.is_dir() and _PARTITION_DIR.fullmatch(e.name))
     except OSError:
-        return jvm_opts  # a first start: nothing to load
-    need_mb = min(HEAP_MAX_MB, HEAP_MB + max(0, n - 2048) * HEAP_PER_PARTITION_KB // 1024)
+        return 0
+
+
+def heap_mb(partitions: int) -> int:
+    """The largest heap of a broker that loads ``partitions`` partitions: every topic of every earlier
+    run stays loaded (with its metrics) until ``rollstream runs rm`` deletes it."""
+    return min(HEAP_MAX_MB, HEAP_MB + max(0, partitions - 2048) * HEAP_PER_PARTITION_KB // 1024)
+
+
+def heap_opts(jvm_opts: tuple[str, ...], data_dir: Path) -> tuple[str, ...]:
+    """``jvm_opts`` with its ``-Xmx`` raised to :func:`heap_mb` of the partitions in ``data_dir``."""
+    need_mb = heap_mb(partitions_in(data_dir))
     out = []
     for o in jvm_opts:
         if o.startswith("-Xmx") and o[4:-1].isdigit() and o.endswith("m") and int(o[4:-1]) < need_mb:

@@ -338,6 +338,7 @@ def test_home_and_cache_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 def test_the_heap_grows_with_the_partitions_the_broker_will_load(tmp_path: Path) -> None:
     data = tmp_path / "data"
     assert stack.heap_opts(stack.JVM_OPTS, data) == stack.JVM_OPTS  # a first start: no log directory yet
+    assert stack.partitions_in(data) == 0 and stack.heap_mb(0) == stack.HEAP_MB
     data.mkdir()
     for name in ("__cluster_metadata-0", *(f"rs.r{i}.tasks-{p}" for i in range(3000) for p in range(2))):
         (data / name).mkdir()
@@ -345,6 +346,7 @@ def test_the_heap_grows_with_the_partitions_the_broker_will_load(tmp_path: Path)
     (data / "meta.properties").touch()
     opts = stack.heap_opts(stack.JVM_OPTS, data)
     n = 6001
+    assert stack.partitions_in(data) == n
     want = stack.HEAP_MB + (n - 2048) * stack.HEAP_PER_PARTITION_KB // 1024
     assert f"-Xmx{want}m" in opts and f"-Xmx{stack.HEAP_MB}m" not in opts
     assert [o for o in opts if not o.startswith("-Xmx")] == [o for o in stack.JVM_OPTS if not o.startswith("-Xmx")]
