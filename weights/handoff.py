@@ -5,7 +5,8 @@ a shared-memory segment (``memory``) on the node ``memory_host`` with its checks
 that node reads the segment when it is there and sealed with that checksum (:func:`pick_copy`), an
 engine on another node the copy received there (``broadcast``, :mod:`weights.broadcast`); an
 engine that finds neither reads the directory, which the trainer may still be writing after the
-announcement: :func:`wait_for_dir` waits for its rename.
+announcement: :func:`wait_for_dir` waits for its rename (the rollout worker waits in a loop of its own,
+which a newer version's announcement ends: a trainer killed before writing a directory never does).
 """
 
 from __future__ import annotations
