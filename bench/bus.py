@@ -294,11 +294,15 @@ class ProcCpu:
     ``interval_s`` a thread reads the CPU time of each process whose command line names the run
     (``--run <id>`` for a service, ``--run-id <id>`` for the supervisor) and of the broker process
     ``broker_pid``. Unlike py-spy's samples this is what the kernel charged: native threads
-    (chDB's, torch's OpenMP workers, spinning included) count, waiting threads do not."""
+    (chDB's, torch's OpenMP workers, spinning included) count, waiting threads do not. It also
+    reads how long each process's threads were runnable but waited for a core
+    (``/proc/<pid>/task/*/schedstat``, :meth:`waits_between`): on a machine with fewer cores than
+    busy processes that wait is hop latency, and py-spy counts it as busy."""
 
     def __init__(self, run_id: str, broker_pid: int | None, interval_s: float = 0.25) -> None:
         self.run_id, self.broker_pid, self.interval_s = run_id, broker_pid, interval_s
         self.samples: list[tuple[float, dict[str, float]]] = []
+        self.wait_samples: list[tuple[float, dict[str, float]]] = []
         self._labels: dict[int, str | None] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="proc-cpu")
@@ -318,6 +322,7 @@ class ProcCpu:
         while not self._stop.wait(self.interval_s):
             now = time.time()
             cpu: dict[str, float] = defaultdict(float)
+            wait: dict[str, float] = defaultdict(float)
             for entry in os.listdir("/proc"):
                 if not entry.isdigit():
                     continue
@@ -331,9 +336,11 @@ class ProcCpu:
                     if label is not None:
                         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                         cpu[label] += (int(fields[11]) + int(fields[12])) / tick
+                        wait[label] += runnable_wait_s(pid)
                 except (OSError, ValueError, IndexError):
                     continue  # gone, or not ours to read
             self.samples.append((now, dict(cpu)))
+            self.wait_samples.append((now, dict(wait)))
 
     @property
     def labels(self) -> dict[int, str | None]:
@@ -353,11 +360,33 @@ class ProcCpu:
     def between(self, t0: float, t1: float) -> dict[str, float]:
         """CPU seconds each label used from wall time ``t0`` to ``t1`` (the nearest samples); empty
         without samples. A process that exited before ``t1`` is left out."""
-        if not self.samples:
-            return {}
-        a = min(self.samples, key=lambda x: abs(x[0] - t0))[1]
-        b = min(self.samples, key=lambda x: abs(x[0] - t1))[1]
-        return {k: b[k] - a.get(k, 0.0) for k in b}
+        return _delta(self.samples, t0, t1)
+
+    def waits_between(self, t0: float, t1: float) -> dict[str, float]:
+        """Seconds each label's threads were runnable but waited for a core from ``t0`` to ``t1``
+        (summed over its threads), as :meth:`between`."""
+        return _delta(self.wait_samples, t0, t1)
+
+
+def runnable_wait_s(pid: int) -> float:
+    """Seconds the threads of ``pid`` have spent runnable, waiting for a core (the second field of
+    each ``/proc/<pid>/task/<tid>/schedstat``, nanoseconds), summed; 0.0 where the kernel keeps none."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended, or no schedstat in this kernel
+    return total / 1e9
+
+
+def _delta(samples: list[tuple[float, dict[str, float]]], t0: float, t1: float) -> dict[str, float]:
+    """Each label's counter at the sample nearest ``t1`` less the one nearest ``t0``."""
+    if not samples:
+        return {}
+    a = min(samples, key=lambda x: abs(x[0] - t0))[1]
+    b = min(samples, key=lambda x: abs(x[0] - t1))[1]
+    return {k: b[k] - a.get(k, 0.0) for k in b}
 
 
 def broker_pid(bootstrap: str) -> int | None:

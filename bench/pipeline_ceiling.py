@@ -23,7 +23,7 @@ mode, which the supervisor runs instead of ``rollstream service``) three factori
 It prints per row the samples/s the event path sustained (samples that got their terminal outcome,
 from the first to the last training step, from the record), the trained samples/s, and each
 process's CPU ms per sample from ``/proc`` (``bus.ProcCpu``; the broker is shared with anyone else
-using it). Rows: today's path (one sample per Kafka record); where the run config has
+using it) and the ms per sample its threads were runnable but waited for a core. Rows: today's path (one sample per Kafka record); where the run config has
 ``kafka.samples_per_record``, "before" (1) and "after" (its default, or ``--samples-per-record``),
 side by side. Then, unless ``--no-profile``, the last row again under py-spy: where each service's
 CPU goes: by call site (``bus.classify``'s Kafka categories, the store, our handler code, the event
@@ -374,10 +374,12 @@ def run_row(name: str, sets: list[str], args: argparse.Namespace, work: Path, en
     for o in outcomes:
         statuses[str(o["status"])] += 1
     used = cpu.between(t0, steps[-1])
+    waited = cpu.waits_between(t0, steps[-1])
     hops = sql_rows(HOPS_SQL.format(run_id=run_id, t0=t0, t1=steps[-1]), run_id, runs, env)
     return {"name": name, "hops": {k: float(v) for k, v in hops[0].items()} if hops else {}, "run_id": run_id, "rate": rate, "trained_rate": trained / seconds, "samples": n,
             "seconds": seconds, "steps": len(steps), "wall": wall, "statuses": dict(statuses),
-            "cpu_ms": {k: 1000 * v / max(1, n) for k, v in used.items()}, "labels": dict(cpu.labels)}
+            "cpu_ms": {k: 1000 * v / max(1, n) for k, v in used.items()}, "labels": dict(cpu.labels),
+            "wait_ms": {k: 1000 * v / max(1, n) for k, v in waited.items()}}
 
 
 def base_sets(args: argparse.Namespace, work: Path) -> list[str]:
@@ -510,6 +512,12 @@ def main() -> int:
     common.table([("process", *[r["name"] for r in results]),
                   *[(k, *[f"{r['cpu_ms'].get(k, 0.0):.3f}" for r in results]) for k in labels],
                   ("all", *[f"{sum(r['cpu_ms'].values()):.3f}" for r in results])])
+    if any(r["wait_ms"] for r in results):
+        print("\nms per sample each process was runnable but waited for a core (/proc/<pid>/task/*/schedstat, the "
+              "same window; hop latency, and what py-spy counts as busy)")
+        common.table([("process", *[r["name"] for r in results]),
+                      *[(k, *[f"{r['wait_ms'].get(k, 0.0):.3f}" for r in results]) for k in labels],
+                      ("all", *[f"{sum(r['wait_ms'].values()):.3f}" for r in results])])
     if sites:
         print_profile(sites, mechs, results[-1], prof, args.top)
     print(f"pipeline ceiling: {results[-1]['rate']:.0f} samples/s")

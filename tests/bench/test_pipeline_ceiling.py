@@ -125,6 +125,30 @@ def test_a_service_profiled_before_its_exec_is_named_by_its_pid() -> None:
     assert {s: dict(v) for s, v in sites.items()} == {"supervisor": {"handler code (ours)": 5}}
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux's CPU affinity")
+def test_the_wait_for_a_core_is_read_per_process_from_its_threads() -> None:
+    _bus_spec = importlib.util.spec_from_file_location("bench_bus", ROOT / "bench" / "bus.py")
+    assert _bus_spec is not None and _bus_spec.loader is not None
+    bus = importlib.util.module_from_spec(_bus_spec)
+    _bus_spec.loader.exec_module(bus)
+    # three busy processes on one core: each is runnable for the whole second, on the core a third of it
+    core = min(os.sched_getaffinity(0))
+    spin = (f"import os, time; os.sched_setaffinity(0, {{{core}}}); t = time.time()\n"
+            "while time.time() - t < 1.2: pass")
+    busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(3)]
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.2)"])
+    try:
+        import time
+        time.sleep(1.0)
+        waits = [bus.runnable_wait_s(p.pid) for p in busy]
+        idle_wait = bus.runnable_wait_s(idle.pid)
+    finally:
+        for p in [*busy, idle]:
+            p.wait(10)
+    assert sum(waits) > 1.0, waits  # about 2 s of the 3 processes' 3 s runnable were spent waiting
+    assert idle_wait < 0.2 * min(waits), (idle_wait, waits)
+
+
 @pytest.mark.bench
 def test_the_bench_runs_and_ends_with_its_ceiling_line(bootstrap: str) -> None:
     res = subprocess.run([sys.executable, str(ROOT / "bench" / "pipeline_ceiling.py"), "--bootstrap", bootstrap,
