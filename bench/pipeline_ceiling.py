@@ -23,8 +23,8 @@ mode, which the supervisor runs instead of ``rollstream service``) three factori
 It prints per row the samples/s the event path sustained (samples that got their terminal outcome,
 from the first to the last training step, from the record), the trained samples/s, and each
 process's CPU ms per sample from ``/proc`` (``bus.ProcCpu``; the broker is shared with anyone else
-using it) and the ms per sample its threads were runnable but waited for a core. Rows: today's path (one sample per Kafka record); where the run config has
-``kafka.samples_per_record``, "before" (1) and "after" (its default, or ``--samples-per-record``),
+using it) and the ms per sample its threads were runnable but waited for a core. Rows: today's
+path (one sample per Kafka record); where the run config has ``kafka.samples_per_record``, "before" (1) and "after" (its default, or ``--samples-per-record``),
 side by side. Then, unless ``--no-profile``, the last row again under py-spy: where each service's
 CPU goes: by call site (``bus.classify``'s Kafka categories, the store, our handler code, the event
 loop) and by mechanism (:func:`mechanism`: socket writes, zstd, msgpack, aiokafka's producer,
