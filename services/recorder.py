@@ -80,13 +80,10 @@ log = logging.getLogger("rollstream.recorder")
 SPEC = SERVICES["recorder"]
 
 FETCH_MIN_BYTES = 4 * 1024 * 1024
-"""The recorder's fetches wait for this many bytes (or :data:`FETCH_MAX_WAIT_MS`): a run's events
-reach the store in fewer, fuller batches, one insert per table per poll, each with a fixed cost.
-In bench/pipeline_ceiling.py (about 19,000 events/s), 4 MiB or 1 s rather than 1 MiB or 0.5 s
-took the recorder's CPU per sample from 0.118-0.122 ms to 0.102-0.109 ms in alternating runs,
-its peak memory the same (1.36-1.38 GB, most of it chDB's); 8 and 16 MiB gained nothing more.
-256 KiB to 1 MiB had cut it by 30% before (bench/bus.py: the recorder's fetch requests, one per
-event burst at the 1-byte default, were most of its Kafka CPU)."""
+"""The recorder's fetches wait for this many bytes (or :data:`FETCH_MAX_WAIT_MS`): fewer, fuller
+polls, one insert per table each, each with a fixed cost. In bench/pipeline_ceiling.py 4 MiB or
+1 s rather than 1 MiB or 0.5 s took the recorder from 0.118-0.122 to 0.102-0.109 ms of CPU per
+sample, its peak memory the same (bench/README.md, "The recorder's fetches")."""
 FETCH_MAX_WAIT_MS = 1000
 """How long the broker may hold one of the recorder's fetches, milliseconds: the most an event
 waits before the recorder reads it on a quiet run."""
