@@ -101,4 +101,7 @@ def test_a_worker_on_another_node_receives_every_version_over_gloo(tmp_path: Pat
     assert_accounted(summary["samples"])
     rows = sql("SELECT countIf(worker_id LIKE '" + NODE + "-%') AS there, count() AS n FROM sample_generations",
                runs, run_id, env)
-    assert rows[0]["there"] > 0 and rows[0]["there"] < rows[0]["n"], rows  # both nodes generated
+    # both nodes generated (on failure: what the run and both workers said, to tell a late or dead worker)
+    here = (runs / run_id / "logs" / "rollout.log").read_text(errors="replace")
+    assert rows[0]["there"] > 0 and rows[0]["there"] < rows[0]["n"], (rows, run.output()[-2000:], here[-3000:],
+                                                                       text[-3000:])
